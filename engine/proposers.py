@@ -1,0 +1,157 @@
+"""Draft proposers behind one Protocol: a small draft model, or n-gram prompt lookup (no model at all).
+
+Draft-model speculation: Leviathan et al. 2022 (arXiv 2211.17192). Prompt lookup: Saxena 2023, "Prompt Lookup
+Decoding" (the method behind HF's `prompt_lookup_num_tokens` and vLLM's `ngram` speculator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .model_runner import ModelRunner
+from .sampling import BatchSampling, SamplingParams, logits_to_probs, sample_from
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    seq_id: str
+    tokens: Sequence[int]  # the committed tokens: prompt + output so far
+    k: int  # how many tokens to propose (>= 1)
+    sampling: SamplingParams
+    generator: torch.Generator  # the draft's random stream for this request
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_ids: torch.Tensor  # [B, K] int64, -1 past num_tokens[b]
+    probs: torch.Tensor | None  # [B, K, V_target] float32, processed like the target's; None = one-hot drafts
+    num_tokens: torch.Tensor  # [B] int64, may be below the asked k (n-gram found nothing, say)
+
+
+class Proposer(Protocol):
+    def propose(self, requests: Sequence[DraftRequest]) -> Proposal: ...
+
+    def release(self, seq_id: str) -> None: ...
+
+
+class IncompatibleDraftError(ValueError):
+    """The draft model cannot speculate for this target (different tokenizer)."""
+
+
+def check_tokenizers_compatible(target_tokenizer, draft_tokenizer) -> None:
+    """Refuse drafts whose token ids mean something else; vocabularies may differ only in padding rows."""
+    target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    shared = min(len(target_vocab), len(draft_vocab))
+    target_by_id = {i: t for t, i in target_vocab.items() if i < shared}
+    draft_by_id = {i: t for t, i in draft_vocab.items() if i < shared}
+    mismatched = [i for i, tok in target_by_id.items() if draft_by_id.get(i) != tok]
+    if mismatched or target_tokenizer.eos_token_id != draft_tokenizer.eos_token_id:
+        example = mismatched[0] if mismatched else target_tokenizer.eos_token_id
+        raise IncompatibleDraftError(
+            "draft and target tokenizers differ (e.g. token id "
+            f"{example}: target {target_by_id.get(example)!r} vs draft {draft_by_id.get(example)!r}); "
+            "speculative decoding needs a draft that shares the target's tokenizer"
+        )
+
+
+def fit_vocab(
+    probs: torch.Tensor,  # [..., V_draft]
+    target_vocab: int,
+) -> torch.Tensor:  # [..., V_target]
+    """Draft and target of one family may pad their embedding tables to different sizes."""
+    draft_vocab = probs.shape[-1]
+    if draft_vocab == target_vocab:
+        return probs
+    if draft_vocab > target_vocab:
+        return probs[..., :target_vocab]
+    pad = probs.new_zeros(*probs.shape[:-1], target_vocab - draft_vocab)
+    return torch.cat([probs, pad], dim=-1)
+
+
+class DraftModelProposer:
+    """Proposes k tokens per sequence by running the draft model autoregressively, batched over sequences."""
+
+    def __init__(self, runner: ModelRunner, target_vocab_size: int) -> None:
+        self.runner = runner
+        self.target_vocab_size = target_vocab_size
+
+    def propose(self, requests: Sequence[DraftRequest]) -> Proposal:
+        batch, k_max = len(requests), max(r.k for r in requests)
+        token_ids = torch.full((batch, k_max), -1, dtype=torch.long)
+        probs = torch.zeros(batch, k_max, self.target_vocab_size)
+        for r in requests:
+            if not self.runner.has(r.seq_id):
+                self.runner.add(r.seq_id)
+        feeds = [self.runner.sync(r.seq_id, r.tokens) for r in requests]
+        active = list(range(batch))
+        for step in range(k_max):
+            logits = self.runner.forward([requests[i].seq_id for i in active], [feeds[i] for i in active],
+                                         [1] * len(active))  # [A, 1, V_draft]
+            # the draft's logits beyond the target vocabulary can never be proposed
+            step_logits = logits[:, :, : self.target_vocab_size]
+            sampling = BatchSampling.from_params([requests[i].sampling for i in active])
+            step_probs = fit_vocab(logits_to_probs(step_logits, sampling), self.target_vocab_size)[:, 0]
+            tokens = sample_from(step_probs, [requests[i].generator for i in active])
+            rows = torch.tensor(active)
+            token_ids[rows, step] = tokens
+            probs[rows, step] = step_probs
+            active_next = []
+            for pos, i in enumerate(active):
+                feeds[i] = [int(tokens[pos])]
+                if requests[i].k > step + 1:
+                    active_next.append(i)
+            active = active_next
+            if not active:
+                break
+        return Proposal(
+            token_ids=token_ids,
+            probs=probs,
+            num_tokens=torch.tensor([r.k for r in requests], dtype=torch.long),
+        )
+
+    def release(self, seq_id: str) -> None:
+        self.runner.release(seq_id)
+
+
+class NgramProposer:
+    """Prompt lookup: find the last `n` tokens earlier in the sequence and propose what followed them.
+
+    Tries n = max_n down to min_n and takes the most recent earlier match. Stateless, so nothing to release.
+    """
+
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+        arr = np.asarray(tokens, dtype=np.int64)
+        length = len(arr)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = arr[length - n :]
+            # windows starting at 0 .. length-n-1 (the suffix itself excluded)
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return arr[start : start + k].tolist()
+        return []
+
+    def propose(self, requests: Sequence[DraftRequest]) -> Proposal:
+        batch, k_max = len(requests), max(r.k for r in requests)
+        token_ids = torch.full((batch, k_max), -1, dtype=torch.long)
+        num = torch.zeros(batch, dtype=torch.long)
+        for b, r in enumerate(requests):
+            found = self.lookup(r.tokens, r.k)
+            if found:
+                token_ids[b, : len(found)] = torch.tensor(found)
+                num[b] = len(found)
+        return Proposal(token_ids=token_ids, probs=None, num_tokens=num)
+
+    def release(self, seq_id: str) -> None:
+        return None

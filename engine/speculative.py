@@ -1,0 +1,259 @@
+"""The speculative decoding loop over many sequences: draft, verify, rejection-sample, stop, stream.
+
+One `step()` is one round for every live sequence (Leviathan et al. 2022, arXiv 2211.17192, Algorithm 1,
+batched): the proposer drafts up to k tokens per sequence, the target scores all of them in one batched forward,
+and `rejection_sample` keeps the agreeing prefix plus one recovered or bonus token. Sequences join and leave
+between rounds. k = 0 (or speculation off for a sequence) is plain target decoding through the same path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .model_runner import ContextWindowError, ModelRunner
+from .proposers import DraftRequest, Proposer
+from .rejection import rejection_sample
+from .sampling import BatchSampling, SamplingParams, logits_to_probs
+from .stats import EngineTimings, SpecStats
+from .stopping import OutputText, cut_at_eos_and_length
+
+_DRAFT_SEED_OFFSET = 0x5DEECE66D  # the draft's stream differs from the verifier's for the same request seed
+
+
+class EmptyPromptError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one round produced for one request (a streaming delta), plus totals once finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    stats: SpecStats
+
+
+@dataclass
+class _Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    k: int
+    generator: torch.Generator
+    draft_generator: torch.Generator
+    text: OutputText
+    stats: SpecStats = field(default_factory=SpecStats)
+    finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.text.token_ids
+
+
+class SpeculativeEngine:
+    """Holds the live sequences of one target (+ optional proposer) and runs rounds over all of them."""
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        tokenizer,
+        proposer: Proposer | None = None,
+        num_speculative_tokens: int = 4,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        if num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        self.target = target
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        eos = set(eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self.timings = EngineTimings()
+        self.stats = SpecStats()
+        self._seqs: dict[str, _Sequence] = {}
+
+    # ---- admission ------------------------------------------------------------------------------------------
+    @property
+    def num_live(self) -> int:
+        return len(self._seqs)
+
+    def has_work(self) -> bool:
+        return bool(self._seqs)
+
+    def add_request(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, k: int | None = None
+    ) -> None:
+        """Admit a request. `k` overrides the engine's K for it (0 = plain decoding)."""
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already live")
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise EmptyPromptError("the prompt is empty: at least one token is needed")
+        if len(prompt_ids) >= self.target.max_model_len:
+            raise ContextWindowError(
+                f"the prompt has {len(prompt_ids)} tokens; the context window is {self.target.max_model_len} "
+                "tokens and at least one must be left to generate"
+            )
+        k = self.num_speculative_tokens if k is None else k
+        if k < 0:
+            raise ValueError("k must be >= 0")
+        gen = params.make_generator()
+        draft_gen = torch.Generator()
+        if params.seed is not None:
+            draft_gen.manual_seed(params.seed + _DRAFT_SEED_OFFSET)
+        else:
+            draft_gen.seed()
+        self.target.add(request_id)
+        self._seqs[request_id] = _Sequence(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            k=k if self.proposer is not None else 0,
+            generator=gen,
+            draft_generator=draft_gen,
+            text=OutputText(self.tokenizer, params.stop),
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request now (client gone); its caches are freed at once."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self._release(seq)
+
+    def _release(self, seq: _Sequence) -> None:
+        self.target.release(seq.request_id)
+        if self.proposer is not None:
+            self.proposer.release(seq.request_id)
+
+    # ---- one round ------------------------------------------------------------------------------------------
+    def _remaining(self, seq: _Sequence) -> int:
+        by_tokens = seq.params.max_tokens - len(seq.text.token_ids)
+        by_window = self.target.max_model_len - len(seq.tokens)
+        return max(0, min(by_tokens, by_window))
+
+    def step(self) -> list[RequestOutput]:
+        seqs = list(self._seqs.values())
+        if not seqs:
+            return []
+        # a round emits at most k+1 tokens, so drafting past remaining-1 is wasted work
+        ks = [max(0, min(s.k, self._remaining(s) - 1)) for s in seqs]
+        t0 = time.perf_counter()
+        draft_ids, draft_probs, num_draft = self._draft(seqs, ks)
+        t1 = time.perf_counter()
+        k_max = draft_ids.shape[1]
+        feeds = [
+            self.target.sync(s.request_id, s.tokens) + draft_ids[b, : int(num_draft[b])].tolist()
+            for b, s in enumerate(seqs)
+        ]
+        logits = self.target.forward([s.request_id for s in seqs], feeds, [int(n) + 1 for n in num_draft])
+        target_probs = logits_to_probs(logits, BatchSampling.from_params([s.params for s in seqs]))
+        if target_probs.shape[1] < k_max + 1:  # every row drafted fewer than the padded width
+            pad = target_probs.new_zeros(len(seqs), k_max + 1 - target_probs.shape[1], target_probs.shape[2])
+            target_probs = torch.cat([target_probs, pad], dim=1)
+        t2 = time.perf_counter()
+        result = rejection_sample(draft_ids, draft_probs, target_probs, num_draft, [s.generator for s in seqs])
+        outputs = [self._commit(s, result.tokens(b), int(num_draft[b]), int(result.num_accepted[b]))
+                   for b, s in enumerate(seqs)]
+        t3 = time.perf_counter()
+        self.timings.record(len(seqs), t1 - t0, t2 - t1, t3 - t2)
+        return outputs
+
+    def _draft(
+        self, seqs: list[_Sequence], ks: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # [B, K], [B, K, V] | None, [B]
+        batch, k_max = len(seqs), max(ks)
+        num_draft = torch.zeros(batch, dtype=torch.long)
+        draft_ids = torch.full((batch, k_max), -1, dtype=torch.long)
+        if k_max == 0 or self.proposer is None:
+            return draft_ids, None, num_draft
+        rows = [b for b in range(batch) if ks[b] > 0]
+        proposal = self.proposer.propose([
+            DraftRequest(seqs[b].request_id, seqs[b].tokens, ks[b], seqs[b].params, seqs[b].draft_generator)
+            for b in rows
+        ])
+        index = torch.tensor(rows)
+        width = proposal.token_ids.shape[1]
+        draft_ids[index, :width] = proposal.token_ids
+        num_draft[index] = proposal.num_tokens
+        draft_probs = None
+        if proposal.probs is not None:
+            draft_probs = torch.zeros(batch, k_max, proposal.probs.shape[-1])
+            draft_probs[index, :width] = proposal.probs
+        return draft_ids, draft_probs, num_draft
+
+    def _commit(self, seq: _Sequence, tokens: list[int], num_draft: int, num_accepted: int) -> RequestOutput:
+        eos = frozenset() if seq.params.ignore_eos else self.eos_token_ids
+        cut = cut_at_eos_and_length(tokens, eos, self._remaining(seq))
+        kept = tokens[: cut.keep]
+        finish = cut.finish_reason
+        stopped_at = seq.text.extend(kept)
+        if stopped_at is not None:
+            kept, finish = kept[:stopped_at], "stop"
+        seq.stats.record(num_draft, num_accepted, len(kept))
+        self.stats.record(num_draft, num_accepted, len(kept))
+        if finish is None and self._remaining(seq) == 0:
+            finish = "length"
+        if finish is not None:
+            seq.finish_reason = finish
+            self._seqs.pop(seq.request_id, None)
+            self._release(seq)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=kept,
+            new_text=seq.text.take_delta(final=finish is not None),
+            finished=finish is not None,
+            finish_reason=finish,
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_output_tokens=len(seq.text.token_ids),
+            stats=seq.stats,
+        )
+
+    # ---- convenience ----------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        k: int | None = None,
+        on_round: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> list[Completion]:
+        """Run prompts to completion together (batched rounds); returns one Completion per prompt, in order."""
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"gen-{id(self)}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        done: dict[str, Completion] = {rid: Completion(prompt_ids=list(p)) for rid, p in zip(ids, prompts)}
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p, k=k)
+        while any(not c.finished for c in done.values()):
+            outputs = [o for o in self.step() if o.request_id in done]
+            for out in outputs:
+                done[out.request_id].absorb(out)
+            if on_round is not None:
+                on_round(outputs)
+        return [done[rid] for rid in ids]
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: SpecStats | None = None
+
+    def absorb(self, out: RequestOutput) -> None:
+        self.token_ids.extend(out.new_token_ids)
+        self.text += out.new_text
+        if out.finished:
+            self.finished, self.finish_reason, self.stats = True, out.finish_reason, out.stats

@@ -1,0 +1,62 @@
+"""Shared fixtures: a tiny word-level tokenizer and tiny random-weight causal LMs (no downloads, fast)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from transformers import PreTrainedTokenizerFast
+
+TINY_VOCAB = 64
+EOS_ID = 1
+
+
+def make_tiny_tokenizer(vocab: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
+    """Words w2..w{vocab-1}; id 0 = <pad>, id 1 = </s>. Decoding joins words with spaces."""
+    words = {"<pad>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins tokens with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>")
+
+
+def make_tiny_model(family: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, layers: int = 2):
+    from transformers import (GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                              LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.3, eos_token_id=EOS_ID, bos_token_id=None, pad_token_id=0)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    elif family == "gemma":
+        model = GemmaForCausalLM(GemmaConfig(**common, head_dim=16))
+    elif family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=64, n_layer=layers, n_head=4, n_positions=256,
+                                           initializer_range=0.3, eos_token_id=EOS_ID, bos_token_id=EOS_ID))
+    else:
+        raise ValueError(family)
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
+
+
+def perturbed_copy(model, noise: float, seed: int = 1):
+    """A draft that mostly agrees with `model`: the same weights plus Gaussian noise."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std().clamp(min=1e-3))
+    return draft
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return make_tiny_tokenizer()
