@@ -17,9 +17,10 @@ DRAFT_NONE = "none"
 class EngineConfig:
     target: str = DEFAULT_MODEL  # alias, .gguf path, HF directory, or HF id in the local cache
     target_dtype: str = "float32"
-    draft: str = DRAFT_NGRAM  # "ngram", "none", or a model source like `target`
-    draft_dtype: str = "bfloat16"
-    num_speculative_tokens: int = 4
+    # default: the target's own weights as an int8 weight-only draft (README: "Choosing the default draft")
+    draft: str = DEFAULT_MODEL  # "ngram", "none", or a model source like `target`
+    draft_dtype: str = "int8"
+    num_speculative_tokens: int = 3
     ngram_min: int = 2
     ngram_max: int = 4
     max_model_len: int | None = 2048

@@ -54,9 +54,14 @@ class _SlotLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         plan = self.owner.plan
-        slots, positions = plan.slot_index, plan.write_positions  # [B, 1], [B, N]
-        self.keys[slots, :, positions] = key_states.transpose(1, 2).to(self.keys.dtype)
-        self.values[slots, :, positions] = value_states.transpose(1, 2).to(self.values.dtype)
+        if plan.contiguous is not None and plan.shared_start is not None:  # one block: a plain slice copy
+            (lo, hi), start = plan.contiguous, plan.shared_start
+            self.keys[lo:hi, :, start : start + plan.query_len] = key_states
+            self.values[lo:hi, :, start : start + plan.query_len] = value_states
+        else:
+            slots, positions = plan.slot_index, plan.write_positions  # [B, 1], [B, N]
+            self.keys[slots, :, positions] = key_states.transpose(1, 2).to(self.keys.dtype)
+            self.values[slots, :, positions] = value_states.transpose(1, 2).to(self.values.dtype)
         if plan.contiguous is not None:
             lo, hi = plan.contiguous
             return self.keys[lo:hi, :, : plan.kv_len], self.values[lo:hi, :, : plan.kv_len]
@@ -93,6 +98,7 @@ class WritePlan:
         starts = torch.tensor(start_lengths, dtype=torch.long, device=device)
         self.write_positions = starts[:, None] + torch.arange(query_len, device=device)[None, :]  # [B, N]
         self.kv_len = max(start_lengths) + query_len
+        self.shared_start = start_lengths[0] if len(set(start_lengths)) == 1 else None
         lo = slots[0]
         self.contiguous = (lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
 

@@ -31,6 +31,7 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "float16": torch.float16,
     "fp16": torch.float16,
+    "int8": torch.float32,  # loaded in fp32, then quantized weight-only (engine/quantize.py)
 }
 
 
@@ -162,4 +163,8 @@ def load_causal_lm(
         )
     except Exception as exc:
         raise ModelLoadError(f"cannot load model weights from {model.directory} ({model.source}): {exc}") from exc
+    if dtype == "int8":
+        from .quantize import quantize_int8_weight_only
+
+        quantize_int8_weight_only(lm)
     return lm.to(device).eval()

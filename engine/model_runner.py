@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cpu_kernels import use_small_batch_linear
 from .kv_cache import SlotKVCache, WritePlan
 
 PREFILL_THRESHOLD = 32  # rows with more new tokens than this run in their own forward, not padded together
@@ -36,8 +37,10 @@ class ModelRunner:
         config = model.config
         window = _config_context_window(config)
         self.max_model_len = min(window, max_model_len) if max_model_len else window
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            use_small_batch_linear(model)  # verification is a few-row matmul: see cpu_kernels.py
         self.dtype = next(model.parameters()).dtype
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self._base = model.base_model

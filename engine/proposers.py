@@ -96,7 +96,7 @@ class DraftModelProposer:
             step_logits = logits[:, :, : self.target_vocab_size]
             sampling = BatchSampling.from_params([requests[i].sampling for i in active])
             step_probs = fit_vocab(logits_to_probs(step_logits, sampling), self.target_vocab_size)[:, 0]
-            tokens = sample_from(step_probs, [requests[i].generator for i in active])
+            tokens = sample_from(step_probs, [requests[i].generator for i in active], sampling.greedy)
             rows = torch.tensor(active)
             token_ids[rows, step] = tokens
             probs[rows, step] = step_probs

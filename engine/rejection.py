@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .sampling import sample_from
+
 
 @dataclass(frozen=True)
 class RejectionResult:
@@ -81,9 +83,9 @@ def rejection_sample(
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), final_dist[rows])
         final_dist = final_dist.clone()
         final_dist[rows] = residual
-    last = torch.cat(
-        [torch.multinomial(final_dist[b], 1, generator=generators[b]) for b in range(batch)]
-    )  # [B] recovered token where rejected, bonus token where all drafts accepted
+    # [B] recovered token where rejected, bonus token where all drafts accepted; a one-hot (greedy) row is its argmax
+    one_hot = final_dist.amax(dim=-1) >= 1.0
+    last = sample_from(final_dist, generators, one_hot)
 
     out = torch.full((batch, k_max + 1), -1, dtype=torch.long, device=device)
     keep = positions[None, :] < num_accepted[:, None]

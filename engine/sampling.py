@@ -125,9 +125,12 @@ def _filtered_softmax(
 def sample_from(
     probs: torch.Tensor,  # [B, V] float32, rows sum to 1
     generators: list[torch.Generator],  # B generators
+    greedy: torch.Tensor | None = None,  # [B] bool: one-hot rows, taken by argmax without drawing
 ) -> torch.Tensor:  # [B] int64
     """One categorical draw per row, each from its request's own generator."""
     assert probs.dim() == 2 and len(generators) == probs.shape[0]
-    return torch.cat(
-        [torch.multinomial(probs[i], 1, generator=generators[i]) for i in range(probs.shape[0])]
-    )
+    out = probs.argmax(dim=-1)
+    for i in range(probs.shape[0]):
+        if greedy is None or not bool(greedy[i]):
+            out[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
+    return out
