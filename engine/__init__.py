@@ -8,12 +8,13 @@ from .model_runner import ContextWindowError, ModelRunner
 from .proposers import DraftModelProposer, IncompatibleDraftError, NgramProposer, Proposal, Proposer
 from .rejection import RejectionResult, rejection_sample
 from .sampling import BatchSampling, SamplingParams, logits_to_probs
-from .speculative import Completion, EmptyPromptError, RequestOutput, SpeculativeEngine
+from .sequence import EmptyPromptError, PromptTooLongError, RequestOutput, SequenceState
+from .speculative import Completion, SpeculativeEngine
 from .stats import EngineTimings, SpecStats
 
 __all__ = [
     "BatchSampling", "Completion", "ContextWindowError", "DraftModelProposer", "EmptyPromptError", "EngineConfig",
-    "EngineTimings", "IncompatibleDraftError", "ModelRunner", "NgramProposer", "Proposal", "Proposer",
+    "EngineTimings", "IncompatibleDraftError", "PromptTooLongError", "SequenceState", "ModelRunner", "NgramProposer", "Proposal", "Proposer",
     "RejectionResult", "RequestOutput", "SamplingParams", "SpecStats", "SpeculativeEngine", "build_engine",
     "logits_to_probs", "rejection_sample",
 ]

@@ -14,18 +14,27 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def linear(
+    x: torch.Tensor,  # [..., in]
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None = None,  # [out]
+) -> torch.Tensor:  # [..., out]
+    """F.linear, computed as (W @ x^T)^T for 2+ fp32 rows on CPU."""
+    rows = x.numel() // x.shape[-1]
+    if rows < 2 or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    # x must be row-major here: MKL is fast for W @ (row-major x)^T, slow when that operand is column-major
+    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).contiguous().t()).t().contiguous()
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 class SmallBatchLinear(nn.Linear):
     """Same parameters and results as nn.Linear (up to float summation order), faster for 2+ rows on CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        rows = x.numel() // x.shape[-1]
-        if rows < 2 or x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32:
-            return F.linear(x, self.weight, self.bias)
-        # x must be row-major here: MKL is fast for W @ (row-major x)^T, slow when that operand is column-major
-        out = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).contiguous().t()).t().contiguous()
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return linear(x, self.weight, self.bias)
 
 
 def use_small_batch_linear(model: nn.Module) -> int:

@@ -32,12 +32,14 @@ class _SeqState:
 class ModelRunner:
     """Owns a model, its slotted KV cache and the slot table of the live sequences."""
 
-    def __init__(self, model: torch.nn.Module, max_model_len: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, max_model_len: int | None = None,
+                 vocab_size: int | None = None) -> None:
         self.model = model
         config = model.config
         window = _config_context_window(config)
         self.max_model_len = min(window, max_model_len) if max_model_len else window
-        self.vocab_size = model.get_input_embeddings().weight.shape[0]
+        # logits width; a tensor-parallel model's embedding holds only a shard, so its runner is told
+        self.vocab_size = vocab_size or model.get_input_embeddings().weight.shape[0]
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
             use_small_batch_linear(model)  # verification is a few-row matmul: see cpu_kernels.py

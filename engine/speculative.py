@@ -14,50 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model_runner import ContextWindowError, ModelRunner
+from .model_runner import ModelRunner
 from .proposers import DraftRequest, Proposer
 from .rejection import rejection_sample
 from .sampling import BatchSampling, SamplingParams, logits_to_probs
+from .sequence import (EmptyPromptError, PromptTooLongError, RequestOutput, SequenceState, check_prompt,
+                       draft_generator)
 from .stats import EngineTimings, SpecStats
-from .stopping import OutputText, cut_at_eos_and_length
-
-_DRAFT_SEED_OFFSET = 0x5DEECE66D  # the draft's stream differs from the verifier's for the same request seed
-
-
-class EmptyPromptError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one round produced for one request (a streaming delta), plus totals once finished."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    stats: SpecStats
-
-
-@dataclass
-class _Sequence:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    k: int
-    generator: torch.Generator
-    draft_generator: torch.Generator
-    text: OutputText
-    stats: SpecStats = field(default_factory=SpecStats)
-    finish_reason: str | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.text.token_ids
-
 
 class SpeculativeEngine:
     """Holds the live sequences of one target (+ optional proposer) and runs rounds over all of them."""
@@ -82,7 +45,8 @@ class SpeculativeEngine:
         self.eos_token_ids = frozenset(eos)
         self.timings = EngineTimings()
         self.stats = SpecStats()
-        self._seqs: dict[str, _Sequence] = {}
+        self._seqs: dict[str, SequenceState] = {}
+        self._draft_generators: dict[str, torch.Generator] = {}
 
     # ---- admission ------------------------------------------------------------------------------------------
     @property
@@ -98,33 +62,12 @@ class SpeculativeEngine:
         """Admit a request. `k` overrides the engine's K for it (0 = plain decoding)."""
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already live")
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise EmptyPromptError("the prompt is empty: at least one token is needed")
-        if len(prompt_ids) >= self.target.max_model_len:
-            raise ContextWindowError(
-                f"the prompt has {len(prompt_ids)} tokens; the context window is {self.target.max_model_len} "
-                "tokens and at least one must be left to generate"
-            )
         k = self.num_speculative_tokens if k is None else k
-        if k < 0:
-            raise ValueError("k must be >= 0")
-        gen = params.make_generator()
-        draft_gen = torch.Generator()
-        if params.seed is not None:
-            draft_gen.manual_seed(params.seed + _DRAFT_SEED_OFFSET)
-        else:
-            draft_gen.seed()
+        seq = SequenceState.create(request_id, prompt_ids, params, k if self.proposer is not None else 0,
+                                   self.target.max_model_len, self.eos_token_ids, self.tokenizer)
         self.target.add(request_id)
-        self._seqs[request_id] = _Sequence(
-            request_id=request_id,
-            prompt_ids=prompt_ids,
-            params=params,
-            k=k if self.proposer is not None else 0,
-            generator=gen,
-            draft_generator=draft_gen,
-            text=OutputText(self.tokenizer, params.stop),
-        )
+        self._seqs[request_id] = seq
+        self._draft_generators[request_id] = draft_generator(params)
 
     def abort(self, request_id: str) -> None:
         """Drop a request now (client gone); its caches are freed at once."""
@@ -132,23 +75,19 @@ class SpeculativeEngine:
         if seq is not None:
             self._release(seq)
 
-    def _release(self, seq: _Sequence) -> None:
+    def _release(self, seq: SequenceState) -> None:
+        self._draft_generators.pop(seq.request_id, None)
         self.target.release(seq.request_id)
         if self.proposer is not None:
             self.proposer.release(seq.request_id)
 
     # ---- one round ------------------------------------------------------------------------------------------
-    def _remaining(self, seq: _Sequence) -> int:
-        by_tokens = seq.params.max_tokens - len(seq.text.token_ids)
-        by_window = self.target.max_model_len - len(seq.tokens)
-        return max(0, min(by_tokens, by_window))
-
     def step(self) -> list[RequestOutput]:
         seqs = list(self._seqs.values())
         if not seqs:
             return []
         # a round emits at most k+1 tokens, so drafting past remaining-1 is wasted work
-        ks = [max(0, min(s.k, self._remaining(s) - 1)) for s in seqs]
+        ks = [s.draft_len() for s in seqs]
         t0 = time.perf_counter()
         draft_ids, draft_probs, num_draft = self._draft(seqs, ks)
         t1 = time.perf_counter()
@@ -171,7 +110,7 @@ class SpeculativeEngine:
         return outputs
 
     def _draft(
-        self, seqs: list[_Sequence], ks: list[int]
+        self, seqs: list[SequenceState], ks: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # [B, K], [B, K, V] | None, [B]
         batch, k_max = len(seqs), max(ks)
         num_draft = torch.zeros(batch, dtype=torch.long)
@@ -180,7 +119,8 @@ class SpeculativeEngine:
             return draft_ids, None, num_draft
         rows = [b for b in range(batch) if ks[b] > 0]
         proposal = self.proposer.propose([
-            DraftRequest(seqs[b].request_id, seqs[b].tokens, ks[b], seqs[b].params, seqs[b].draft_generator)
+            DraftRequest(seqs[b].request_id, seqs[b].tokens, ks[b], seqs[b].params,
+                         self._draft_generators[seqs[b].request_id])
             for b in rows
         ])
         index = torch.tensor(rows)
@@ -193,32 +133,13 @@ class SpeculativeEngine:
             draft_probs[index, :width] = proposal.probs
         return draft_ids, draft_probs, num_draft
 
-    def _commit(self, seq: _Sequence, tokens: list[int], num_draft: int, num_accepted: int) -> RequestOutput:
-        eos = frozenset() if seq.params.ignore_eos else self.eos_token_ids
-        cut = cut_at_eos_and_length(tokens, eos, self._remaining(seq))
-        kept = tokens[: cut.keep]
-        finish = cut.finish_reason
-        stopped_at = seq.text.extend(kept)
-        if stopped_at is not None:
-            kept, finish = kept[:stopped_at], "stop"
-        seq.stats.record(num_draft, num_accepted, len(kept))
-        self.stats.record(num_draft, num_accepted, len(kept))
-        if finish is None and self._remaining(seq) == 0:
-            finish = "length"
-        if finish is not None:
-            seq.finish_reason = finish
+    def _commit(self, seq: SequenceState, tokens: list[int], num_draft: int, num_accepted: int) -> RequestOutput:
+        out = seq.commit(tokens, num_draft, num_accepted)
+        self.stats.record(num_draft, num_accepted, len(out.new_token_ids))
+        if out.finished:
             self._seqs.pop(seq.request_id, None)
             self._release(seq)
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=kept,
-            new_text=seq.text.take_delta(final=finish is not None),
-            finished=finish is not None,
-            finish_reason=finish,
-            num_prompt_tokens=len(seq.prompt_ids),
-            num_output_tokens=len(seq.text.token_ids),
-            stats=seq.stats,
-        )
+        return out
 
     # ---- convenience ----------------------------------------------------------------------------------------
     def generate(

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine import (ContextWindowError, DraftModelProposer, EmptyPromptError, ModelRunner, NgramProposer,
+from engine import (DraftModelProposer, EmptyPromptError, ModelRunner, NgramProposer, PromptTooLongError,
                     SamplingParams, SpeculativeEngine)
 from tests.conftest import make_tiny_model, perturbed_copy
 
@@ -113,7 +113,7 @@ def test_empty_and_too_long_prompts_are_refused(target_model, tiny_tokenizer):
     engine = engine_with(target_model, tiny_tokenizer)
     with pytest.raises(EmptyPromptError, match="empty"):
         engine.add_request("e", [], GREEDY)
-    with pytest.raises(ContextWindowError, match="context window is 256"):
+    with pytest.raises(PromptTooLongError, match="context window is 256"):
         engine.add_request("l", [5] * 300, GREEDY)
     assert engine.num_live == 0 and engine.target.num_live == 0
 

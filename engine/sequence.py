@@ -1,0 +1,120 @@
+"""Per-request state shared by the in-process engine and the Ray router: tokens, stops, statistics, streaming."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+from .stats import SpecStats
+from .stopping import OutputText, cut_at_eos_and_length
+
+DRAFT_SEED_OFFSET = 0x5DEECE66D  # the draft's stream differs from the verifier's for the same request seed
+
+
+class EmptyPromptError(ValueError):
+    pass
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one round produced for one request (a streaming delta), plus totals once finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    stats: SpecStats
+
+
+def draft_generator(params: SamplingParams) -> torch.Generator:
+    gen = torch.Generator()
+    if params.seed is not None:
+        gen.manual_seed(params.seed + DRAFT_SEED_OFFSET)
+    else:
+        gen.seed()
+    return gen
+
+
+def check_prompt(prompt_ids: Sequence[int], max_model_len: int) -> None:
+    if not prompt_ids:
+        raise EmptyPromptError("the prompt is empty: at least one token is needed")
+    if len(prompt_ids) >= max_model_len:
+        raise PromptTooLongError(
+            f"the prompt has {len(prompt_ids)} tokens; the context window is {max_model_len} tokens and at least "
+            "one must be left to generate"
+        )
+
+
+@dataclass
+class SequenceState:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    k: int  # draft tokens per round this request asks for (0 = plain decoding)
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    text: OutputText
+    generator: torch.Generator  # the verifier's (rejection sampler's) random stream
+    stats: SpecStats = field(default_factory=SpecStats)
+    finish_reason: str | None = None
+
+    @classmethod
+    def create(cls, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, k: int,
+               max_model_len: int, eos_token_ids: frozenset[int], tokenizer) -> "SequenceState":
+        prompt_ids = [int(t) for t in prompt_ids]
+        check_prompt(prompt_ids, max_model_len)
+        if k < 0:
+            raise ValueError("k must be >= 0")
+        return cls(request_id, prompt_ids, params, k, max_model_len,
+                   frozenset() if params.ignore_eos else eos_token_ids,
+                   OutputText(tokenizer, params.stop), params.make_generator())
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.text.token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.text.token_ids)
+
+    def remaining(self) -> int:
+        """Tokens this sequence may still emit (max_tokens and the context window)."""
+        by_tokens = self.params.max_tokens - len(self.text.token_ids)
+        return max(0, min(by_tokens, self.max_model_len - self.num_tokens))
+
+    def draft_len(self, k: int | None = None) -> int:
+        """A round emits at most k+1 tokens, so drafting past remaining-1 is wasted work."""
+        return max(0, min(self.k if k is None else k, self.remaining() - 1))
+
+    def commit(self, tokens: list[int], num_draft: int, num_accepted: int) -> RequestOutput:
+        """Append one round's tokens, cutting at EOS, max_tokens, the window and stop strings."""
+        cut = cut_at_eos_and_length(tokens, self.eos_token_ids, self.remaining())
+        kept = tokens[: cut.keep]
+        finish = cut.finish_reason
+        stopped_at = self.text.extend(kept)
+        if stopped_at is not None:
+            kept, finish = kept[:stopped_at], "stop"
+        self.stats.record(num_draft, num_accepted, len(kept))
+        if finish is None and self.remaining() == 0:
+            finish = "length"
+        self.finish_reason = finish
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=kept,
+            new_text=self.text.take_delta(final=finish is not None),
+            finished=finish is not None,
+            finish_reason=finish,
+            num_prompt_tokens=len(self.prompt_ids),
+            num_output_tokens=len(self.text.token_ids),
+            stats=self.stats,
+        )

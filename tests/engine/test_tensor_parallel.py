@@ -1,0 +1,71 @@
+"""Megatron-style sharding over torch.distributed (gloo, 2 processes): same logits, 1/world of the weights."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.model_runner import ModelRunner
+from engine.tensor_parallel import TensorParallelError, check_shardable, num_parameters, shard_model
+from tests.conftest import make_tiny_model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, family, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = make_tiny_model(family, seed=0)
+        full_params = num_parameters(model)
+        shard_model(model, rank, world)
+        runner = ModelRunner(model, vocab_size=model.config.vocab_size)
+        runner.add("a")
+        runner.add("b")
+        tokens = {"a": [2, 3, 4, 5, 6, 7], "b": [9, 8, 7]}
+        out1 = runner.forward(["a", "b"], [tokens["a"], tokens["b"]], [2, 1])
+        out2 = runner.forward(["a", "b"], [[11, 12], [13]], [2, 1])
+        results[rank] = (out1, out2, num_parameters(model), full_params)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_two_ranks_match_the_unsharded_model(family):
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, 2, port, family, results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+            assert p.exitcode == 0
+        results = dict(results)
+    reference = ModelRunner(make_tiny_model(family, seed=0))
+    reference.add("a")
+    reference.add("b")
+    ref1 = reference.forward(["a", "b"], [[2, 3, 4, 5, 6, 7], [9, 8, 7]], [2, 1])
+    ref2 = reference.forward(["a", "b"], [[11, 12], [13]], [2, 1])
+    for rank in range(2):
+        out1, out2, params, full = results[rank]
+        torch.testing.assert_close(out1, ref1, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out2, ref2, atol=1e-4, rtol=1e-4)
+        # each rank holds about half: everything but the replicated norms is split
+        assert params < 0.52 * full, (params, full)
+
+
+def test_indivisible_sizes_are_refused():
+    model = make_tiny_model("llama")  # 4 heads, 2 kv heads
+    with pytest.raises(TensorParallelError, match="tp_size 3 must divide"):
+        check_shardable(model.config, 3)
+    with pytest.raises(TensorParallelError, match="Llama-style"):
+        shard_model(make_tiny_model("gpt2"), 0, 2)
