@@ -6,7 +6,7 @@ Pure torch / numpy / transformers; never imports ray (tests/engine/test_purity.p
 from .factory import EngineConfig, build_engine
 from .model_runner import ContextWindowError, ModelRunner
 from .proposers import DraftModelProposer, IncompatibleDraftError, NgramProposer, Proposal, Proposer
-from .rejection import RejectionResult, rejection_sample
+from .rejection import RejectionResult, greedy_accept, rejection_sample
 from .sampling import BatchSampling, SamplingParams, logits_to_probs
 from .sequence import EmptyPromptError, PromptTooLongError, RequestOutput, SequenceState
 from .speculative import Completion, SpeculativeEngine
@@ -15,6 +15,6 @@ from .stats import EngineTimings, SpecStats
 __all__ = [
     "BatchSampling", "Completion", "ContextWindowError", "DraftModelProposer", "EmptyPromptError", "EngineConfig",
     "EngineTimings", "IncompatibleDraftError", "PromptTooLongError", "SequenceState", "ModelRunner", "NgramProposer", "Proposal", "Proposer",
-    "RejectionResult", "RequestOutput", "SamplingParams", "SpecStats", "SpeculativeEngine", "build_engine",
+    "RejectionResult", "RequestOutput", "greedy_accept", "SamplingParams", "SpecStats", "SpeculativeEngine", "build_engine",
     "logits_to_probs", "rejection_sample",
 ]

@@ -92,3 +92,20 @@ def rejection_sample(
     out[:, :k_max] = torch.where(keep, draft_ids, torch.full_like(draft_ids, -1))
     out.scatter_(1, num_accepted[:, None], last[:, None])
     return RejectionResult(output_token_ids=out, num_accepted=num_accepted)
+
+
+def greedy_accept(
+    draft_token_ids: list[int],  # [K] the row's drafts
+    target_argmax: list[int],  # [K+1] the target's argmax at each draft position and the bonus position
+) -> tuple[list[int], int]:
+    """`rejection_sample` for one greedy row without building one-hot [K+1, V] tensors.
+
+    With one-hot p and q the ratio test accepts exactly the drafts equal to the target's argmax, and the recovered
+    (or bonus) token is the target's argmax at the first mismatch; tests/engine/test_rejection.py checks the two
+    agree. Returns (emitted tokens, number of accepted drafts).
+    """
+    assert len(target_argmax) == len(draft_token_ids) + 1
+    accepted = 0
+    while accepted < len(draft_token_ids) and draft_token_ids[accepted] == target_argmax[accepted]:
+        accepted += 1
+    return list(draft_token_ids[:accepted]) + [target_argmax[accepted]], accepted

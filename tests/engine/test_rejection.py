@@ -100,7 +100,7 @@ def test_acceptance_rate_matches_theory():
 
 
 def one_hot(ids, vocab):
-    return torch.nn.functional.one_hot(torch.tensor(ids), vocab).float()
+    return torch.nn.functional.one_hot(torch.tensor(ids, dtype=torch.long), vocab).float()
 
 
 def test_greedy_exact_prefix_then_target_token():
@@ -143,3 +143,17 @@ def test_shape_errors_are_clear():
     with pytest.raises(AssertionError, match=r"\[B, K\+1, V\]"):
         rejection_sample(torch.zeros(1, 2, dtype=torch.long), None, torch.zeros(1, 2, 5), torch.tensor([2]),
                          [torch.Generator()])
+
+
+def test_greedy_accept_is_the_one_hot_limit_of_rejection_sample():
+    from engine.rejection import greedy_accept
+
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(50):
+        k = int(torch.randint(0, 5, (1,), generator=gen))
+        target = torch.randint(0, 4, (k + 1,), generator=gen).tolist()
+        drafts = torch.randint(0, 4, (k,), generator=gen).tolist()
+        tokens, accepted = greedy_accept(drafts, target)
+        res = rejection_sample(torch.tensor([drafts], dtype=torch.long).view(1, k), one_hot([drafts], 4).view(1, k, 4),
+                               one_hot([target], 4), torch.tensor([k]), [torch.Generator().manual_seed(0)])
+        assert tokens == res.tokens(0) and accepted == int(res.num_accepted[0])

@@ -1,0 +1,74 @@
+"""The application builder: one validated config in, three bound deployments out.
+
+`serve run serve_config.yaml` calls `build_app(args)`; every `serve.deployment` option (placement-group bundles
+from `tp_size`, autoscaling, queue limits, resources) is computed here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from .config import ScalingSection, SpecServeConfig
+from .model_deployments import DraftServer, TargetServer
+from .router import build_router_server
+
+REPLICA_CPUS = 0.05  # the replica actor itself only relays; the model work runs in its worker actors
+
+
+def _worker_bundle(s: ScalingSection) -> dict[str, float]:
+    bundle = {"CPU": s.num_cpus, **s.resources}
+    if s.num_gpus:
+        bundle["GPU"] = s.num_gpus
+    return bundle
+
+
+def _autoscaling(s: ScalingSection) -> dict:
+    return {
+        "min_replicas": s.min_replicas, "max_replicas": s.max_replicas,
+        "initial_replicas": s.initial_replicas if s.initial_replicas is not None else max(1, s.min_replicas),
+        "target_ongoing_requests": s.target_ongoing_requests,
+        "upscale_delay_s": s.upscale_delay_s, "downscale_delay_s": s.downscale_delay_s,
+    }
+
+
+def worker_spec(s: ScalingSection) -> dict:
+    return {"num_cpus": s.num_cpus, "num_gpus": s.num_gpus, "resources": dict(s.resources),
+            "torch_threads": s.torch_threads}
+
+
+def deployment_options(cfg: SpecServeConfig) -> dict[str, dict]:
+    """Serve options per deployment name."""
+    common = lambda s: {"autoscaling_config": _autoscaling(s), "max_ongoing_requests": s.max_ongoing_requests,
+                        "max_queued_requests": s.max_queued_requests, "health_check_period_s": 5,
+                        "health_check_timeout_s": 30, "graceful_shutdown_timeout_s": 20}
+    options = {
+        "Router": {**common(cfg.router), "ray_actor_options": {"num_cpus": cfg.router.num_cpus}},
+        "Target": {
+            **common(cfg.target),
+            "ray_actor_options": {"num_cpus": REPLICA_CPUS},
+            "placement_group_bundles": [{"CPU": REPLICA_CPUS}] + [_worker_bundle(cfg.target)] * cfg.tp_size,
+            "placement_group_strategy": "STRICT_PACK",
+        },
+    }
+    if cfg.model.uses_draft_model:
+        options["Draft"] = {
+            **common(cfg.draft),
+            "ray_actor_options": {"num_cpus": REPLICA_CPUS},
+            "placement_group_bundles": [{"CPU": REPLICA_CPUS}, _worker_bundle(cfg.draft)],
+            "placement_group_strategy": "PACK",
+        }
+    return options
+
+
+def build_app(args: dict | None = None):
+    cfg = SpecServeConfig.model_validate(args or {})
+    options = deployment_options(cfg)
+    engine_config = cfg.engine_config()
+    target = serve.deployment(TargetServer, name="Target").options(**options["Target"]).bind(
+        engine_config, worker_spec(cfg.target), cfg.tp_size)
+    draft = None
+    if "Draft" in options:
+        draft = serve.deployment(DraftServer, name="Draft").options(**options["Draft"]).bind(
+            engine_config, worker_spec(cfg.draft))
+    router = serve.deployment(build_router_server(), name="Router").options(**options["Router"])
+    return router.bind(cfg.model_dump(), draft, target)

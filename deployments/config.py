@@ -1,0 +1,118 @@
+"""The one validated configuration of a specserve application (the `args` of serve_config.yaml).
+
+Converted once at the boundary: `engine_config()` gives the engine's frozen dataclass, and `deployments.app`
+computes every `serve.deployment` option from this model.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.factory import DRAFT_NGRAM, DRAFT_NONE, EngineConfig
+from engine.loading import DTYPES
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Strict):
+    target: str = Field("smollm2", description="alias 'smollm2', a .gguf file, an HF directory or a cached HF id")
+    target_dtype: str = Field("float32", description="dtype of the target weights")
+    draft: str = Field("smollm2", description="'ngram' (no draft model), 'none', or a draft model source")
+    draft_dtype: str = Field("int8", description="dtype of the draft ('int8' = weight-only int8)")
+    served_model_name: str = Field("smollm2-135m-instruct", description="the `model` name clients send")
+    max_model_len: int = Field(2048, ge=16, description="context window (prompt + output tokens)")
+    trust_remote_code: bool = Field(False, description="run model code shipped with the weights (off: safer)")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where model workers run")
+
+    @field_validator("target_dtype", "draft_dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        if v not in DTYPES:
+            raise ValueError(f"unknown dtype {v!r}; choose one of {sorted(DTYPES)}")
+        return v
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.draft not in (DRAFT_NGRAM, DRAFT_NONE)
+
+
+class SpeculationSection(_Strict):
+    num_speculative_tokens: int = Field(3, ge=0, le=16, description="draft tokens per round (K); 0 = plain")
+    ngram_min: int = Field(2, ge=1, description="shortest n-gram prompt lookup tries")
+    ngram_max: int = Field(4, ge=1, description="longest n-gram prompt lookup tries")
+    max_batch_for_speculation: int = Field(
+        4, ge=0, description="live sequences in a round above which K drops to 0 (verification stops being free)"
+    )
+
+
+class SamplingDefaults(_Strict):
+    temperature: float = Field(1.0, ge=0.0, description="default when a request gives none (OpenAI's default)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_tokens: int = Field(256, ge=1, description="default max_tokens when a request gives none")
+
+
+class LimitsSection(_Strict):
+    max_tokens: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
+    max_prompt_tokens: int = Field(2000, ge=1)
+    max_stop_strings: int = Field(8, ge=0)
+    max_body_bytes: int = Field(1_000_000, ge=1024)
+    max_live_sequences_per_router: int = Field(64, ge=1, description="admission limit; beyond it 503")
+
+
+class ScalingSection(_Strict):
+    """Replica count, load targets and resources of one deployment."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(4, gt=0)
+    max_ongoing_requests: int = Field(16, ge=1)
+    max_queued_requests: int = Field(32, ge=-1, description="-1 = unbounded (not recommended)")
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+    num_cpus: float = Field(0.5, gt=0, description="CPUs per model worker (the router: per replica)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per model worker")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom resources per model worker")
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per worker (None: torch's)")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "ScalingSection":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        return self
+
+
+class SpecServeConfig(_Strict):
+    model: ModelSection = Field(default_factory=ModelSection)
+    speculation: SpeculationSection = Field(default_factory=SpeculationSection)
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    limits: LimitsSection = Field(default_factory=LimitsSection)
+    tp_size: int = Field(1, ge=1, description="tensor-parallel workers per Target replica (one bundle each)")
+    router: ScalingSection = Field(default_factory=lambda: ScalingSection(num_cpus=0.25, max_ongoing_requests=64,
+                                                                          max_queued_requests=64,
+                                                                          target_ongoing_requests=16))
+    draft: ScalingSection = Field(default_factory=ScalingSection)
+    target: ScalingSection = Field(default_factory=ScalingSection)
+    api_key_env: str = Field("SPECSERVE_API_KEY", description="env var holding the API key (unset: no auth)")
+    log_prompts: bool = Field(False, description="debug only: log prompt and completion text")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SpecServeConfig":
+        if self.speculation.ngram_min > self.speculation.ngram_max:
+            raise ValueError("speculation.ngram_min must be <= ngram_max")
+        if self.limits.max_prompt_tokens >= self.model.max_model_len:
+            raise ValueError("limits.max_prompt_tokens must be below model.max_model_len")
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        m, s = self.model, self.speculation
+        return EngineConfig(
+            target=m.target, target_dtype=m.target_dtype, draft=m.draft, draft_dtype=m.draft_dtype,
+            num_speculative_tokens=s.num_speculative_tokens, ngram_min=s.ngram_min, ngram_max=s.ngram_max,
+            max_model_len=m.max_model_len, device=m.device, trust_remote_code=m.trust_remote_code,
+        )

@@ -1,0 +1,173 @@
+"""The Router: tokenizes, validates and admits requests, then streams what the Scheduler's rounds produce.
+
+`Router` is a plain class (unit-tested with an in-process lease broker); `RouterServer` is its Ray Serve ingress
+deployment, holding handles to the Draft and Target deployments.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from dataclasses import dataclass
+
+from engine.loading import load_tokenizer, resolve
+from engine.sampling import SamplingParams
+from engine.sequence import EmptyPromptError, PromptTooLongError
+
+from .config import SpecServeConfig
+from .openai_api import APIError, ChatCompletionRequest, CompletionRequest, create_app
+from .scheduler import Overloaded, ReplicaGone, Scheduler, SchedulerConfig
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_ids: list[int]
+    params: SamplingParams
+    k: int | None
+
+
+def eos_ids_of(model_dir) -> frozenset[int]:
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    return frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+
+class Router:
+    def __init__(self, config: SpecServeConfig, broker, tokenizer=None) -> None:
+        self.config = config
+        resolved = resolve(config.model.target)
+        self.tokenizer = tokenizer or load_tokenizer(resolved, config.model.trust_remote_code)
+        eos = set(eos_ids_of(resolved.directory))
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        mode = "model" if config.model.uses_draft_model else config.model.draft
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=config.model.max_model_len, eos_token_ids=frozenset(eos),
+                num_speculative_tokens=config.speculation.num_speculative_tokens if mode != "none" else 0,
+                draft_mode=mode, ngram_min=config.speculation.ngram_min, ngram_max=config.speculation.ngram_max,
+                max_batch_for_speculation=config.speculation.max_batch_for_speculation,
+                max_live_sequences=config.limits.max_live_sequences_per_router,
+            ),
+            self.tokenizer, broker,
+        )
+        self.api_key = os.environ.get(config.api_key_env) or None
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model.served_model_name
+
+    # ---- HTTP-level checks (before the body is parsed) ------------------------------------------------------
+    def check_http(self, request) -> None:
+        if not request.url.path.startswith("/v1"):
+            return
+        if self.api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                raise APIError(401, "missing or invalid API key (Authorization: Bearer ...)",
+                               type_="authentication_error", code="invalid_api_key")
+        if request.method == "POST":
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > self.config.limits.max_body_bytes:
+                raise APIError(413, f"request body over {self.config.limits.max_body_bytes} bytes",
+                               code="body_too_large")
+            ctype = request.headers.get("content-type", "")
+            if not ctype.startswith("application/json"):
+                raise APIError(415, "Content-Type must be application/json", code="unsupported_media_type")
+
+    # ---- request preparation --------------------------------------------------------------------------------
+    def prepare_completion(self, body: CompletionRequest) -> Prepared:
+        if isinstance(body.prompt, str):
+            if not body.prompt:
+                raise APIError(400, "prompt is empty", param="prompt", code="empty_prompt")
+            ids = self.tokenizer(body.prompt)["input_ids"]
+        else:
+            ids = list(body.prompt)
+            vocab = len(self.tokenizer)
+            if any(t < 0 or t >= vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return self._prepare(body, ids, body.max_tokens)
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
+        if not body.messages:
+            raise APIError(400, "messages is empty", param="messages", code="empty_prompt")
+        messages = [m.model_dump() for m in body.messages]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"]
+        return self._prepare(body, list(ids), body.max_completion_tokens or body.max_tokens)
+
+    def _prepare(self, body, prompt_ids: list[int], max_tokens: int | None) -> Prepared:
+        cfg, limits = self.config, self.config.limits
+        if body.model != self.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        if not prompt_ids:
+            raise APIError(400, "prompt is empty", param="prompt", code="empty_prompt")
+        if len(prompt_ids) > limits.max_prompt_tokens or len(prompt_ids) >= cfg.model.max_model_len:
+            raise APIError(400, f"prompt has {len(prompt_ids)} tokens; the limit is "
+                                f"{min(limits.max_prompt_tokens, cfg.model.max_model_len - 1)}",
+                           param="prompt", code="context_length_exceeded")
+        max_tokens = max_tokens or cfg.sampling.max_tokens
+        if max_tokens > limits.max_tokens:
+            raise APIError(400, f"max_tokens {max_tokens} is over the limit of {limits.max_tokens}",
+                           param="max_tokens")
+        stop = body.stop_list()
+        if len(stop) > limits.max_stop_strings:
+            raise APIError(400, f"at most {limits.max_stop_strings} stop strings", param="stop")
+        if any(not s for s in stop):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        try:
+            params = SamplingParams(
+                temperature=cfg.sampling.temperature if body.temperature is None else body.temperature,
+                top_p=cfg.sampling.top_p if body.top_p is None else body.top_p,
+                top_k=cfg.sampling.top_k if body.top_k is None else body.top_k,
+                max_tokens=max_tokens, stop=tuple(stop), seed=body.seed, ignore_eos=body.ignore_eos,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        k = None
+        if body.speculative is not None:
+            k = 0 if not body.speculative.enabled else body.speculative.k
+        if self.config.log_prompts:
+            logger.info("prompt: %r", self.tokenizer.decode(prompt_ids))
+        return Prepared(prompt_ids, params, k)
+
+    async def run(self, prepared: Prepared, request_id: str):
+        """The request's per-round outputs; scheduler errors become API errors."""
+        stream = self.scheduler.generate(prepared.prompt_ids, prepared.params, prepared.k, request_id)
+        try:
+            async for out in stream:
+                yield out
+        except Overloaded as exc:
+            raise APIError(503, f"server overloaded: {exc}", type_="server_overloaded", code="overloaded",
+                           headers={"Retry-After": "1"}) from exc
+        except (EmptyPromptError, PromptTooLongError) as exc:
+            raise APIError(400, str(exc), param="prompt") from exc
+        except ReplicaGone as exc:
+            raise APIError(503, str(exc), type_="server_error", headers={"Retry-After": "1"}) from exc
+        finally:
+            await stream.aclose()
+
+
+def build_router_server():
+    """The Serve ingress class (built lazily so this module imports without a Ray cluster)."""
+    from ray import serve
+
+    @serve.ingress()
+    class RouterServer:
+        def __init__(self, config: dict, draft_handle, target_handle) -> None:
+            from .leases import RayLeaseBroker
+
+            self.router = Router(SpecServeConfig.model_validate(config), RayLeaseBroker(draft_handle, target_handle))
+
+        def __serve_build_asgi_app__(self):
+            return create_app(self.router)
+
+    return RouterServer

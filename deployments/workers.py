@@ -1,0 +1,217 @@
+"""Model workers: the stateful halves of a speculative round, as plain classes (unit-testable) and Ray actors.
+
+A round sends only token deltas: each call names a sequence, the position `start` from which the router's
+committed tokens are new to this worker, and those tokens. The worker keeps the committed tokens it knows and its
+KV cache; `ModelRunner.sync` rolls the cache back to the common prefix, so rejected drafts disappear without
+bookkeeping. Replies carry token ids (greedy rows) or processed probabilities (sampled rows) only.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from engine.factory import EngineConfig, build_target
+from engine.loading import load_causal_lm, load_tokenizer, resolve
+from engine.model_runner import ModelRunner
+from engine.proposers import DraftModelProposer, DraftRequest, check_tokenizers_compatible
+from engine.sampling import BatchSampling, SamplingParams, logits_to_probs
+from engine.sequence import draft_generator
+from engine.tensor_parallel import num_parameters, shard_model
+
+
+@dataclass(frozen=True)
+class SeqDelta:
+    seq_id: str
+    start: int  # committed tokens [0, start) were sent to this worker before
+    tokens: list[int]  # committed tokens [start, ...)
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    seq: SeqDelta
+    k: int
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    seq: SeqDelta
+    draft: list[int]  # the draft tokens to score (may be empty: plain decoding)
+
+
+class UnknownSequenceError(KeyError):
+    """A call continued a sequence this worker does not hold (the router must re-send it from 0)."""
+
+
+class _KnownTokens:
+    """The committed tokens each sequence has sent to a worker."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+
+    def apply(self, delta: SeqDelta) -> list[int]:
+        known = self.tokens.get(delta.seq_id)
+        if known is None:
+            if delta.start != 0:
+                raise UnknownSequenceError(delta.seq_id)
+            known = self.tokens[delta.seq_id] = []
+        if delta.start > len(known):
+            raise UnknownSequenceError(delta.seq_id)
+        del known[delta.start :]
+        known.extend(delta.tokens)
+        return known
+
+    def pop(self, seq_id: str) -> None:
+        self.tokens.pop(seq_id, None)
+
+
+class DraftWorkerCore:
+    """Holds the draft model, its KV caches and each sequence's draft random stream."""
+
+    def __init__(self, config: EngineConfig, torch_threads: int | None = None) -> None:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        target = resolve(config.target)
+        draft = resolve(config.draft)
+        check_tokenizers_compatible(load_tokenizer(target), load_tokenizer(draft))
+        model = load_causal_lm(draft, config.draft_dtype, config.device, config.trust_remote_code)
+        from transformers import AutoConfig
+
+        target_vocab = AutoConfig.from_pretrained(target.directory).vocab_size
+        self.proposer = DraftModelProposer(ModelRunner(model, max_model_len=config.max_model_len), target_vocab)
+        self._known = _KnownTokens()
+        self._generators: dict[str, torch.Generator] = {}
+        self.calls = 0
+        self.rows = 0
+
+    def propose(self, calls: list[DraftCall]) -> dict:
+        requests = []
+        for call in calls:
+            tokens = self._known.apply(call.seq)
+            if call.seq.seq_id not in self._generators:
+                self._generators[call.seq.seq_id] = draft_generator(call.seq.sampling())
+            requests.append(DraftRequest(call.seq.seq_id, tokens, call.k, call.seq.sampling(),
+                                         self._generators[call.seq.seq_id]))
+        proposal = self.proposer.propose(requests)
+        self.calls += 1
+        self.rows += len(calls)
+        sampled = [b for b, call in enumerate(calls) if call.seq.temperature > 0]
+        return {
+            "token_ids": proposal.token_ids.numpy(),
+            "num_tokens": proposal.num_tokens.numpy(),
+            # greedy rows are one-hot: the router rebuilds them; only sampled rows' distributions travel
+            "probs": {b: proposal.probs[b].numpy() for b in sampled},
+        }
+
+    def release(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            self._known.pop(seq_id)
+            self._generators.pop(seq_id, None)
+            self.proposer.release(seq_id)
+
+    def stats(self) -> dict:
+        return {"live_sequences": self.proposer.runner.num_live, "calls": self.calls, "rows": self.rows,
+                "pid": os.getpid()}
+
+
+class TargetWorkerCore:
+    """One tensor-parallel rank of the target: a shard of the weights and of every KV cache."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, world: int = 1, torch_threads: int | None = None) -> None:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.rank, self.world = rank, world
+        self.config = config
+        self.runner: ModelRunner | None = None
+        self._known = _KnownTokens()
+        self.calls = 0
+        self.rows = 0
+        if world == 1:
+            self.load()
+
+    # ---- tensor-parallel set-up (world > 1) -------------------------------------------------------------------
+    @staticmethod
+    def rendezvous_address() -> tuple[str, int]:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return socket.gethostbyname(socket.gethostname()), port
+
+    def init_distributed(self, address: str, port: int) -> None:
+        import torch.distributed as dist
+
+        backend = "nccl" if self.config.device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
+                                world_size=self.world)
+        self.load()
+
+    def load(self) -> None:
+        runner, _ = build_target(self.config)
+        model = runner.model
+        self.full_parameters = num_parameters(model)
+        vocab = model.config.vocab_size
+        shard_model(model, self.rank, self.world)
+        self.runner = ModelRunner(model, max_model_len=self.config.max_model_len, vocab_size=vocab)
+
+    # ---- the round ------------------------------------------------------------------------------------------
+    def verify(self, calls: list[VerifyCall]) -> dict | None:
+        runner = self.runner
+        seq_ids, feeds, widths = [], [], []
+        for call in calls:
+            known = self._known.apply(call.seq)
+            if not runner.has(call.seq.seq_id):
+                runner.add(call.seq.seq_id)
+            seq_ids.append(call.seq.seq_id)
+            feeds.append(runner.sync(call.seq.seq_id, known) + list(call.draft))
+            widths.append(len(call.draft) + 1)
+        logits = runner.forward(seq_ids, feeds, widths)  # [B, K+1, V]; every rank runs it (collectives)
+        self.calls += 1
+        self.rows += len(calls)
+        if self.rank != 0:
+            return None
+        params = [c.seq.sampling() for c in calls]
+        greedy_rows = [b for b, p in enumerate(params) if p.greedy]
+        sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
+        out = {"argmax": {}, "probs": {}}
+        if greedy_rows:
+            ids = logits[greedy_rows].argmax(dim=-1)
+            for i, b in enumerate(greedy_rows):
+                out["argmax"][b] = ids[i, : widths[b]].tolist()
+        if sampled_rows:
+            probs = logits_to_probs(logits[sampled_rows], BatchSampling.from_params([params[b] for b in sampled_rows]))
+            for i, b in enumerate(sampled_rows):
+                out["probs"][b] = probs[i, : widths[b]].numpy()
+        return out
+
+    def release(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            self._known.pop(seq_id)
+            if self.runner is not None:
+                self.runner.release(seq_id)
+
+    def stats(self) -> dict:
+        return {"rank": self.rank, "live_sequences": self.runner.num_live if self.runner else 0,
+                "calls": self.calls, "rows": self.rows, "parameters": num_parameters(self.runner.model),
+                "full_parameters": self.full_parameters, "pid": os.getpid()}
+
+    def ping(self) -> bool:
+        return True
+
+
+def ray_actor_classes():
+    """The Ray actor versions of the cores (imported lazily so the cores stay usable without Ray)."""
+    import ray
+
+    return ray.remote(DraftWorkerCore), ray.remote(TargetWorkerCore)
+
+
