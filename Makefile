@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: install
-	$(BIN)/specserve generate --prompt "Explain speculative decoding in two sentences." --chat --max-tokens 96
+	$(BIN)/serve run serve_config.yaml
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

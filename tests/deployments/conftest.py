@@ -1,0 +1,88 @@
+"""In-process stand-ins for the Draft/Target replicas (the real worker cores, no Ray) and tiny model dirs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from deployments.config import SpecServeConfig
+from deployments.scheduler import ReplicaGone
+from deployments.workers import DraftWorkerCore, TargetWorkerCore
+from tests.conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = make_tiny_tokenizer()
+    target = make_tiny_model("llama", seed=0)
+    draft = perturbed_copy(target, 0.02)
+    for name, model in [("target", target), ("draft", draft)]:
+        model.generation_config.eos_token_id = 1
+        model.save_pretrained(root / name, safe_serialization=True)
+        tokenizer.save_pretrained(root / name)
+    return root / "target", root / "draft"
+
+
+def tiny_config(dirs, **overrides) -> SpecServeConfig:
+    target, draft = dirs
+    model = {"target": str(target), "draft": str(draft), "draft_dtype": "float32", "served_model_name": "tiny",
+             "max_model_len": 256, **overrides.pop("model", {})}
+    limits = {"max_prompt_tokens": 200, "max_tokens": 128, **overrides.pop("limits", {})}
+    return SpecServeConfig.model_validate({"model": model, "limits": limits, **overrides})
+
+
+class _Lease:
+    def __init__(self, broker, kind: str, core, key: str, seq_id: str) -> None:
+        self.broker, self.kind, self.core, self.key, self.seq_id = broker, kind, core, key, seq_id
+        self.closed = False
+
+    def _maybe_fail(self) -> None:
+        self.broker.calls[self.kind] += 1
+        if self.broker.calls[self.kind] == self.broker.fail_at_call.get(self.kind):
+            self.broker.replace(self.kind)
+            raise ReplicaGone(f"{self.kind} replica killed")
+
+    async def propose(self, calls):
+        self._maybe_fail()
+        return self.core.propose(calls)
+
+    async def verify(self, calls):
+        self._maybe_fail()
+        return self.core.verify(calls)
+
+    async def close(self) -> None:
+        self.closed = True
+        self.broker.open_leases[self.kind] -= 1
+        self.core.release([self.seq_id])  # what the replica does when a lease ends
+
+
+class LocalBroker:
+    """One draft and one target 'replica'; `fail_at_call[kind] = n` kills it at its n-th call."""
+
+    def __init__(self, config: SpecServeConfig) -> None:
+        self.engine_config = config.engine_config()
+        self.uses_draft = config.model.uses_draft_model
+        self.counter = itertools.count()
+        self.cores = {"target": TargetWorkerCore(self.engine_config)}
+        if self.uses_draft:
+            self.cores["draft"] = DraftWorkerCore(self.engine_config)
+        self.keys = {kind: f"{kind}-0" for kind in self.cores}
+        self.fail_at_call: dict[str, int] = {}
+        self.calls = {"draft": 0, "target": 0}
+        self.open_leases = {"draft": 0, "target": 0}
+
+    def replace(self, kind: str) -> None:
+        self.cores[kind] = (TargetWorkerCore if kind == "target" else DraftWorkerCore)(self.engine_config)
+        self.keys[kind] = f"{kind}-{next(self.counter) + 1}"
+
+    async def _lease(self, kind: str, seq_id: str):
+        self.open_leases[kind] += 1
+        return _Lease(self, kind, self.cores[kind], self.keys[kind], seq_id)
+
+    async def draft(self, seq_id):
+        return await self._lease("draft", seq_id)
+
+    async def target(self, seq_id):
+        return await self._lease("target", seq_id)

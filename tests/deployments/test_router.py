@@ -1,0 +1,212 @@
+"""Router + Scheduler + worker cores without a cluster: OpenAI API, batching, stickiness, failures, errors."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from deployments.openai_api import create_app
+from deployments.router import Router
+from engine import ModelRunner, SamplingParams, SpeculativeEngine
+from engine.loading import load_causal_lm, load_tokenizer, resolve
+from tests.deployments.conftest import LocalBroker, tiny_config
+
+PROMPT_IDS = [5, 6, 7, 8, 9, 10]
+
+
+@pytest.fixture()
+def setup(tiny_model_dirs):
+    config = tiny_config(tiny_model_dirs)
+    broker = LocalBroker(config)
+    router = Router(config, broker)
+    return config, broker, router
+
+
+def plain_reference(dirs, prompt_ids, n):
+    target = resolve(str(dirs[0]))
+    engine = SpeculativeEngine(ModelRunner(load_causal_lm(target)), load_tokenizer(target), None, 0)
+    return engine.generate([prompt_ids], SamplingParams(max_tokens=n, ignore_eos=True))[0].text
+
+
+def client(router):
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(router)), base_url="http://test")
+
+
+async def complete(c, **body):
+    body = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **body}
+    return await c.post("/v1/completions", json=body)
+
+
+def test_greedy_completion_equals_plain_decoding(setup, tiny_model_dirs):
+    config, broker, router = setup
+
+    async def go():
+        async with client(router) as c:
+            r = await complete(c)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+    body = asyncio.run(go())
+    assert body["choices"][0]["text"] == plain_reference(tiny_model_dirs, PROMPT_IDS, 24)
+    spec = body["usage"]["speculative"]
+    assert body["usage"]["completion_tokens"] == 24 and spec["num_draft_tokens"] > 0
+    assert 0 < spec["acceptance_rate"] <= 1
+    assert broker.open_leases == {"draft": 0, "target": 0}, "finished requests close their leases"
+    assert broker.cores["target"].runner.num_live == 0 and broker.cores["draft"].proposer.runner.num_live == 0
+
+
+def test_concurrent_requests_are_batched_and_correct(setup, tiny_model_dirs):
+    config, broker, router = setup
+    prompts = [[5 + i, 6, 7 + i, 8] for i in range(4)]
+
+    async def go():
+        async with client(router) as c:
+            return await asyncio.gather(*[complete(c, prompt=p, max_tokens=16) for p in prompts])
+
+    results = asyncio.run(go())
+    for p, r in zip(prompts, results):
+        assert r.json()["choices"][0]["text"] == plain_reference(tiny_model_dirs, p, 16)
+    assert router.scheduler.stats.timings.max_batch == 4
+    assert broker.cores["target"].rows > broker.cores["target"].calls, "one verify call carried several requests"
+
+
+def test_per_request_speculation_options(setup):
+    config, broker, router = setup
+
+    async def go():
+        async with client(router) as c:
+            off = await complete(c, speculative={"enabled": False})
+            k1 = await complete(c, speculative={"k": 1})
+            return off.json(), k1.json()
+
+    off, k1 = asyncio.run(go())
+    assert off["usage"]["speculative"]["num_drafts"] == 0
+    assert len(k1["usage"]["speculative"]["accepted_per_position"]) == 1
+    assert off["choices"][0]["text"] == k1["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("kind", ["draft", "target"])
+def test_replica_killed_mid_request_output_unchanged(setup, tiny_model_dirs, kind):
+    config, broker, router = setup
+
+    broker.fail_at_call[kind] = 3  # the pinned replica dies at its third round
+
+    async def go():
+        async with client(router) as c:
+            async with c.stream("POST", "/v1/completions", json={
+                "model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 30, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as r:
+                text = ""
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["text"]
+                return text
+
+    text = asyncio.run(go())
+    assert text == plain_reference(tiny_model_dirs, PROMPT_IDS, 30)
+    assert router.scheduler.stats.replica_failures == 1
+    assert broker.keys[kind] != f"{kind}-0", "a new replica took over"
+
+
+def test_aborted_request_frees_caches_at_once(setup):
+    """What the HTTP layer does when a client hangs up: close the request's output stream after one round."""
+    config, broker, router = setup
+
+    async def go():
+        stream = router.scheduler.generate(PROMPT_IDS, SamplingParams(max_tokens=120, ignore_eos=True))
+        first = await stream.__anext__()
+        assert not first.finished and router.scheduler.num_live == 1
+        assert broker.cores["target"].runner.num_live == 1
+        await stream.aclose()
+
+    asyncio.run(go())
+    assert router.scheduler.num_live == 0
+    assert broker.open_leases == {"draft": 0, "target": 0}
+    assert broker.cores["target"].runner.num_live == 0
+    assert broker.cores["draft"].proposer.runner.num_live == 0
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    ({"model": "nope"}, 404, "does not exist"),
+    ({"temperature": -0.5}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"top_k": -1}, 400, "top_k"),
+    ({"max_tokens": -3}, 400, "max_tokens"),
+    ({"max_tokens": 100000}, 400, "over the limit"),
+    ({"n": 2}, 400, "n"),
+    ({"prompt": ""}, 400, "empty"),
+    ({"prompt": [1] * 300}, 400, "tokens; the limit"),
+    ({"prompt": [99999]}, 400, "token ids"),
+    ({"stop": [str(i) for i in range(20)]}, 400, "stop strings"),
+    ({"max_tokens": "many"}, 400, "max_tokens"),
+])
+def test_bad_requests_get_openai_errors(setup, body, status, fragment):
+    config, broker, router = setup
+
+    async def go():
+        async with client(router) as c:
+            return await complete(c, **body)
+
+    r = asyncio.run(go())
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and err["type"]
+
+
+def test_http_level_errors(setup, monkeypatch):
+    config, broker, router = setup
+
+    async def go():
+        async with client(router) as c:
+            bad_json = await c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+            wrong_type = await c.post("/v1/completions", content=b"x", headers={"content-type": "text/plain"})
+            huge = await c.post("/v1/completions", content=b"{" + b" " * 2_000_000 + b"}",
+                                headers={"content-type": "application/json"})
+            chat_empty = await c.post("/v1/chat/completions", json={"model": "tiny", "messages": []})
+            health = await c.get("/health")
+            models = await c.get("/v1/models")
+            return bad_json, wrong_type, huge, chat_empty, health, models
+
+    bad_json, wrong_type, huge, chat_empty, health, models = asyncio.run(go())
+    assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
+    assert wrong_type.status_code == 415
+    assert huge.status_code == 413
+    assert chat_empty.status_code == 400
+    assert health.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+
+
+def test_api_key_required_when_configured(tiny_model_dirs, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_API_KEY", "s3cret")
+    config = tiny_config(tiny_model_dirs)
+    router = Router(config, LocalBroker(config))
+
+    async def go():
+        async with client(router) as c:
+            none = await complete(c)
+            wrong = await c.post("/v1/completions", json={"model": "tiny", "prompt": "w5"},
+                                 headers={"Authorization": "Bearer nope"})
+            right = await c.post("/v1/completions", json={"model": "tiny", "prompt": "w5", "max_tokens": 2},
+                                 headers={"Authorization": "Bearer s3cret"})
+            health = await c.get("/health")
+            return none, wrong, right, health
+
+    none, wrong, right, health = asyncio.run(go())
+    assert none.status_code == 401 and wrong.status_code == 401 and right.status_code == 200
+    assert health.status_code == 200
+
+
+def test_admission_limit_answers_503_with_retry_after(tiny_model_dirs):
+    config = tiny_config(tiny_model_dirs, limits={"max_live_sequences_per_router": 1})
+    router = Router(config, LocalBroker(config))
+
+    async def go():
+        async with client(router) as c:
+            return await asyncio.gather(*[complete(c, max_tokens=40) for _ in range(4)])
+
+    results = asyncio.run(go())
+    codes = sorted(r.status_code for r in results)
+    assert codes.count(200) >= 1 and 503 in codes
+    for r in results:
+        if r.status_code == 503:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"
