@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 import ray
 from ray.util.placement_group import get_current_placement_group
@@ -32,9 +33,10 @@ def _in_my_bundle(index: int) -> dict:
         placement_group=pg, placement_group_bundle_index=index, placement_group_capture_child_tasks=True)}
 
 
-def _actor_options(worker: dict, index: int) -> dict:
+def _actor_options(worker: dict, index: int, name: str) -> dict:
+    # named (unique) so operators and tests can find a replica's workers with `ray list actors`
     return {"num_cpus": worker["num_cpus"], "num_gpus": worker["num_gpus"], "resources": worker["resources"],
-            "max_concurrency": 1, **_in_my_bundle(index)}
+            "max_concurrency": 1, "name": f"{name}-{uuid.uuid4().hex[:12]}", **_in_my_bundle(index)}
 
 
 class _LeasedReplica:
@@ -73,7 +75,9 @@ class DraftServer(_LeasedReplica):
     def __init__(self, engine_config: EngineConfig, worker: dict) -> None:
         super().__init__()
         draft_cls, _ = ray_actor_classes()
-        self.worker = draft_cls.options(**_actor_options(worker, 1)).remote(engine_config, worker["torch_threads"])
+        options = _actor_options(worker, 1, "specserve-draft")
+        self.worker_name = options["name"]
+        self.worker = draft_cls.options(**options).remote(engine_config, worker["torch_threads"])
         ray.get(self.worker.stats.remote())  # fail fast (missing model file, bad tokenizer) at start-up
 
     async def lease(self, seq_id: str):
@@ -81,7 +85,8 @@ class DraftServer(_LeasedReplica):
             yield item
 
     async def stats(self) -> dict:
-        return {"replica": self.replica_id, "leases": self.leases, **(await self.worker.stats.remote())}
+        return {"replica": self.replica_id, "leases": self.leases, "worker": self.worker_name,
+                "namespace": ray.get_runtime_context().namespace, **(await self.worker.stats.remote())}
 
     def check_health(self) -> None:
         ray.get(self.worker.stats.remote(), timeout=30)
@@ -94,7 +99,7 @@ class TargetServer(_LeasedReplica):
         super().__init__()
         _, target_cls = ray_actor_classes()
         self.workers = [
-            target_cls.options(**_actor_options(worker, 1 + rank)).remote(engine_config, rank, tp_size,
+            target_cls.options(**_actor_options(worker, 1 + rank, f"specserve-target-r{rank}")).remote(engine_config, rank, tp_size,
                                                                           worker["torch_threads"])
             for rank in range(tp_size)
         ]

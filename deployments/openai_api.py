@@ -124,6 +124,13 @@ def create_app(router) -> FastAPI:
     async def health():
         return {"status": "ok", "live_sequences": router.scheduler.num_live}
 
+    @app.get("/stats")
+    async def stats():
+        st = router.scheduler.stats
+        return {"live_sequences": router.scheduler.num_live, "current_k": router.scheduler.current_k(),
+                "rounds": st.timings.rounds, "max_batch": st.timings.max_batch, "mean_batch": st.timings.mean_batch,
+                "replica_failures": st.replica_failures, "speculative": st.spec.as_dict()}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": router.model_name, "object": "model", "created": 0,

@@ -1,0 +1,154 @@
+"""The application on a real local Ray cluster, started exactly as the README says, driven by the openai client."""
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+MODEL = "smollm2-135m-instruct"
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def wait_until(predicate, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A local Ray head (8 logical CPUs on this 2-core machine), then `serve run serve_config.yaml` against it."""
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+    subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)
+    subprocess.run([BIN / "ray", "start", "--head", "--num-cpus", "8", "--disable-usage-stats",
+                    "--include-dashboard", "false"], check=True, capture_output=True, env=env)
+    env["RAY_ADDRESS"] = "auto"
+    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
+    proc = subprocess.Popen([BIN / "serve", "run", "serve_config.yaml"], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: httpx.get("http://127.0.0.1:8000/v1/models", timeout=2).status_code == 200, 300,
+                   "serve run to come up")
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    from openai import OpenAI
+
+    return OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused", timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain greedy decoding of the same target, in-process."""
+    from engine import EngineConfig, SamplingParams
+    from engine.cli import encode_prompt
+    from engine.factory import build_target
+    from engine.speculative import SpeculativeEngine
+
+    runner, tokenizer = build_target(EngineConfig())
+    engine = SpeculativeEngine(runner, tokenizer, None, 0)
+
+    def run(prompt: str, chat: bool, n: int) -> str:
+        ids = encode_prompt(tokenizer, prompt, chat)
+        return engine.generate([ids], SamplingParams(max_tokens=n))[0].text
+
+    return run
+
+
+def test_completions_and_chat_equal_plain_decoding(client, reference):
+    comp = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=32,
+                                     temperature=0)
+    assert comp.choices[0].text == reference("The three primary colors are", False, 32)
+    assert comp.usage.completion_tokens <= 32 and comp.usage.prompt_tokens > 0
+    spec = comp.model_extra.get("usage", {}) or comp.usage.model_extra["speculative"]
+    assert spec["num_draft_tokens"] > 0
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                          max_tokens=32, temperature=0)
+    assert chat.choices[0].message.content == reference(QUESTION, True, 32)
+    assert "Paris" in chat.choices[0].message.content
+
+
+def test_streaming_equals_non_streaming(client, reference):
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                            max_tokens=32, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference(QUESTION, True, 32)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    comp_stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].text for c in comp_stream) == reference("Once upon a time", False, 24)
+
+
+def test_eight_concurrent_streams_are_batched(client, reference):
+    prompts = [f"Write one sentence about the number {i}." for i in range(8)]
+
+    def one(prompt):
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=24, temperature=0, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(one, prompts))
+    for prompt, text in zip(prompts, texts):
+        assert text == reference(prompt, True, 24)
+    stats = httpx.get("http://127.0.0.1:8000/stats").json()
+    assert stats["max_batch"] >= 4, stats  # rounds carried several requests at once
+
+
+def test_killing_the_pinned_draft_worker_mid_stream_keeps_the_output(client, reference):
+    import ray
+
+    ray.init(address="auto", namespace="serve-test", ignore_reinit_error=True, log_to_driver=False)
+    try:
+        from ray import serve
+
+        draft = serve.get_deployment_handle("Draft", app_name="specserve")
+        prompt = "List the days of the week, one per line."
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=60, temperature=0, stream=True)
+        text, killed = "", False
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if not killed and len(text) > 5:
+                info = draft.stats.remote().result()  # the only Draft replica: the one this request is pinned to
+                assert info["leases"] == 1
+                ray.kill(ray.get_actor(info["worker"], namespace=info["namespace"]), no_restart=True)
+                killed = True
+        assert killed
+        assert text == reference(prompt, True, 60)
+        assert httpx.get("http://127.0.0.1:8000/stats").json()["replica_failures"] >= 1
+        # Serve's health check replaces the broken Draft replica; later requests still succeed
+        after = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                               max_tokens=16, temperature=0)
+        assert after.choices[0].message.content == reference(QUESTION, True, 16)
+    finally:
+        ray.shutdown()
+
