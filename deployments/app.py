@@ -28,6 +28,7 @@ def _autoscaling(s: ScalingSection) -> dict:
         "initial_replicas": s.initial_replicas if s.initial_replicas is not None else max(1, s.min_replicas),
         "target_ongoing_requests": s.target_ongoing_requests,
         "upscale_delay_s": s.upscale_delay_s, "downscale_delay_s": s.downscale_delay_s,
+        "look_back_period_s": s.look_back_period_s,
     }
 
 

@@ -75,6 +75,7 @@ class ScalingSection(_Strict):
     max_queued_requests: int = Field(32, ge=-1, description="-1 = unbounded (not recommended)")
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(60.0, ge=0)
+    look_back_period_s: float = Field(30.0, gt=0, description="window over which ongoing requests are averaged")
     num_cpus: float = Field(0.5, gt=0, description="CPUs per model worker (the router: per replica)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per model worker")
     resources: dict[str, float] = Field(default_factory=dict, description="custom resources per model worker")

@@ -1,0 +1,107 @@
+"""Tensor parallelism and autoscaling on a real local Ray cluster, with tiny random-weight models (fast)."""
+
+import concurrent.futures
+import os
+import time
+
+import httpx
+import pytest
+
+from tests.deployments.conftest import tiny_config
+
+pytestmark = pytest.mark.ray
+PORT = 8123
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+    from ray import serve
+
+    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="specserve-tests")
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+def deploy(config, name):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app(config.model_dump()), name=name, route_prefix=f"/{name}", blocking=False)
+    base = f"http://127.0.0.1:{PORT}/{name}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
+                return base
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"app {name} did not come up")
+
+
+def complete(base, prompt, n=24):
+    r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": n,
+                                                  "temperature": 0, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_tp2_matches_tp1_and_each_rank_holds_a_shard(ray_cluster, tiny_model_dirs):
+    from ray import serve
+
+    tp1 = deploy(tiny_config(tiny_model_dirs, tp_size=1), "tp1")
+    tp2 = deploy(tiny_config(tiny_model_dirs, tp_size=2, target={"num_cpus": 0.5, "torch_threads": 1}), "tp2")
+    prompts = [[5, 6, 7, 8], [20, 21, 22, 23, 24, 25, 26], [40, 3]]
+    for p in prompts:
+        assert complete(tp2, p) == complete(tp1, p)
+    stats = serve.get_deployment_handle("Target", app_name="tp2").stats.remote().result()
+    ranks = stats["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert len({r["pid"] for r in ranks}) == 2, "two worker processes"
+    for r in ranks:
+        assert r["parameters"] < 0.55 * r["full_parameters"], r  # a shard, not a full copy
+    serve.delete("tp1")
+    serve.delete("tp2")
+
+
+def test_load_scales_target_replicas_up_and_idleness_down(ray_cluster, tiny_model_dirs):
+    from ray import serve
+
+    scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "max_ongoing_requests": 8,
+               "upscale_delay_s": 0.5, "downscale_delay_s": 3, "look_back_period_s": 2, "num_cpus": 0.25}
+    config = tiny_config(tiny_model_dirs, model={"draft": "ngram"}, target=scaling)
+    base = deploy(config, "scale")
+
+    def replicas():
+        status = serve.status().applications["scale"].deployments["Target"]
+        return status.replica_states.get("RUNNING", 0)
+
+    assert replicas() == 1
+    stop = time.time() + 40
+    peak = 1
+
+    def load():
+        while time.time() < stop and peak < 2:
+            complete(base, [5, 6, 7], n=120)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(load) for _ in range(4)]
+        while time.time() < stop:
+            peak = max(peak, replicas())
+            if peak >= 2:
+                break
+            time.sleep(0.5)
+        for f in futures:
+            f.result()
+    assert peak == 2, "load raised the Target replica count"
+    deadline = time.time() + 60
+    while time.time() < deadline and replicas() > 1:
+        time.sleep(1)
+    assert replicas() == 1, "idleness lowered it again"
+    serve.delete("scale")
