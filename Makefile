@@ -24,8 +24,12 @@ install: $(STAMP)
 run: install
 	$(BIN)/serve run serve_config.yaml
 
+# Modules that drive a Ray cluster run in their own pytest processes, so Ray's driver threads never share a
+# process with the rest of the suite.
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not ray" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m ray tests/deployments/test_cluster_tiny.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m ray tests/deployments/test_serve_e2e.py $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m bench.engine_bench

@@ -129,7 +129,8 @@ def create_app(router) -> FastAPI:
         st = router.scheduler.stats
         return {"live_sequences": router.scheduler.num_live, "current_k": router.scheduler.current_k(),
                 "rounds": st.timings.rounds, "max_batch": st.timings.max_batch, "mean_batch": st.timings.mean_batch,
-                "replica_failures": st.replica_failures, "speculative": st.spec.as_dict()}
+                "replica_failures": st.replica_failures, "speculative": st.spec.as_dict(),
+                "orchestration_ms_per_round": 1000 * st.orchestration_seconds / max(1, st.timings.rounds)}
 
     @app.get("/v1/models")
     async def models():

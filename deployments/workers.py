@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +96,7 @@ class DraftWorkerCore:
         self.rows = 0
 
     def propose(self, calls: list[DraftCall]) -> dict:
+        start = time.perf_counter()
         requests = []
         for call in calls:
             tokens = self._known.apply(call.seq)
@@ -111,6 +113,7 @@ class DraftWorkerCore:
             "num_tokens": proposal.num_tokens.numpy(),
             # greedy rows are one-hot: the router rebuilds them; only sampled rows' distributions travel
             "probs": {b: proposal.probs[b].numpy() for b in sampled},
+            "seconds": time.perf_counter() - start,  # worker compute, so the router can tell RPC overhead apart
         }
 
     def release(self, seq_ids: list[str]) -> None:
@@ -165,6 +168,7 @@ class TargetWorkerCore:
 
     # ---- the round ------------------------------------------------------------------------------------------
     def verify(self, calls: list[VerifyCall]) -> dict | None:
+        start = time.perf_counter()
         runner = self.runner
         seq_ids, feeds, widths = [], [], []
         for call in calls:
@@ -190,7 +194,8 @@ class TargetWorkerCore:
         if sampled_rows:
             probs = logits_to_probs(logits[sampled_rows], BatchSampling.from_params([params[b] for b in sampled_rows]))
             for i, b in enumerate(sampled_rows):
-                out["probs"][b] = probs[i, : widths[b]].numpy()
+                out["probs"][b] = probs[i, : widths[b]].cpu().numpy()
+        out["seconds"] = time.perf_counter() - start
         return out
 
     def release(self, seq_ids: list[str]) -> None:

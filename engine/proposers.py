@@ -95,7 +95,8 @@ class DraftModelProposer:
             # the draft's logits beyond the target vocabulary can never be proposed
             step_logits = logits[:, :, : self.target_vocab_size]
             sampling = BatchSampling.from_params([requests[i].sampling for i in active])
-            step_probs = fit_vocab(logits_to_probs(step_logits, sampling), self.target_vocab_size)[:, 0]
+            # sampling uses the requests' CPU generators, so the (small) distributions come to the CPU
+            step_probs = fit_vocab(logits_to_probs(step_logits, sampling), self.target_vocab_size)[:, 0].cpu()
             tokens = sample_from(step_probs, [requests[i].generator for i in active], sampling.greedy)
             rows = torch.tensor(active)
             token_ids[rows, step] = tokens

@@ -1,6 +1,7 @@
 """The application on a real local Ray cluster, started exactly as the README says, driven by the openai client."""
 
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
@@ -122,33 +123,34 @@ def test_eight_concurrent_streams_are_batched(client, reference):
     assert stats["max_batch"] >= 4, stats  # rounds carried several requests at once
 
 
+KILL_PINNED_DRAFT_WORKER = """
+import json, ray
+from ray import serve
+ray.init(address="auto", log_to_driver=False)
+info = serve.get_deployment_handle("Draft", app_name="specserve").stats.remote().result()
+ray.kill(ray.get_actor(info["worker"], namespace=info["namespace"]), no_restart=True)
+print(json.dumps({"leases": info["leases"]}))
+"""
+
+
 def test_killing_the_pinned_draft_worker_mid_stream_keeps_the_output(client, reference):
-    import ray
-
-    ray.init(address="auto", namespace="serve-test", ignore_reinit_error=True, log_to_driver=False)
-    try:
-        from ray import serve
-
-        draft = serve.get_deployment_handle("Draft", app_name="specserve")
-        prompt = "List the days of the week, one per line."
-        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                                max_tokens=60, temperature=0, stream=True)
-        text, killed = "", False
-        for chunk in stream:
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-            if not killed and len(text) > 5:
-                info = draft.stats.remote().result()  # the only Draft replica: the one this request is pinned to
-                assert info["leases"] == 1
-                ray.kill(ray.get_actor(info["worker"], namespace=info["namespace"]), no_restart=True)
-                killed = True
-        assert killed
-        assert text == reference(prompt, True, 60)
-        assert httpx.get("http://127.0.0.1:8000/stats").json()["replica_failures"] >= 1
-        # Serve's health check replaces the broken Draft replica; later requests still succeed
-        after = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
-                                               max_tokens=16, temperature=0)
-        assert after.choices[0].message.content == reference(QUESTION, True, 16)
-    finally:
-        ray.shutdown()
-
+    """The only Draft replica is the one the request is pinned to; its worker is killed from another driver."""
+    prompt = "List the days of the week, one per line."
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=60, temperature=0, stream=True)
+    text, killed = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if killed is None and len(text) > 5:
+            done = subprocess.run([sys.executable, "-c", KILL_PINNED_DRAFT_WORKER], capture_output=True, text=True,
+                                  timeout=120, env={**os.environ, "RAY_ADDRESS": "auto"})
+            assert done.returncode == 0, done.stderr[-2000:]
+            killed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert killed is not None and killed["leases"] == 1, "the request held the Draft replica's lease"
+    assert text == reference(prompt, True, 60)
+    assert httpx.get("http://127.0.0.1:8000/stats").json()["replica_failures"] >= 1
+    # Serve's health check replaces the broken Draft replica; later requests still succeed
+    after = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                           max_tokens=16, temperature=0)
+    assert after.choices[0].message.content == reference(QUESTION, True, 16)
