@@ -15,6 +15,7 @@ import torch
 
 from .cpu_kernels import use_small_batch_linear
 from .kv_cache import SlotKVCache, WritePlan
+from .llama_fast import FastLlamaForward, supports
 
 PREFILL_THRESHOLD = 32  # rows with more new tokens than this run in their own forward, not padded together
 
@@ -33,7 +34,7 @@ class ModelRunner:
     """Owns a model, its slotted KV cache and the slot table of the live sequences."""
 
     def __init__(self, model: torch.nn.Module, max_model_len: int | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, fast_path: bool = True) -> None:
         self.model = model
         config = model.config
         window = _config_context_window(config)
@@ -46,6 +47,8 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self._base = model.base_model
+        # Llama-family models on CPU run a lean forward over the same weights (engine/llama_fast.py)
+        self._fast = FastLlamaForward(model) if fast_path and supports(model) else None
         self._lm_head = model.get_output_embeddings()
         self.cache = SlotKVCache(num_layers=config.num_hidden_layers if hasattr(config, "num_hidden_layers")
                                  else config.n_layer)
@@ -153,13 +156,16 @@ class ModelRunner:
         visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, N, kv_len]: causal within own row
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
         mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-        hidden = self._base(
-            input_ids=ids,
-            attention_mask=mask[:, None],
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=True,
-        ).last_hidden_state  # [B, N, H]
+        if self._fast is not None:
+            hidden = self._fast(ids, mask[:, None], positions, self.cache)  # [B, N, H]
+        else:
+            hidden = self._base(
+                input_ids=ids,
+                attention_mask=mask[:, None],
+                position_ids=positions,
+                past_key_values=self.cache,
+                use_cache=True,
+            ).last_hidden_state  # [B, N, H]
         self.cache.plan = None
 
         width = max(num_logits)

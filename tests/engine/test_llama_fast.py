@@ -1,0 +1,42 @@
+"""The lean Llama-family forward gives the transformers forward's logits, float and int8."""
+
+import pytest
+import torch
+
+from engine.llama_fast import supports
+from engine.model_runner import ModelRunner
+from engine.quantize import quantize_int8_weight_only
+from engine.tensor_parallel import shard_model
+from tests.conftest import make_tiny_model
+
+
+def run(runner):
+    runner.add("a")
+    runner.add("b")
+    first = runner.forward(["a", "b"], [[2, 3, 4, 5, 6, 7], [9, 8]], [2, 1])
+    second = runner.forward(["a", "b"], [[11, 12], [13]], [2, 1])
+    return first, second
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_fast_path_matches_transformers(family):
+    model = make_tiny_model(family, seed=0)
+    fast = ModelRunner(model)
+    assert fast._fast is not None
+    slow = ModelRunner(model, fast_path=False)
+    for got, want in zip(run(fast), run(slow)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_fast_path_with_int8_weights():
+    model = quantize_int8_weight_only(make_tiny_model("llama", seed=0))
+    assert supports(model)
+    fast, slow = ModelRunner(model), ModelRunner(model, fast_path=False)
+    for got, want in zip(run(fast), run(slow)):
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+        torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+
+
+def test_other_families_keep_the_transformers_path():
+    assert not supports(make_tiny_model("gpt2"))
+    assert not supports(make_tiny_model("gemma"))
