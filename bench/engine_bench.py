@@ -198,7 +198,7 @@ def run_vllm(model_dir, prompts_file, max_tokens, k, configs, out_dir, bar) -> l
             results.append(result(f"vllm/{name}", 1, c["tokens"], c["wall_s"], framework="vllm",
                                   vllm=peer["vllm_version"], speculative_config=c["speculative_config"],
                                   texts=[r["text"] for r in c["per_prompt"]])
-                           | {"spec": spec})
+                           | {"spec": spec, "loadavg_1m_after": os.getloadavg()[0]})
     return results
 
 
@@ -342,7 +342,7 @@ def main() -> None:
         for name, run, batches in plan:
             for b in batches:
                 bar.set_postfix_str(f"{name} b{b}")
-                runs.append(run(b))
+                runs.append(run(b) | {"loadavg_1m_after": os.getloadavg()[0]})  # others share this machine
         if vllm_configs:
             runs += run_vllm(resolved.directory, prompts_file, args.max_tokens, k, vllm_configs, out.parent, bar)
     if not args.skip_vllm and not vllm_configs:

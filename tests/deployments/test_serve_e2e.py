@@ -74,9 +74,9 @@ def reference():
     runner, tokenizer = build_target(EngineConfig())
     engine = SpeculativeEngine(runner, tokenizer, None, 0)
 
-    def run(prompt: str, chat: bool, n: int) -> str:
+    def run(prompt: str, chat: bool, n: int, ignore_eos: bool = False) -> str:
         ids = encode_prompt(tokenizer, prompt, chat)
-        return engine.generate([ids], SamplingParams(max_tokens=n))[0].text
+        return engine.generate([ids], SamplingParams(max_tokens=n, ignore_eos=ignore_eos))[0].text
 
     return run
 
@@ -136,8 +136,10 @@ print(json.dumps({"leases": info["leases"]}))
 def test_killing_the_pinned_draft_worker_mid_stream_keeps_the_output(client, reference):
     """The only Draft replica is the one the request is pinned to; its worker is killed from another driver."""
     prompt = "List the days of the week, one per line."
+    # long enough (EOS ignored) that many rounds remain after the kill
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=60, temperature=0, stream=True)
+                                            max_tokens=160, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
     text, killed = "", None
     for chunk in stream:
         if chunk.choices:
@@ -148,7 +150,7 @@ def test_killing_the_pinned_draft_worker_mid_stream_keeps_the_output(client, ref
             assert done.returncode == 0, done.stderr[-2000:]
             killed = json.loads(done.stdout.strip().splitlines()[-1])
     assert killed is not None and killed["leases"] == 1, "the request held the Draft replica's lease"
-    assert text == reference(prompt, True, 60)
+    assert text == reference(prompt, True, 160, ignore_eos=True)
     assert httpx.get("http://127.0.0.1:8000/stats").json()["replica_failures"] >= 1
     # Serve's health check replaces the broken Draft replica; later requests still succeed
     after = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
