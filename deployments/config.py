@@ -115,5 +115,6 @@ class SpecServeConfig(_Strict):
         return EngineConfig(
             target=m.target, target_dtype=m.target_dtype, draft=m.draft, draft_dtype=m.draft_dtype,
             num_speculative_tokens=s.num_speculative_tokens, ngram_min=s.ngram_min, ngram_max=s.ngram_max,
+            max_batch_for_speculation=s.max_batch_for_speculation,
             max_model_len=m.max_model_len, device=m.device, trust_remote_code=m.trust_remote_code,
         )

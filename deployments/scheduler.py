@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from engine.policy import load_adjusted_k
 from engine.proposers import DraftRequest, NgramProposer
 from engine.rejection import greedy_accept, rejection_sample
 from engine.sampling import SamplingParams
@@ -120,9 +121,8 @@ class Scheduler:
         """The K rounds use right now (0 once the batch outgrows speculation)."""
         if self.config.draft_mode == "none":
             return 0
-        if len(self._live) > self.config.max_batch_for_speculation:
-            return 0
-        return self.config.num_speculative_tokens
+        return load_adjusted_k(self.config.num_speculative_tokens, len(self._live),
+                               self.config.max_batch_for_speculation)
 
     # ---- requests -------------------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, k: int | None = None,

@@ -23,6 +23,7 @@ class EngineConfig:
     num_speculative_tokens: int = 3
     ngram_min: int = 2
     ngram_max: int = 4
+    max_batch_for_speculation: int | None = None  # above this many live sequences rounds draft nothing
     max_model_len: int | None = 2048
     device: str = "cpu"
     trust_remote_code: bool = False
@@ -52,4 +53,5 @@ def build_engine(config: EngineConfig) -> SpeculativeEngine:
     proposer = build_proposer(config, tokenizer, target.vocab_size)
     eos = target.model.generation_config.eos_token_id if target.model.generation_config else None
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return SpeculativeEngine(target, tokenizer, proposer, config.num_speculative_tokens, eos_ids)
+    return SpeculativeEngine(target, tokenizer, proposer, config.num_speculative_tokens, eos_ids,
+                             config.max_batch_for_speculation)

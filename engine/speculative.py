@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .model_runner import ModelRunner
+from .policy import load_adjusted_k
 from .proposers import DraftRequest, Proposer
 from .rejection import rejection_sample
 from .sampling import BatchSampling, SamplingParams, logits_to_probs
@@ -32,6 +33,7 @@ class SpeculativeEngine:
         proposer: Proposer | None = None,
         num_speculative_tokens: int = 4,
         eos_token_ids: Sequence[int] = (),
+        max_batch_for_speculation: int | None = None,
     ) -> None:
         if num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
@@ -39,6 +41,7 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
+        self.max_batch_for_speculation = max_batch_for_speculation  # see engine/policy.py
         eos = set(eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -87,7 +90,8 @@ class SpeculativeEngine:
         if not seqs:
             return []
         # a round emits at most k+1 tokens, so drafting past remaining-1 is wasted work
-        ks = [s.draft_len() for s in seqs]
+        k_now = load_adjusted_k(self.num_speculative_tokens, len(seqs), self.max_batch_for_speculation)
+        ks = [s.draft_len(min(s.k, k_now)) for s in seqs]
         t0 = time.perf_counter()
         draft_ids, draft_probs, num_draft = self._draft(seqs, ks)
         t1 = time.perf_counter()

@@ -188,3 +188,13 @@ def test_sampled_generation_is_lossless_end_to_end(tiny_tokenizer):
     assert 0.5 * (got - exact).abs().sum() < bound
     assert 0.5 * (draft_marginal - exact).abs().sum() > 2 * bound, "the draft differs enough to be detectable"
     assert 0.1 < engine.stats.acceptance_rate < 0.95  # both acceptances and rollbacks happened
+
+
+def test_speculation_switches_off_above_the_batch_threshold(target_model, tiny_tokenizer):
+    engine = engine_with(target_model, tiny_tokenizer)
+    engine.max_batch_for_speculation = 2
+    big = engine.generate(PROMPTS[:3], GREEDY)  # 3 live > 2: plain rounds
+    assert all(c.stats.num_drafts == 0 for c in big)
+    small = engine.generate(PROMPTS[:2], GREEDY)
+    assert all(c.stats.num_drafts > 0 for c in small)
+    assert [c.token_ids for c in big[:2]] == [c.token_ids for c in small]
