@@ -13,6 +13,10 @@ greedy, at most --max-tokens new tokens (EOS stops earlier), K = EngineConfig's 
                one; batch 8 = one generate() over 8 sequences (prompts cycled to fill the last group)
 * vllm/*       bench/vllm_peer.py in bench/.vllm-venv: plain, ngram, self_draft (the fp32 model drafting itself)
 
+All our and HF configs are loaded and warmed up first, then run interleaved: prompt by prompt (group of 8 by
+group of 8), each config in turn, so load from other users of the machine falls on all of them alike. vLLM
+runs after them, one process per config.
+
 Reported: tokens, wall seconds (prefill in, warm-up out), tokens/s, acceptance rate (accepted / drafted, vLLM's
 definition), mean acceptance length (1 + accepted / drafting rounds), speedup over the same framework's plain
 run at the same batch, and for ours the ideal speedup of Leviathan et al. (arXiv 2211.17192),
@@ -37,6 +41,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
@@ -90,7 +95,12 @@ def machine_info() -> dict:
     return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(), "avx2": " avx2" in cpuinfo,
             "avx512f": " avx512f" in cpuinfo, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "transformers": transformers.__version__, "loadavg_before": os.getloadavg()}
+            "transformers": transformers.__version__, "loadavg_before": os.getloadavg(),
+            "git_commit": git("rev-parse", "--short", "HEAD"), "engine_uncommitted": git("status", "--short", "engine")}
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
 def result(name, batch, tokens, seconds, stats=None, timings=None, **extra) -> dict:
@@ -100,22 +110,39 @@ def result(name, batch, tokens, seconds, stats=None, timings=None, **extra) -> d
             "timings": vars(timings) | {"mean_batch": timings.mean_batch} if timings else None, **extra}
 
 
-def run_engine(name, target, tokenizer, proposer, k, eos, prompts, batch, max_tokens, bar) -> dict:
-    """Batch 1: one generate() per prompt. Batch 8: generate() over 8 prompts at once (cycled to fill)."""
-    engine = SpeculativeEngine(ModelRunner(target, EngineConfig.max_model_len), tokenizer, proposer, k, eos)
+@dataclass
+class Config:
+    """One configuration; `run` maps a group of prompts to their output token ids."""
+
+    name: str
+    batch: int
+    framework: str
+    run: Callable[[list[list[int]]], list[list[int]]]
+    stats: BenchStats
+    timings: EngineTimings
+    k: int = 0
+    seconds: float = 0.0
+    outputs: list = field(default_factory=list)
+    loads: list = field(default_factory=list)  # 1-minute load average after each group
+    error: str | None = None
+
+    def report(self, order: list[int]) -> dict:
+        if self.error:
+            return {"name": self.name, "batch": self.batch, "error": self.error}
+        return result(self.name, self.batch, sum(map(len, self.outputs)), self.seconds, self.stats,
+                      self.timings if self.timings.rounds else None, framework=self.framework, k=self.k,
+                      outputs=self.outputs, prompt_index=order, loadavg_1m=round(sum(self.loads) / len(self.loads), 2))
+
+
+def engine_config(name, batch, target, tokenizer, proposer, k, eos, max_tokens) -> Config:
+    cfg = EngineConfig()  # as build_engine() does, bar loading: one target module serves every config
+    engine = SpeculativeEngine(ModelRunner(target, cfg.max_model_len), tokenizer, proposer, k, eos,
+                               max_batch_for_speculation=cfg.max_batch_for_speculation)
     engine.generate([encode(tokenizer, WARMUP)], SamplingParams(max_tokens=8))
     engine.stats, engine.timings = BenchStats(), EngineTimings()
     params = SamplingParams(max_tokens=max_tokens)
-    order = [i % len(prompts) for i in range(-(-len(prompts) // batch) * batch)]
-    outputs, seconds = [], 0.0
-    for start in range(0, len(order), batch):
-        t0 = time.perf_counter()
-        done = engine.generate([prompts[i] for i in order[start:start + batch]], params)
-        seconds += time.perf_counter() - t0
-        outputs += [c.token_ids for c in done]
-        bar.update(max(0, min(batch, len(prompts) - start)))
-    return result(name, batch, sum(map(len, outputs)), seconds, engine.stats, engine.timings, framework="ours",
-                  k=k, outputs=outputs, prompt_index=order)
+    return Config(name, batch, "ours", lambda group: [c.token_ids for c in engine.generate(group, params)],
+                  engine.stats, engine.timings, k)
 
 
 @contextlib.contextmanager
@@ -145,7 +172,8 @@ def hf_spec_counter(stats: BenchStats, timings: EngineTimings):
         yield
 
 
-def run_hf(name, model, prompts, max_tokens, eos, bar, **kwargs) -> dict:
+def hf_config(name, model, warmup, max_tokens, eos, **kwargs) -> Config:
+    """HF generate() one prompt at a time (assisted generation is batch 1 only)."""
     stats, timings = BenchStats(), EngineTimings()
 
     def generate(ids, n):
@@ -154,19 +182,38 @@ def run_hf(name, model, prompts, max_tokens, eos, bar, **kwargs) -> dict:
                              pad_token_id=eos, **kwargs)
         return out[0, x.shape[1]:].tolist()
 
-    outputs, seconds = [], 0.0
-    try:
-        generate(prompts[0][:16], 8)  # warm-up
+    def run(group):
         with hf_spec_counter(stats, timings):
-            for ids in prompts:
-                t0 = time.perf_counter()
-                outputs.append(generate(ids, max_tokens))
-                seconds += time.perf_counter() - t0
-                bar.update(1)
-    except Exception as exc:  # report why HF refused and go on with the rest
-        return {"name": name, "batch": 1, "error": f"{type(exc).__name__}: {exc}"}
-    return result(name, 1, sum(map(len, outputs)), seconds, stats, timings if timings.rounds else None,
-                  framework="hf", outputs=outputs, prompt_index=list(range(len(prompts))))
+            return [generate(ids, max_tokens) for ids in group]
+
+    generate(warmup, 8)
+    return Config(name, 1, "hf", run, stats, timings)
+
+
+def run_interleaved(configs: list[Config], prompts: list[list[int]], bar) -> dict[int, list[int]]:
+    """Group by group (a prompt at batch 1, 8 prompts at batch 8), every config in turn, the turn order rotated.
+
+    Others share this machine, so its load changes by the minute; interleaving spreads that over all configs
+    alike instead of hitting whichever config runs then. Returns each batch size's prompt order (cycled to fill).
+    """
+    orders = {}
+    for batch in sorted({c.batch for c in configs}):
+        members = [c for c in configs if c.batch == batch and not c.error]
+        orders[batch] = order = [i % len(prompts) for i in range(-(-len(prompts) // batch) * batch)]
+        for g, start in enumerate(range(0, len(order), batch)):
+            group = [prompts[i] for i in order[start:start + batch]]
+            for c in members[g % len(members):] + members[: g % len(members)]:
+                bar.set_postfix_str(f"{c.name} b{batch}")
+                if not c.error:
+                    try:
+                        t0 = time.perf_counter()
+                        c.outputs += c.run(group)
+                        c.seconds += time.perf_counter() - t0
+                    except Exception as exc:  # e.g. HF refusing a setting: report it, go on with the rest
+                        c.error = f"{type(exc).__name__}: {exc}"
+                    c.loads.append(os.getloadavg()[0])
+                bar.update(max(0, min(batch, len(prompts) - start)))
+    return orders
 
 
 def run_vllm(model_dir, prompts_file, max_tokens, k, configs, out_dir, bar) -> list[dict]:
@@ -267,15 +314,15 @@ def checks(runs: list[dict]) -> list[dict]:
 
 def table(runs: list[dict], report: list[dict]) -> str:
     f = lambda v, spec=".2f": "-" if v is None else format(v, spec)  # noqa: E731
-    lines = [f"{'config':<13}{'batch':>6}{'tokens':>7}{'sec':>7}{'tok/s':>7}{'accept':>7}{'len':>6}{'speedup':>8}"
+    lines = [f"{'config':<16}{'batch':>6}{'tokens':>7}{'sec':>7}{'tok/s':>7}{'accept':>7}{'len':>6}{'speedup':>8}"
              f"{'ideal':>7}{'meas/id':>8}{'id.lit':>7}{'greedy==':>9}"]
     lines.append("-" * len(lines[0]))
     for r in runs:
         if "error" in r:
-            lines.append(f"{r['name']:<13}{r['batch']:>6}  ERROR {r['error'][:200]}")
+            lines.append(f"{r['name']:<16}{r['batch']:>6}  ERROR {r['error'][:200]}")
             continue
         s, eq = r.get("spec") or {}, r.get("greedy_equal")
-        lines.append(f"{r['name']:<13}{r['batch']:>6}{r['tokens']:>7}{r['seconds']:>7.1f}{r['tok_per_s']:>7.1f}"
+        lines.append(f"{r['name']:<16}{r['batch']:>6}{r['tokens']:>7}{r['seconds']:>7.1f}{r['tok_per_s']:>7.1f}"
                      f"{f(s.get('acceptance_rate')):>7}{f(s.get('mean_acceptance_length')):>6}"
                      f"{f(r.get('speedup')):>8}{f(r.get('ideal_speedup')):>7}{f(r.get('measured_over_ideal')):>8}"
                      f"{f(r.get('ideal_literal')):>7}{f'{eq[0]}/{eq[1]}' if eq else '-':>9}")
@@ -320,29 +367,28 @@ def main() -> None:
     prompts = [encode(tokenizer, r["messages"]) for r in records]
     vocab = target.get_input_embeddings().weight.shape[0]
 
-    def ours(name, make_proposer, k):
-        return lambda b: run_engine(name, target, tokenizer, make_proposer(), k, eos, prompts, b, args.max_tokens,
-                                    bar)
-
-    def hf(name, **kwargs):
-        return lambda b: run_hf(name, hf_target, prompts, args.max_tokens, eos[0], bar, **kwargs)
-
-    plan = [("ours/plain", ours("ours/plain", lambda: None, 0), (1, BATCH))]
-    if not args.skip_hf:
-        plan += [("hf/generate", hf("hf/generate"), (1,)),
-                 ("hf/assisted", hf("hf/assisted", assistant_model=draft), (1,)),
-                 ("hf/lookup", hf("hf/lookup", prompt_lookup_num_tokens=k, max_matching_ngram_size=cfg.ngram_max),
-                  (1,))]
-    plan += [("ours/draft", ours("ours/draft", lambda: DraftModelProposer(ModelRunner(draft, cfg.max_model_len),
-                                                                            vocab), k), (1, BATCH)),
-             ("ours/ngram", ours("ours/ngram", lambda: NgramProposer(cfg.ngram_min, cfg.ngram_max), k), (1, BATCH))]
+    warmup = encode(tokenizer, WARMUP)
+    proposers = {"ours/plain": (lambda: None, 0),
+                 "ours/draft": (lambda: DraftModelProposer(ModelRunner(draft, cfg.max_model_len), vocab), k),
+                 "ours/ngram": (lambda: NgramProposer(cfg.ngram_min, cfg.ngram_max), k)}
+    hf_kwargs = {} if args.skip_hf else {
+        "hf/generate": {}, "hf/assisted": {"assistant_model": draft},
+        "hf/lookup": {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": cfg.ngram_max}}
+    configs = []
+    for name, batch in [(n, 1) for n in ("ours/plain", *hf_kwargs, "ours/draft", "ours/ngram")] + [
+            (n, BATCH) for n in ("ours/plain", "ours/draft", "ours/ngram")]:
+        try:  # load and warm up everything before timing anything
+            if name in hf_kwargs:
+                configs.append(hf_config(name, hf_target, warmup, args.max_tokens, eos[0], **hf_kwargs[name]))
+            else:
+                make, kk = proposers[name]
+                configs.append(engine_config(name, batch, target, tokenizer, make(), kk, eos, args.max_tokens))
+        except Exception as exc:  # e.g. HF refusing the assistant: report why
+            configs.append(Config(name, batch, "", None, None, None, error=f"{type(exc).__name__}: {exc}"))
     vllm_configs = [] if args.skip_vllm or not VLLM_PYTHON.exists() else args.vllm_configs
-    runs = []
-    with tqdm(total=len(prompts) * sum(len(b) for *_, b in plan) + len(vllm_configs), unit="prompt") as bar:
-        for name, run, batches in plan:
-            for b in batches:
-                bar.set_postfix_str(f"{name} b{b}")
-                runs.append(run(b) | {"loadavg_1m_after": os.getloadavg()[0]})  # others share this machine
+    with tqdm(total=len(prompts) * len(configs) + len(vllm_configs), unit="prompt") as bar:
+        orders = run_interleaved(configs, prompts, bar)
+        runs = [c.report(orders.get(c.batch, [])) for c in configs]
         if vllm_configs:
             runs += run_vllm(resolved.directory, prompts_file, args.max_tokens, k, vllm_configs, out.parent, bar)
     if not args.skip_vllm and not vllm_configs:
