@@ -45,7 +45,8 @@ class SpeculationSection(_Strict):
     ngram_min: int = Field(2, ge=1, description="shortest n-gram prompt lookup tries")
     ngram_max: int = Field(4, ge=1, description="longest n-gram prompt lookup tries")
     max_batch_for_speculation: int = Field(
-        4, ge=0, description="live sequences in a round above which K drops to 0 (verification stops being free)"
+        EngineConfig.max_batch_for_speculation, ge=0,
+        description="live sequences in a round above which K drops to 0 (verification stops being free)",
     )
 
 

@@ -23,7 +23,7 @@ class EngineConfig:
     num_speculative_tokens: int = 3
     ngram_min: int = 2
     ngram_max: int = 4
-    max_batch_for_speculation: int | None = None  # above this many live sequences rounds draft nothing
+    max_batch_for_speculation: int | None = 4  # above this many live sequences rounds draft nothing (policy.py)
     max_model_len: int | None = 2048
     device: str = "cpu"
     trust_remote_code: bool = False
