@@ -11,7 +11,6 @@ DeploymentHandle call, ~3.5 ms). Closing the lease frees the sequence's caches a
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 
 import ray
@@ -22,7 +21,6 @@ from engine.factory import EngineConfig
 
 from .workers import ray_actor_classes
 
-logger = logging.getLogger("ray.serve")
 
 
 def _in_my_bundle(index: int) -> dict:
@@ -89,7 +87,7 @@ class DraftServer(_LeasedReplica):
                 "namespace": ray.get_runtime_context().namespace, **(await self.worker.stats.remote())}
 
     def check_health(self) -> None:
-        ray.get(self.worker.stats.remote(), timeout=30)
+        self._check([self.worker])
 
 
 class TargetServer(_LeasedReplica):

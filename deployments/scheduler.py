@@ -25,7 +25,7 @@ from engine.policy import load_adjusted_k
 from engine.proposers import DraftRequest, NgramProposer
 from engine.rejection import greedy_accept, rejection_sample
 from engine.sampling import SamplingParams
-from engine.sequence import RequestOutput, SequenceState, draft_generator
+from engine.sequence import RequestOutput, SequenceState
 from engine.stats import EngineTimings, SpecStats
 
 from .workers import DraftCall, SeqDelta, VerifyCall
@@ -74,7 +74,6 @@ class _Live:
     draft_sent: int = 0  # committed tokens the draft worker has
     target_sent: int = 0
     failures: int = 0
-    ngram_generator: torch.Generator | None = None
 
     def delta(self, sent: int) -> SeqDelta:
         p = self.seq.params
@@ -158,8 +157,7 @@ class Scheduler:
             except BaseException:
                 await target.close()
                 raise
-        gen = draft_generator(seq.params) if self.config.draft_mode == "ngram" else None
-        return _Live(seq=seq, queue=asyncio.Queue(), target=target, draft=draft, ngram_generator=gen)
+        return _Live(seq=seq, queue=asyncio.Queue(), target=target, draft=draft)
 
     async def _finish(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
@@ -228,7 +226,8 @@ class Scheduler:
         if self.ngram is not None:
             asked = [b for b, k in enumerate(ks) if k > 0]
             proposal = self.ngram.propose([DraftRequest(rows[b].seq.request_id, rows[b].seq.tokens, ks[b],
-                                                        rows[b].seq.params, rows[b].ngram_generator) for b in asked])
+                                                        rows[b].seq.params, rows[b].seq.generator)  # unused: lookup is deterministic
+                                                   for b in asked])
             for i, b in enumerate(asked):
                 drafts[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
             return drafts, {}, 0.0

@@ -126,6 +126,9 @@ class DraftWorkerCore:
         return {"live_sequences": self.proposer.runner.num_live, "calls": self.calls, "rows": self.rows,
                 "pid": os.getpid()}
 
+    def ping(self) -> bool:
+        return True
+
 
 class TargetWorkerCore:
     """One tensor-parallel rank of the target: a shard of the weights and of every KV cache."""

@@ -79,8 +79,6 @@ def supports(model: nn.Module) -> bool:
         mods = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if not all(isinstance(m, ok_types) for m in mods):
             return False
-        if isinstance(attn.q_proj, Int8WeightOnlyLinear) and next(iter([attn.q_proj])).weight_int8.device.type != "cpu":
-            return False
     return isinstance(base.embed_tokens, nn.Embedding)
 
 

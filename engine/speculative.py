@@ -19,8 +19,7 @@ from .policy import load_adjusted_k
 from .proposers import DraftRequest, Proposer
 from .rejection import rejection_sample
 from .sampling import BatchSampling, SamplingParams, logits_to_probs
-from .sequence import (EmptyPromptError, PromptTooLongError, RequestOutput, SequenceState, check_prompt,
-                       draft_generator)
+from .sequence import (RequestOutput, SequenceState, draft_generator)
 from .stats import EngineTimings, SpecStats
 
 class SpeculativeEngine:

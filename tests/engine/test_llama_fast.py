@@ -6,7 +6,6 @@ import torch
 from engine.llama_fast import supports
 from engine.model_runner import ModelRunner
 from engine.quantize import quantize_int8_weight_only
-from engine.tensor_parallel import shard_model
 from tests.conftest import make_tiny_model
 
 
