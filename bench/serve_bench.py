@@ -3,8 +3,9 @@
 Start the server first (`make run`, or `serve run serve_config.yaml`), then `python -m bench.serve_bench`.
 Measures, on the same prompts (bench/prompts.jsonl), greedy, streaming:
 - HTTP batch 1: requests one after another; tokens/s = completion tokens / wall time;
+- the in-process engine (same target, draft and K as serve_config.yaml) at batch 1, each prompt right after or
+  before its HTTP run (paired, so background load on the machine hits both alike);
 - HTTP 8 concurrent streams: aggregate tokens/s;
-- the in-process engine (same target, draft and K as serve_config.yaml) at batch 1, after the HTTP runs;
 - the router's orchestration overhead per round (GET /stats: round wall time minus worker compute).
 Prints a table and writes JSON (bench/results/serve_bench.json).
 """
@@ -54,16 +55,41 @@ def main() -> None:
     cfg = SpecServeConfig.model_validate(app_args)
     model = cfg.model.served_model_name
     prompts = load_prompts(args.prompts, args.limit)
-    http_run(args.base, model, prompts[0], 8)  # warm-up
+    from engine.factory import build_engine
+    from engine.sampling import SamplingParams
 
+    engine = build_engine(cfg.engine_config())
+    ids = [engine.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
+           ["input_ids"] for p in prompts]
+    engine.generate([ids[0]], SamplingParams(max_tokens=8))  # warm-up, both sides
+    http_run(args.base, model, prompts[0], 8)
+
+    # batch 1, paired: each prompt runs over HTTP and in-process back to back (alternating which goes first), so
+    # the machine's background load hits both sides alike
     before = httpx.get(f"{args.base}/stats").json()
-    t = time.perf_counter()
-    b1_tokens = sum(http_run(args.base, model, p, args.max_tokens) for p in prompts)
-    b1_s = time.perf_counter() - t
+    eng_rounds0 = engine.timings.rounds
+    eng_draft0, eng_verify0 = engine.timings.draft_seconds, engine.timings.verify_seconds
+    b1_tokens = eng_tokens = 0
+    b1_s = eng_s = 0.0
+    for n, (p, i) in enumerate(zip(prompts, ids)):
+        for side in ((0, 1) if n % 2 == 0 else (1, 0)):
+            t = time.perf_counter()
+            if side == 0:
+                b1_tokens += http_run(args.base, model, p, args.max_tokens)
+                b1_s += time.perf_counter() - t
+            else:
+                eng_tokens += len(engine.generate([i], SamplingParams(max_tokens=args.max_tokens))[0].token_ids)
+                eng_s += time.perf_counter() - t
     after = httpx.get(f"{args.base}/stats").json()
     rounds = after["rounds"] - before["rounds"]
-    orch_ms = (after["orchestration_ms_per_round"] * after["rounds"]
-               - before["orchestration_ms_per_round"] * before["rounds"]) / max(1, rounds)
+    per_round = {key: (after[key] * after["rounds"] - before[key] * before["rounds"]) / max(1, rounds)
+                 for key in ("orchestration_ms_per_round", "draft_compute_ms_per_round",
+                             "verify_compute_ms_per_round")}
+    orch_ms = per_round["orchestration_ms_per_round"]
+    eng_rounds = engine.timings.rounds - eng_rounds0
+    eng_draft_ms = 1000 * (engine.timings.draft_seconds - eng_draft0) / max(1, eng_rounds)
+    eng_verify_ms = 1000 * (engine.timings.verify_seconds - eng_verify0) / max(1, eng_rounds)
+    del engine
 
     t = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -71,22 +97,13 @@ def main() -> None:
                                  [prompts[i % len(prompts)] for i in range(8)]))
     c8_s = time.perf_counter() - t
 
-    from engine.cli import encode_prompt
-    from engine.factory import build_engine
-    from engine.sampling import SamplingParams
-
-    engine = build_engine(cfg.engine_config())
-    ids = [engine.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
-           ["input_ids"] for p in prompts]
-    engine.generate([ids[0]], SamplingParams(max_tokens=8))
-    t = time.perf_counter()
-    eng_tokens = sum(len(engine.generate([i], SamplingParams(max_tokens=args.max_tokens))[0].token_ids) for i in ids)
-    eng_s = time.perf_counter() - t
-    del encode_prompt
-
     result = {
         "http_batch1_tok_s": b1_tokens / b1_s, "http_concurrent8_tok_s": c8_tokens / c8_s,
-        "engine_batch1_tok_s": eng_tokens / eng_s, "orchestration_ms_per_round_batch1": orch_ms,
+        "engine_batch1_tok_s": eng_tokens / eng_s, "engine_ms_per_round_batch1": 1000 * eng_s / max(1, eng_rounds),
+        "engine_draft_ms_per_round_batch1": eng_draft_ms, "engine_verify_ms_per_round_batch1": eng_verify_ms, "orchestration_ms_per_round_batch1": orch_ms,
+        "draft_compute_ms_per_round_batch1": per_round["draft_compute_ms_per_round"],
+        "verify_compute_ms_per_round_batch1": per_round["verify_compute_ms_per_round"],
+        "http_ms_per_round_batch1": 1000 * b1_s / max(1, rounds),
         "rounds_batch1": rounds, "k": cfg.speculation.num_speculative_tokens, "draft": cfg.model.draft,
         "draft_dtype": cfg.model.draft_dtype, "prompts": len(prompts), "max_tokens": args.max_tokens,
     }

@@ -97,6 +97,8 @@ class SchedulerStats:
     spec: SpecStats = field(default_factory=SpecStats)
     timings: EngineTimings = field(default_factory=EngineTimings)
     orchestration_seconds: float = 0.0  # round wall time minus the workers' own compute, summed
+    draft_compute_seconds: float = 0.0  # the draft workers' own compute, summed
+    verify_compute_seconds: float = 0.0  # the target workers' own compute (rank 0), summed
     replica_failures: int = 0
 
 
@@ -210,13 +212,20 @@ class Scheduler:
             live.target_sent = live.seq.num_tokens
         t2 = time.perf_counter()
         outputs = self._accept(rows, drafts, draft_probs, result)
+        finished = []
         for live, out in zip(rows, outputs):
             if live.seq.request_id in self._live:  # not aborted while the round was in flight
                 live.queue.put_nowait(out)
+                if out.finished:
+                    finished.append(live.seq.request_id)
+        for request_id in finished:  # leave now, not when the consumer next runs: no round for a finished request
+            await self._finish(request_id)
         t3 = time.perf_counter()
         self.stats.timings.record(len(rows), t1 - t0, t2 - t1, t3 - t2)
         # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
         self.stats.orchestration_seconds += (t2 - t0) - draft_compute - result.get("seconds", 0.0)
+        self.stats.draft_compute_seconds += draft_compute
+        self.stats.verify_compute_seconds += result.get("seconds", 0.0)
 
     async def _propose(self, rows: list[_Live], ks: list[int]
                        ) -> tuple[list[list[int]], dict[int, np.ndarray], float]:
@@ -248,7 +257,7 @@ class Scheduler:
             compute += result.get("seconds", 0.0)
             for i, b in enumerate(members):
                 rows[b].draft_sent = rows[b].seq.num_tokens
-                drafts[b] = result["token_ids"][i, : int(result["num_tokens"][i])].tolist()
+                drafts[b] = result["drafts"][i]
                 if i in result["probs"]:
                     probs[b] = result["probs"][i]
         return drafts, probs, compute

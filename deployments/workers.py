@@ -76,12 +76,24 @@ class _KnownTokens:
         self.tokens.pop(seq_id, None)
 
 
+def set_torch_threads(threads: int | None, concurrent_workers: int = 1) -> int:
+    """Set torch's intra-op threads for this worker process and return the number.
+
+    Ray starts workers with OMP_NUM_THREADS=1 unless told otherwise, which makes a CPU model run on one core. None
+    means: this node's cores, shared among the workers that compute at the same time (the ranks of one
+    tensor-parallel target; draft and target alternate within a round, so each gets all cores).
+    """
+    if threads is None:
+        threads = max(1, len(os.sched_getaffinity(0)) // concurrent_workers)
+    torch.set_num_threads(threads)
+    return threads
+
+
 class DraftWorkerCore:
     """Holds the draft model, its KV caches and each sequence's draft random stream."""
 
     def __init__(self, config: EngineConfig, torch_threads: int | None = None) -> None:
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        self.torch_threads = set_torch_threads(torch_threads)
         target = resolve(config.target)
         draft = resolve(config.draft)
         check_tokenizers_compatible(load_tokenizer(target), load_tokenizer(draft))
@@ -108,9 +120,9 @@ class DraftWorkerCore:
         self.calls += 1
         self.rows += len(calls)
         sampled = [b for b, call in enumerate(calls) if call.seq.temperature > 0]
+        ids, counts = proposal.token_ids.tolist(), proposal.num_tokens.tolist()
         return {
-            "token_ids": proposal.token_ids.numpy(),
-            "num_tokens": proposal.num_tokens.numpy(),
+            "drafts": [row[:n] for row, n in zip(ids, counts)],  # per call, the drafted token ids
             # greedy rows are one-hot: the router rebuilds them; only sampled rows' distributions travel
             "probs": {b: proposal.probs[b].numpy() for b in sampled},
             "seconds": time.perf_counter() - start,  # worker compute, so the router can tell RPC overhead apart
@@ -124,7 +136,7 @@ class DraftWorkerCore:
 
     def stats(self) -> dict:
         return {"live_sequences": self.proposer.runner.num_live, "calls": self.calls, "rows": self.rows,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "torch_threads": self.torch_threads}
 
     def ping(self) -> bool:
         return True
@@ -134,8 +146,7 @@ class TargetWorkerCore:
     """One tensor-parallel rank of the target: a shard of the weights and of every KV cache."""
 
     def __init__(self, config: EngineConfig, rank: int = 0, world: int = 1, torch_threads: int | None = None) -> None:
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        self.torch_threads = set_torch_threads(torch_threads, concurrent_workers=world)
         self.rank, self.world = rank, world
         self.config = config
         self.runner: ModelRunner | None = None
@@ -210,7 +221,7 @@ class TargetWorkerCore:
     def stats(self) -> dict:
         return {"rank": self.rank, "live_sequences": self.runner.num_live if self.runner else 0,
                 "calls": self.calls, "rows": self.rows, "parameters": num_parameters(self.runner.model),
-                "full_parameters": self.full_parameters, "pid": os.getpid()}
+                "full_parameters": self.full_parameters, "pid": os.getpid(), "torch_threads": self.torch_threads}
 
     def ping(self) -> bool:
         return True

@@ -71,6 +71,19 @@ def test_concurrent_requests_are_batched_and_correct(setup, tiny_model_dirs):
     assert broker.cores["target"].rows > broker.cores["target"].calls, "one verify call carried several requests"
 
 
+def test_finished_request_leaves_before_the_next_round(setup):
+    config, broker, router = setup
+
+    async def go():
+        async with client(router) as c:
+            return await asyncio.gather(complete(c, max_tokens=4), complete(c, prompt=[9, 8, 7, 6], max_tokens=40))
+
+    results = [r.json() for r in asyncio.run(go())]
+    rounds = sum(r["usage"]["speculative"]["rounds"] for r in results)
+    assert results[0]["usage"]["completion_tokens"] == 4
+    assert broker.cores["target"].rows == rounds, "a finished request was verified again in a later round"
+
+
 def test_per_request_speculation_options(setup):
     config, broker, router = setup
 
@@ -210,3 +223,20 @@ def test_admission_limit_answers_503_with_retry_after(tiny_model_dirs):
     for r in results:
         if r.status_code == 503:
             assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"
+
+
+def test_worker_threads_default_to_the_cores_shared_by_concurrent_ranks():
+    import os
+
+    import torch
+
+    from deployments.workers import set_torch_threads
+
+    before = torch.get_num_threads()
+    try:
+        cores = len(os.sched_getaffinity(0))
+        assert set_torch_threads(None) == cores == torch.get_num_threads()
+        assert set_torch_threads(None, concurrent_workers=2 * cores) == 1
+        assert set_torch_threads(3) == 3 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
