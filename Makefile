@@ -9,7 +9,10 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench clean
+# Test-only system package: a real Prometheus for tests/deployments/test_observability.py (Debian's package).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install test-deps run test bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,15 +24,21 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+test-deps:
+	command -v prometheus >/dev/null || { $(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus; }
+
 run: install
 	$(BIN)/serve run serve_config.yaml
 
 # Modules that drive a Ray cluster run in their own pytest processes, so Ray's driver threads never share a
 # process with the rest of the suite.
-test: install
+test: install test-deps
 	$(BIN)/python -m pytest -m "not ray" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m ray tests/deployments/test_cluster_tiny.py $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m ray tests/deployments/test_serve_e2e.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m ray tests/cluster/test_multinode.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m ray tests/deployments/test_observability.py $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m bench.engine_bench

@@ -87,6 +87,14 @@ def usage_json(prompt_tokens: int, completion_tokens: int, stats) -> dict:
     }
 
 
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/stats")
+
+
+def _route_label(path: str) -> str:
+    """A bounded metric label: unknown paths (scanners, fuzzers) share one value."""
+    return path if path in ROUTES else "other"
+
+
 def _sse(obj: dict | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
 
@@ -117,8 +125,11 @@ def create_app(router) -> FastAPI:
         try:
             router.check_http(request)
         except APIError as exc:
+            router.metrics.http(_route_label(request.url.path), exc.status)
             return exc.response()
-        return await call_next(request)
+        response = await call_next(request)
+        router.metrics.http(_route_label(request.url.path), response.status_code)
+        return response
 
     @app.get("/health")
     async def health():

@@ -9,13 +9,15 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from engine.loading import load_tokenizer, resolve
 from engine.sampling import SamplingParams
 from engine.sequence import EmptyPromptError, PromptTooLongError
 
 from .config import SpecServeConfig
+from .metrics import NullMetrics
 from .openai_api import APIError, ChatCompletionRequest, CompletionRequest, create_app
 from .scheduler import Overloaded, ReplicaGone, Scheduler, SchedulerConfig
 
@@ -27,6 +29,7 @@ class Prepared:
     prompt_ids: list[int]
     params: SamplingParams
     k: int | None
+    arrival: float = field(default_factory=time.perf_counter)
 
 
 def eos_ids_of(model_dir) -> frozenset[int]:
@@ -40,8 +43,9 @@ def eos_ids_of(model_dir) -> frozenset[int]:
 
 
 class Router:
-    def __init__(self, config: SpecServeConfig, broker, tokenizer=None) -> None:
+    def __init__(self, config: SpecServeConfig, broker, tokenizer=None, metrics=None) -> None:
         self.config = config
+        self.metrics = metrics or NullMetrics()
         resolved = resolve(config.model.target)
         self.tokenizer = tokenizer or load_tokenizer(resolved, config.model.trust_remote_code)
         eos = set(eos_ids_of(resolved.directory))
@@ -58,6 +62,7 @@ class Router:
             ),
             self.tokenizer, broker,
         )
+        self.scheduler.metrics = self.metrics
         self.api_key = os.environ.get(config.api_key_env) or None
 
     @property
@@ -84,6 +89,7 @@ class Router:
 
     # ---- request preparation --------------------------------------------------------------------------------
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
+        arrival = time.perf_counter()
         if isinstance(body.prompt, str):
             if not body.prompt:
                 raise APIError(400, "prompt is empty", param="prompt", code="empty_prompt")
@@ -93,17 +99,18 @@ class Router:
             vocab = len(self.tokenizer)
             if any(t < 0 or t >= vocab for t in ids):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return self._prepare(body, ids, body.max_tokens)
+        return self._prepare(body, ids, body.max_tokens, arrival)
 
     def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
+        arrival = time.perf_counter()
         if not body.messages:
             raise APIError(400, "messages is empty", param="messages", code="empty_prompt")
         messages = [m.model_dump() for m in body.messages]
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                  return_dict=True)["input_ids"]
-        return self._prepare(body, list(ids), body.max_completion_tokens or body.max_tokens)
+        return self._prepare(body, list(ids), body.max_completion_tokens or body.max_tokens, arrival)
 
-    def _prepare(self, body, prompt_ids: list[int], max_tokens: int | None) -> Prepared:
+    def _prepare(self, body, prompt_ids: list[int], max_tokens: int | None, arrival: float) -> Prepared:
         cfg, limits = self.config, self.config.limits
         if body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
@@ -137,13 +144,25 @@ class Router:
             k = 0 if not body.speculative.enabled else body.speculative.k
         if self.config.log_prompts:
             logger.info("prompt: %r", self.tokenizer.decode(prompt_ids))
-        return Prepared(prompt_ids, params, k)
+        return Prepared(prompt_ids, params, k, arrival)
 
     async def run(self, prepared: Prepared, request_id: str):
         """The request's per-round outputs; scheduler errors become API errors."""
         stream = self.scheduler.generate(prepared.prompt_ids, prepared.params, prepared.k, request_id)
+        last_t, last = None, None
         try:
             async for out in stream:
+                now = time.perf_counter()
+                if out.new_token_ids:
+                    if last_t is None:
+                        self.metrics.first_token(now - prepared.arrival)
+                    else:
+                        self.metrics.tokens(now - last_t, len(out.new_token_ids))
+                    last_t = now
+                last = out
+                if out.finished:
+                    self.metrics.finished(out.num_prompt_tokens, out.num_output_tokens, out.finish_reason,
+                                          now - prepared.arrival)
                 yield out
         except Overloaded as exc:
             raise APIError(503, f"server overloaded: {exc}", type_="server_overloaded", code="overloaded",
@@ -153,6 +172,9 @@ class Router:
         except ReplicaGone as exc:
             raise APIError(503, str(exc), type_="server_error", headers={"Retry-After": "1"}) from exc
         finally:
+            if last is not None and not last.finished:  # client gone or error: counted as aborted
+                self.metrics.finished(last.num_prompt_tokens, last.num_output_tokens, "abort",
+                                      time.perf_counter() - prepared.arrival)
             await stream.aclose()
 
 
@@ -165,7 +187,11 @@ def build_router_server():
         def __init__(self, config: dict, draft_handle, target_handle) -> None:
             from .leases import RayLeaseBroker
 
-            self.router = Router(SpecServeConfig.model_validate(config), RayLeaseBroker(draft_handle, target_handle))
+            from .metrics import ServingMetrics
+
+            cfg = SpecServeConfig.model_validate(config)
+            self.router = Router(cfg, RayLeaseBroker(draft_handle, target_handle),
+                                 metrics=ServingMetrics(cfg.model.served_model_name))
 
         def __serve_build_asgi_app__(self):
             return create_app(self.router)

@@ -28,6 +28,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput, SequenceState
 from engine.stats import EngineTimings, SpecStats
 
+from .metrics import NullMetrics
 from .workers import DraftCall, SeqDelta, VerifyCall
 
 logger = logging.getLogger("ray.serve")
@@ -109,7 +110,9 @@ class Scheduler:
         self.broker = broker
         self.ngram = NgramProposer(config.ngram_min, config.ngram_max) if config.draft_mode == "ngram" else None
         self.stats = SchedulerStats()
+        self.metrics = NullMetrics()  # the Serve router replaces it with deployments.metrics.ServingMetrics
         self._live: dict[str, _Live] = {}
+        self._waiting = 0  # admitted, waiting for leases
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -135,7 +138,11 @@ class Scheduler:
         k = self.config.num_speculative_tokens if k is None else k
         seq = SequenceState.create(request_id, prompt_ids, params, k, self.config.max_model_len,
                                    self.config.eos_token_ids, self.tokenizer)
-        live = await self._open(seq)
+        self._waiting += 1
+        try:
+            live = await self._open(seq)
+        finally:
+            self._waiting -= 1
         self._live[request_id] = live
         self._ensure_running()
         self._wakeup.set()
@@ -177,6 +184,7 @@ class Scheduler:
     async def _run(self) -> None:
         while True:
             if not self._live:
+                self.metrics.load(0, self._waiting, self.current_k())
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -194,6 +202,7 @@ class Scheduler:
             key = (live.draft.key if live.draft else None, live.target.key)
             groups.setdefault(key, []).append(live)
         k = self.current_k()
+        self.metrics.load(len(self._live), self._waiting, k)
         await asyncio.gather(*(self._round_group(rows, k) for rows in groups.values()))
 
     async def _round_group(self, rows: list[_Live], k_now: int) -> None:
@@ -211,7 +220,7 @@ class Scheduler:
         for live in rows:
             live.target_sent = live.seq.num_tokens
         t2 = time.perf_counter()
-        outputs = self._accept(rows, drafts, draft_probs, result)
+        outputs, accepted = self._accept(rows, drafts, draft_probs, result)
         finished = []
         for live, out in zip(rows, outputs):
             if live.seq.request_id in self._live:  # not aborted while the round was in flight
@@ -223,7 +232,9 @@ class Scheduler:
         t3 = time.perf_counter()
         self.stats.timings.record(len(rows), t1 - t0, t2 - t1, t3 - t2)
         # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
-        self.stats.orchestration_seconds += (t2 - t0) - draft_compute - result.get("seconds", 0.0)
+        orchestration = (t2 - t0) - draft_compute - result.get("seconds", 0.0)
+        self.stats.orchestration_seconds += orchestration
+        self.metrics.round([len(d) for d in drafts], accepted, t1 - t0, t2 - t1, orchestration)
         self.stats.draft_compute_seconds += draft_compute
         self.stats.verify_compute_seconds += result.get("seconds", 0.0)
 
@@ -263,7 +274,7 @@ class Scheduler:
         return drafts, probs, compute
 
     def _accept(self, rows: list[_Live], drafts: list[list[int]], draft_probs: dict[int, np.ndarray],
-                result: dict) -> list[RequestOutput]:
+                result: dict) -> tuple[list[RequestOutput], list[int]]:
         emitted: dict[int, tuple[list[int], int]] = {}
         for b, argmax in result["argmax"].items():
             emitted[b] = greedy_accept(drafts[b], argmax)
@@ -284,13 +295,14 @@ class Scheduler:
                                    [rows[b].seq.generator for b in sampled])
             for i, b in enumerate(sampled):
                 emitted[b] = (res.tokens(i), int(res.num_accepted[i]))
-        outputs = []
+        outputs, accepted_counts = [], []
         for b, live in enumerate(rows):
             tokens, accepted = emitted[b]
             out = live.seq.commit(tokens, len(drafts[b]), accepted)
             self.stats.spec.record(len(drafts[b]), accepted, len(out.new_token_ids))
             outputs.append(out)
-        return outputs
+            accepted_counts.append(accepted)
+        return outputs, accepted_counts
 
     async def _replace_target(self, rows: list[_Live]) -> None:
         self.stats.replica_failures += 1

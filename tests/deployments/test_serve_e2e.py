@@ -3,57 +3,24 @@
 import concurrent.futures
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.deployments.serve_cluster import serve_app
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 MODEL = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France? Answer in one sentence."
 
 
-def wait_until(predicate, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if predicate():
-                return
-        except Exception:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"timed out waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A local Ray head (8 logical CPUs on this 2-core machine), then `serve run serve_config.yaml` against it."""
-    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
-    subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)
-    subprocess.run([BIN / "ray", "start", "--head", "--num-cpus", "8", "--disable-usage-stats",
-                    "--include-dashboard", "false"], check=True, capture_output=True, env=env)
-    env["RAY_ADDRESS"] = "auto"
-    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
-    proc = subprocess.Popen([BIN / "serve", "run", "serve_config.yaml"], cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_until(lambda: httpx.get("http://127.0.0.1:8000/v1/models", timeout=2).status_code == 200, 300,
-                   "serve run to come up")
+    with serve_app(tmp_path_factory.mktemp("serve")) as proc:
         yield proc
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,70 @@
+"""Start the application the way the README does: a local Ray head, then `serve run serve_config.yaml`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+BASE = "http://127.0.0.1:8000"
+
+
+def wait_until(predicate, timeout, what, interval=1.0):
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        try:
+            result = predicate()
+            if result:
+                return result
+        except Exception as exc:  # not up yet
+            last = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what} (last error: {last!r})")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_app(log_dir: Path, metrics_port: int | None = None, config: str = "serve_config.yaml"):
+    """A local Ray head (8 logical CPUs on this 2-core machine), then `serve run <config>` against it.
+
+    With `metrics_port`, Ray's Prometheus endpoint listens there and application metrics are reported every second.
+    """
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+    start = [BIN / "ray", "start", "--head", "--num-cpus", "8", "--disable-usage-stats", "--include-dashboard",
+             "false"]
+    if metrics_port is not None:
+        start += ["--metrics-export-port", str(metrics_port)]
+        env["RAY_metrics_report_interval_ms"] = "1000"
+    subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)
+    subprocess.run(start, check=True, capture_output=True, env=env)
+    env["RAY_ADDRESS"] = "auto"
+    log = open(log_dir / "serve.log", "w")
+    proc = subprocess.Popen([BIN / "serve", "run", config], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: httpx.get(f"{BASE}/v1/models", timeout=2).status_code == 200, 300,
+                   "serve run to come up")
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)
+        log.close()

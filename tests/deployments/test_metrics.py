@@ -1,0 +1,83 @@
+"""The router's metrics agree with the responses' own usage statistics (recording backend, no cluster)."""
+
+import asyncio
+from collections import defaultdict
+
+from deployments.metrics import ServingMetrics
+from deployments.router import Router
+from tests.deployments.conftest import LocalBroker, tiny_config
+from tests.deployments.test_router import client, complete
+
+
+class _Metric:
+    def __init__(self, store, name, description="", boundaries=None, tag_keys=()):
+        assert ":" not in name, "Ray deprecates ':' in metric names"
+        self.store, self.name, self.tag_keys, self.default = store, name, tuple(tag_keys), {}
+        self.boundaries = boundaries
+
+    def set_default_tags(self, tags):
+        self.default = dict(tags)
+
+    def _key(self, tags):
+        merged = {**self.default, **(tags or {})}
+        assert set(merged) == set(self.tag_keys), (self.name, merged, self.tag_keys)
+        return self.name, tuple(sorted(merged.items()))
+
+    def inc(self, value=1.0, tags=None):
+        assert value > 0
+        self.store.counters[self._key(tags)] += value
+
+    def observe(self, value, tags=None):
+        self.store.observations[self._key(tags)].append(value)
+
+    def set(self, value, tags=None):
+        self.store.gauges[self._key(tags)] = value
+
+
+class RecordingBackend:
+    def __init__(self):
+        self.counters = defaultdict(float)
+        self.observations = defaultdict(list)
+        self.gauges = {}
+        self.Counter = self.Histogram = self.Gauge = lambda *a, **kw: _Metric(self, *a, **kw)
+
+    def total(self, table, name, **labels):
+        return sum(v if table != "observations" else len(v) for (n, tags), v in getattr(self, table).items()
+                   if n == name and all((k, val) in tags for k, val in labels.items()))
+
+
+def test_counters_and_histograms_match_usage(tiny_model_dirs):
+    config = tiny_config(tiny_model_dirs)
+    backend = RecordingBackend()
+    router = Router(config, LocalBroker(config), metrics=ServingMetrics("tiny", backend))
+
+    async def go():
+        async with client(router) as c:
+            ok = await asyncio.gather(*[complete(c, prompt=[5 + i, 6, 7], max_tokens=12 + 4 * i) for i in range(3)])
+            bad = await complete(c, model="nope")
+            return [r.json() for r in ok], bad.status_code
+
+    bodies, bad_status = asyncio.run(go())
+    assert bad_status == 404
+    usage = [b["usage"] for b in bodies]
+    spec = [u["speculative"] for u in usage]
+    p = "specserve_"
+    assert backend.total("counters", p + "spec_decode_num_drafts") == sum(s["num_drafts"] for s in spec) > 0
+    assert backend.total("counters", p + "spec_decode_num_draft_tokens") == sum(s["num_draft_tokens"] for s in spec)
+    assert backend.total("counters", p + "spec_decode_num_accepted_tokens") == sum(
+        s["num_accepted_tokens"] for s in spec)
+    for pos in range(config.speculation.num_speculative_tokens):
+        assert backend.total("counters", p + "spec_decode_num_accepted_tokens_per_pos", position=str(pos)) == sum(
+            s["accepted_per_position"][pos] for s in spec)
+    assert backend.total("counters", p + "generation_tokens") == sum(u["completion_tokens"] for u in usage)
+    assert backend.total("counters", p + "prompt_tokens") == sum(u["prompt_tokens"] for u in usage)
+    assert backend.total("counters", p + "request_success", finished_reason="length") == 3
+    assert backend.total("observations", p + "time_to_first_token_seconds") == 3
+    assert backend.total("observations", p + "e2e_request_latency_seconds") == 3
+    assert backend.total("observations", p + "inter_token_latency_seconds") == sum(s["rounds"] for s in spec) - 3
+    assert backend.total("counters", p + "http_requests", route="/v1/completions", status="200") == 3
+    assert backend.total("counters", p + "http_requests", route="/v1/completions", status="404") == 1
+    assert backend.gauges[(p + "num_requests_running", (("model_name", "tiny"),))] == 0
+    ttft = backend.observations[(p + "time_to_first_token_seconds", (("model_name", "tiny"),))]
+    e2e = backend.observations[(p + "e2e_request_latency_seconds", (("model_name", "tiny"),))]
+    assert all(0 < t <= e for t, e in zip(sorted(ttft), sorted(e2e)))
