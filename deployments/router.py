@@ -105,6 +105,9 @@ class Router:
         arrival = time.perf_counter()
         if not body.messages:
             raise APIError(400, "messages is empty", param="messages", code="empty_prompt")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions",
+                           param="messages", code="no_chat_template")
         messages = [m.model_dump() for m in body.messages]
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                  return_dict=True)["input_ids"]

@@ -240,3 +240,16 @@ def test_worker_threads_default_to_the_cores_shared_by_concurrent_ranks():
         assert set_torch_threads(3) == 3 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def test_chat_without_a_chat_template_is_a_clear_400(setup):
+    config, broker, router = setup
+    router.tokenizer.chat_template = None
+
+    async def go():
+        async with client(router) as c:
+            return await c.post("/v1/chat/completions", json={"model": "tiny", "messages": [
+                {"role": "user", "content": "hi"}]})
+
+    r = asyncio.run(go())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
