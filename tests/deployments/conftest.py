@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 
 import pytest
@@ -50,6 +52,8 @@ class _Lease:
 
     async def verify(self, calls):
         self._maybe_fail()
+        if self.broker.verify_delay:  # a slower "replica", so a test can act while a request is mid-generation
+            await asyncio.sleep(self.broker.verify_delay)
         return self.core.verify(calls)
 
     async def close(self) -> None:
@@ -70,6 +74,7 @@ class LocalBroker:
             self.cores["draft"] = DraftWorkerCore(self.engine_config)
         self.keys = {kind: f"{kind}-0" for kind in self.cores}
         self.fail_at_call: dict[str, int] = {}
+        self.verify_delay = 0.0
         self.calls = {"draft": 0, "target": 0}
         self.open_leases = {"draft": 0, "target": 0}
 
@@ -86,3 +91,26 @@ class LocalBroker:
 
     async def target(self, seq_id):
         return await self._lease("target", seq_id)
+
+
+@contextlib.contextmanager
+def http_server(router):
+    """The router's app under uvicorn in a thread (real HTTP, real streaming); yields the base URL."""
+    import asyncio
+    import threading
+    import time
+
+    import uvicorn
+
+    from deployments.openai_api import create_app
+
+    uv = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=0, log_level="error"))
+    thread = threading.Thread(target=lambda: asyncio.run(uv.serve()), daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(10)

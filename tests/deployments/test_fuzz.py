@@ -4,20 +4,14 @@ The app runs under uvicorn in a thread with the tiny models. Over 1,000 generate
 requests): no 5xx, no hang (each call has a timeout), and the server still answers a normal request afterwards.
 """
 
-import asyncio
-import threading
-import time
-
 import httpx
 import pytest
 import schemathesis
 from schemathesis import GenerationMode
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 
-from deployments.openai_api import create_app
 from deployments.router import Router
-from tests.deployments.conftest import LocalBroker, tiny_config
+from tests.deployments.conftest import LocalBroker, http_server, tiny_config
 
 CASES_PER_OPERATION = 300  # per operation and mode (valid / invalid bodies)
 CALLS = {"n": 0}
@@ -28,15 +22,8 @@ def server(tiny_model_dirs):
     config = tiny_config(tiny_model_dirs, limits={"max_tokens": 16})
     router = Router(config, LocalBroker(config))
     router.tokenizer.chat_template = "{% for m in messages %}w5 w9 w{{ 10 + m['content'] | length % 50 }} {% endfor %}"
-    uv = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=0, log_level="error"))
-    thread = threading.Thread(target=lambda: asyncio.run(uv.serve()), daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.05)
-    port = uv.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", router
-    uv.should_exit = True
-    thread.join(10)
+    with http_server(router) as base:
+        yield base, router
 
 
 def test_no_server_errors(server):

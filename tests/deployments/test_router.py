@@ -10,7 +10,7 @@ from deployments.openai_api import create_app
 from deployments.router import Router
 from engine import ModelRunner, SamplingParams, SpeculativeEngine
 from engine.loading import load_causal_lm, load_tokenizer, resolve
-from tests.deployments.conftest import LocalBroker, tiny_config
+from tests.deployments.conftest import LocalBroker, http_server, tiny_config
 
 PROMPT_IDS = [5, 6, 7, 8, 9, 10]
 
@@ -177,6 +177,9 @@ def test_http_level_errors(setup, monkeypatch):
             huge = await c.post("/v1/completions", content=b"{" + b" " * 2_000_000 + b"}",
                                 headers={"content-type": "application/json"})
             chat_empty = await c.post("/v1/chat/completions", json={"model": "tiny", "messages": []})
+            bad_utf8 = await c.post("/v1/completions", content=b'{"model": "tiny", "prompt": "\xff\xfe"}',
+                                    headers={"content-type": "application/json"})
+            assert bad_utf8.status_code == 400 and bad_utf8.json()["error"]["message"]
             health = await c.get("/health")
             models = await c.get("/v1/models")
             return bad_json, wrong_type, huge, chat_empty, health, models
@@ -253,3 +256,27 @@ def test_chat_without_a_chat_template_is_a_clear_400(setup):
 
     r = asyncio.run(go())
     assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
+
+
+def test_bad_requests_do_not_disturb_a_stream_in_the_same_batch(setup, tiny_model_dirs):
+    """Over real HTTP (uvicorn): a burst of bad requests arrives while a good stream is mid-generation."""
+    config, broker, router = setup
+    bad_bodies = [{"prompt": [99999]}, {"max_tokens": 100000}, {"temperature": -1}, {"prompt": [1] * 300},
+                  {"model": "nope"}, {"stop": [""]}]
+    good = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    broker.verify_delay = 0.02  # ~20 rounds of 20 ms: the burst below lands mid-generation
+    with http_server(router) as base:
+        text, statuses, live = "", [], None
+        with httpx.stream("POST", f"{base}/v1/completions", json=good, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+                    if not statuses:
+                        live = router.scheduler.num_live
+                        statuses = [httpx.post(f"{base}/v1/completions", timeout=30,
+                                               json={"model": "tiny", "prompt": PROMPT_IDS, **b}).status_code
+                                    for b in bad_bodies]
+    assert live == 1, "the bad requests arrived while the good one was live"
+    assert all(400 <= s < 500 for s in statuses), statuses
+    assert text == plain_reference(tiny_model_dirs, PROMPT_IDS, 60)
