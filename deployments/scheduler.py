@@ -133,8 +133,9 @@ class Scheduler:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Admit a request and yield its per-round outputs; closing the iterator aborts it."""
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
-        if len(self._live) >= self.config.max_live_sequences:
-            raise Overloaded(f"{len(self._live)} live sequences: at the router's admission limit")
+        if len(self._live) + self._waiting >= self.config.max_live_sequences:
+            raise Overloaded(f"{len(self._live)} live and {self._waiting} starting sequences: at the router's "
+                             "admission limit")
         k = self.config.num_speculative_tokens if k is None else k
         seq = SequenceState.create(request_id, prompt_ids, params, k, self.config.max_model_len,
                                    self.config.eos_token_ids, self.tokenizer)
