@@ -102,6 +102,8 @@ class SpecServeConfig(_Strict):
     draft: ScalingSection = Field(default_factory=ScalingSection)
     target: ScalingSection = Field(default_factory=ScalingSection)
     api_key_env: str = Field("SPECSERVE_API_KEY", description="env var holding the API key (unset: no auth)")
+    api_key_file: str | None = Field(None, description="file holding the API key (e.g. a mounted Kubernetes "
+                                                       "Secret); used when the env var is unset")
     log_prompts: bool = Field(False, description="debug only: log prompt and completion text")
 
     @model_validator(mode="after")

@@ -42,6 +42,20 @@ def eos_ids_of(model_dir) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else (eos or []))
 
 
+def load_api_key(config: SpecServeConfig) -> str | None:
+    """The API key from the configured env var, else from the configured file; None: no auth."""
+    key = os.environ.get(config.api_key_env)
+    if not key and config.api_key_file:
+        try:
+            with open(config.api_key_file) as f:
+                key = f.read().strip()
+        except OSError as exc:  # a configured but unreadable key file must not silently disable auth
+            raise RuntimeError(f"api_key_file {config.api_key_file!r} cannot be read: {exc}") from exc
+        if not key:
+            raise RuntimeError(f"api_key_file {config.api_key_file!r} is empty")
+    return key or None
+
+
 class Router:
     def __init__(self, config: SpecServeConfig, broker, tokenizer=None, metrics=None) -> None:
         self.config = config
@@ -63,7 +77,7 @@ class Router:
             self.tokenizer, broker,
         )
         self.scheduler.metrics = self.metrics
-        self.api_key = os.environ.get(config.api_key_env) or None
+        self.api_key = load_api_key(config)
 
     @property
     def model_name(self) -> str:

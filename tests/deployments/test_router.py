@@ -280,3 +280,29 @@ def test_bad_requests_do_not_disturb_a_stream_in_the_same_batch(setup, tiny_mode
     assert live == 1, "the bad requests arrived while the good one was live"
     assert all(400 <= s < 500 for s in statuses), statuses
     assert text == plain_reference(tiny_model_dirs, PROMPT_IDS, 60)
+
+
+def test_api_key_from_a_file_and_no_text_in_logs(tiny_model_dirs, tmp_path, monkeypatch, caplog):
+    import logging
+
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
+    (tmp_path / "key").write_text("from-file\n")
+    config = tiny_config(tiny_model_dirs, api_key_file=str(tmp_path / "key"))
+    router = Router(config, LocalBroker(config))
+    secret_prompt = "w7 w8 w9 w10 w11"
+
+    async def go():
+        async with client(router) as c:
+            denied = await c.post("/v1/completions", json={"model": "tiny", "prompt": secret_prompt})
+            ok = await c.post("/v1/completions", json={"model": "tiny", "prompt": secret_prompt, "max_tokens": 4,
+                                                       "ignore_eos": True},
+                              headers={"Authorization": "Bearer from-file"})
+            return denied, ok
+
+    with caplog.at_level(logging.DEBUG):
+        denied, ok = asyncio.run(go())
+    assert denied.status_code == 401 and ok.status_code == 200
+    completion = ok.json()["choices"][0]["text"]
+    assert secret_prompt not in caplog.text and completion not in caplog.text
+    with pytest.raises(RuntimeError, match="cannot be read"):
+        Router(tiny_config(tiny_model_dirs, api_key_file=str(tmp_path / "missing")), LocalBroker(config))
