@@ -41,6 +41,24 @@ def default_nodes(tp_size: int = 2) -> list[NodeSpec]:
             NodeSpec("target", 2, {TARGET_RESOURCE: tp_size})]
 
 
+def node_env() -> dict[str, str]:
+    """Environment for this cluster's processes and its drivers: Ray's token authentication on every node (a
+    `ray start --head` turns it on; joining nodes and drivers must say so too; the token is Ray's default file)."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def use_token_auth_in_this_process() -> None:
+    """Make this (driver) process speak token auth to the cluster, as Ray itself does when it turns token mode on
+    for a process whose Ray is already imported: set the variable, then re-read Ray's config."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ.pop("RAY_ADDRESS", None)
+    from ray._raylet import Config
+
+    Config.initialize("")
+
+
 def _free_ports(n: int) -> list[int]:
     socks = []
     try:
@@ -83,13 +101,13 @@ class LocalCluster:
             self.gcs_address, self.dashboard_url = f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}"
         else:
             args += [f"--address={self.gcs_address}"]
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-        env.pop("RAY_ADDRESS", None)
+        env = node_env()
         log = (self.dir / f"start-{spec.role}.log").open("w")
         subprocess.run(args, check=True, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=120)
 
     def up(self, timeout_s: float = 90) -> dict:
         self.dir.mkdir(parents=True, exist_ok=True)
+        use_token_auth_in_this_process()  # to ask the dashboard whether the nodes are up
         try:
             for i, spec in enumerate(self.nodes):
                 self._start(spec, head=i == 0)
