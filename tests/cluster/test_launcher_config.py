@@ -87,5 +87,7 @@ def test_launcher_runs_the_image_and_volume_layout_of_the_prod_overlay():
     assert config["docker"]["image"] == overlay.image
     run = " ".join(config["docker"]["run_options"])
     assert f":{overlay.models.mount_path}:ro" in run and f"HF_HOME={overlay.models.hf_home}" in run
-    assert f"-e {cfg.api_key_env}" in run  # the key is passed through from the VM's environment, not written here
+    # the key reaches the container as the app's variable from a file each VM fetches, never written here
+    assert "--env-file /etc/specserve/env" in run
+    assert any(f"'s/^/{cfg.api_key_env}=/'" in c and "/etc/specserve/env" in c for c in config["initialization_commands"])
     assert "--metrics-export-port=8080" in " ".join(config["head_start_ray_commands"])

@@ -25,7 +25,7 @@ def test_committed_manifests_are_what_the_generator_writes():
     assert not leftovers, f"generated files no overlay produces any more: {leftovers}"
 
 
-def test_check_mode_exits_nonzero_on_a_stale_file(tmp_path, capsys):
+def test_staleness_check_finds_an_edited_file(tmp_path):
     files = m.render_all()
     rel = next(iter(files))
     for p, text in files.items():
