@@ -277,6 +277,9 @@ def build_rayservice(ov: Overlay, serve_doc: dict, cfg: SpecServeConfig) -> dict
             "serveConfigV2": yaml.safe_dump(serve_doc, sort_keys=False),
             "rayClusterConfig": {
                 "rayVersion": ov.ray_version,
+                # Ray's own token auth (Ray >= 2.52, KubeRay >= 1.5.1): the operator makes the token Secret and
+                # hands it to every Ray container; health checks, metrics and the Serve port stay open
+                "authOptions": {"mode": "token"},
                 "enableInTreeAutoscaling": True,
                 "autoscalerOptions": {
                     "upscalingMode": ov.autoscaler.upscaling_mode, "idleTimeoutSeconds": ov.autoscaler.idle_timeout_s,

@@ -95,10 +95,11 @@ class ServingMetrics:
     def round(self, draft_lens: list[int], accepted: list[int], draft_s: float, verify_s: float,
               orchestration_s: float) -> None:
         drafted = [(n, a) for n, a in zip(draft_lens, accepted) if n > 0]
-        if drafted:
+        if drafted:  # Ray counters refuse increments of 0, hence the guards
             self.num_drafts.inc(len(drafted))
             self.num_draft_tokens.inc(sum(n for n, _ in drafted))
-            self.num_accepted_tokens.inc(sum(a for _, a in drafted))
+            if any(a for _, a in drafted):
+                self.num_accepted_tokens.inc(sum(a for _, a in drafted))
             for pos in range(max(a for _, a in drafted)):
                 count = sum(1 for _, a in drafted if a > pos)
                 self.accepted_per_pos.inc(count, {"position": str(pos)})
@@ -121,7 +122,8 @@ class ServingMetrics:
             self.itl.observe(gap_s / num_tokens)
 
     def finished(self, prompt_tokens: int, output_tokens: int, reason: str | None, e2e_s: float) -> None:
-        self.prompt_tokens.inc(prompt_tokens)
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
         if output_tokens:
             self.generation_tokens.inc(output_tokens)
         self.request_success.inc(1, {"finished_reason": reason or "abort"})

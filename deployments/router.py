@@ -167,18 +167,19 @@ class Router:
         """The request's per-round outputs; scheduler errors become API errors."""
         stream = self.scheduler.generate(prepared.prompt_ids, prepared.params, prepared.k, request_id)
         last_t, last = None, None
+        observe = self.scheduler._observe  # metrics never break a stream
         try:
             async for out in stream:
                 now = time.perf_counter()
                 if out.new_token_ids:
                     if last_t is None:
-                        self.metrics.first_token(now - prepared.arrival)
+                        observe(self.metrics.first_token, now - prepared.arrival)
                     else:
-                        self.metrics.tokens(now - last_t, len(out.new_token_ids))
+                        observe(self.metrics.tokens, now - last_t, len(out.new_token_ids))
                     last_t = now
                 last = out
                 if out.finished:
-                    self.metrics.finished(out.num_prompt_tokens, out.num_output_tokens, out.finish_reason,
+                    observe(self.metrics.finished, out.num_prompt_tokens, out.num_output_tokens, out.finish_reason,
                                           now - prepared.arrival)
                 yield out
         except Overloaded as exc:
@@ -190,7 +191,7 @@ class Router:
             raise APIError(503, str(exc), type_="server_error", headers={"Retry-After": "1"}) from exc
         finally:
             if last is not None and not last.finished:  # client gone or error: counted as aborted
-                self.metrics.finished(last.num_prompt_tokens, last.num_output_tokens, "abort",
+                observe(self.metrics.finished, last.num_prompt_tokens, last.num_output_tokens, "abort",
                                       time.perf_counter() - prepared.arrival)
             await stream.aclose()
 

@@ -177,6 +177,14 @@ class Scheduler:
         if live.draft is not None:
             await live.draft.close()
 
+    @staticmethod
+    def _observe(record, *args) -> None:
+        """Metrics never fail a round: a broken metric is logged, the requests go on."""
+        try:
+            record(*args)
+        except Exception:
+            logger.exception("recording a metric failed")
+
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -185,7 +193,7 @@ class Scheduler:
     async def _run(self) -> None:
         while True:
             if not self._live:
-                self.metrics.load(0, self._waiting, self.current_k())
+                self._observe(self.metrics.load, 0, self._waiting, self.current_k())
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -203,7 +211,7 @@ class Scheduler:
             key = (live.draft.key if live.draft else None, live.target.key)
             groups.setdefault(key, []).append(live)
         k = self.current_k()
-        self.metrics.load(len(self._live), self._waiting, k)
+        self._observe(self.metrics.load, len(self._live), self._waiting, k)
         await asyncio.gather(*(self._round_group(rows, k) for rows in groups.values()))
 
     async def _round_group(self, rows: list[_Live], k_now: int) -> None:
@@ -235,7 +243,7 @@ class Scheduler:
         # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
         orchestration = (t2 - t0) - draft_compute - result.get("seconds", 0.0)
         self.stats.orchestration_seconds += orchestration
-        self.metrics.round([len(d) for d in drafts], accepted, t1 - t0, t2 - t1, orchestration)
+        self._observe(self.metrics.round, [len(d) for d in drafts], accepted, t1 - t0, t2 - t1, orchestration)
         self.stats.draft_compute_seconds += draft_compute
         self.stats.verify_compute_seconds += result.get("seconds", 0.0)
 

@@ -81,3 +81,15 @@ def test_counters_and_histograms_match_usage(tiny_model_dirs):
     ttft = backend.observations[(p + "time_to_first_token_seconds", (("model_name", "tiny"),))]
     e2e = backend.observations[(p + "e2e_request_latency_seconds", (("model_name", "tiny"),))]
     assert all(0 < t <= e for t, e in zip(sorted(ttft), sorted(e2e)))
+
+
+def test_rounds_with_nothing_accepted_or_nothing_drafted_record_cleanly():
+    backend = RecordingBackend()  # like Ray's counters, it refuses increments of 0
+    metrics = ServingMetrics("m", backend)
+    metrics.round([3, 3], [0, 0], 0.01, 0.02, 0.001)  # every draft rejected
+    metrics.round([0], [0], 0.0, 0.02, 0.001)  # plain decoding round
+    metrics.finished(0, 0, None, 0.1)  # aborted before anything happened
+    assert backend.total("counters", "specserve_spec_decode_num_drafts") == 2
+    assert backend.total("counters", "specserve_spec_decode_num_draft_tokens") == 6
+    assert backend.total("counters", "specserve_spec_decode_num_accepted_tokens") == 0
+    assert backend.total("counters", "specserve_request_success", finished_reason="abort") == 1
