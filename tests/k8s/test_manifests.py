@@ -84,6 +84,8 @@ def test_head_gets_no_model_work_and_groups_autoscale(overlay_case):
     assert "resources" not in head["rayStartParams"]
     assert m.GPU_RESOURCE not in head["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["authOptions"] == {"mode": "token"}  # nobody without the token reaches GCS or the dashboard
+    assert tuple(int(x) for x in cluster["rayVersion"].split(".")[:2]) >= (2, 52)
     assert rs["spec"]["upgradeStrategy"]["type"] == "NewCluster"
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
     assert set(groups) == {"draft", "target"}
