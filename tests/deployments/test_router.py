@@ -1,6 +1,7 @@
 """Router + Scheduler + worker cores without a cluster: OpenAI API, batching, stickiness, failures, errors."""
 
 import asyncio
+import dataclasses
 import json
 
 import httpx
@@ -306,3 +307,17 @@ def test_api_key_from_a_file_and_no_text_in_logs(tiny_model_dirs, tmp_path, monk
     assert secret_prompt not in caplog.text and completion not in caplog.text
     with pytest.raises(RuntimeError, match="cannot be read"):
         Router(tiny_config(tiny_model_dirs, api_key_file=str(tmp_path / "missing")), LocalBroker(config))
+
+
+@pytest.mark.parametrize("role", ["draft", "target"])
+def test_worker_with_a_missing_or_corrupt_model_fails_fast_naming_the_file(tiny_model_dirs, tmp_path, role):
+    from engine.loading import ModelLoadError
+    from deployments.workers import DraftWorkerCore, TargetWorkerCore
+
+    corrupt = tmp_path / "broken.gguf"
+    corrupt.write_bytes(b"not a gguf file")
+    base = tiny_config(tiny_model_dirs).engine_config()
+    for path in [tmp_path / "missing.gguf", corrupt]:
+        config = dataclasses.replace(base, **{role: str(path)})
+        with pytest.raises((ModelLoadError, ValueError, OSError), match=path.name):
+            DraftWorkerCore(config) if role == "draft" else TargetWorkerCore(config)
