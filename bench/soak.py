@@ -42,7 +42,8 @@ def replica_rss_mb() -> dict[str, float]:
                           if line.startswith("VmRSS:"))
         except (OSError, StopIteration):
             continue
-        out[f"{cmd.split()[0]}[{proc.name}]"] = rss_kb / 1024
+        name = cmd.split()[0].split(".")[0]  # Ray appends the running method to the process title
+        out[f"{name}[{proc.name}]"] = rss_kb / 1024
     return out
 
 
