@@ -109,7 +109,8 @@ async def one_request(client: httpx.AsyncClient, model: str, messages: list[dict
 
 
 async def run_concurrency(client, model, prompts, clients: int, total: int, max_tokens: int, temperature: float,
-                          speculative: bool, progress: tqdm, ignore_eos: bool = False) -> tuple[list[RequestResult], float]:
+                          speculative: bool, progress: tqdm, ignore_eos: bool = False
+                          ) -> tuple[list[RequestResult], float]:
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(total):
         queue.put_nowait(prompts[i % len(prompts)])
@@ -128,7 +129,8 @@ async def run_concurrency(client, model, prompts, clients: int, total: int, max_
 
 
 async def run_poisson(client, model, prompts, rate: float, total: int, max_tokens: int, temperature: float,
-                      speculative: bool, progress: tqdm, seed: int, ignore_eos: bool = False) -> tuple[list[RequestResult], float]:
+                      speculative: bool, progress: tqdm, seed: int, ignore_eos: bool = False
+                      ) -> tuple[list[RequestResult], float]:
     rng = random.Random(seed)  # the same arrival times for both modes
 
     async def timed(messages):

@@ -21,9 +21,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-
-def load_prompts(path: str, limit: int) -> list[list[dict]]:
-    return [json.loads(line)["messages"] for line in Path(path).read_text().splitlines() if line.strip()][:limit]
+from bench.load_bench import load_prompts
 
 
 def http_run(base: str, model: str, messages: list[dict], max_tokens: int) -> int:
@@ -54,7 +52,7 @@ def main() -> None:
 
     cfg = SpecServeConfig.model_validate(app_args)
     model = cfg.model.served_model_name
-    prompts = load_prompts(args.prompts, args.limit)
+    prompts = load_prompts(args.prompts)[: args.limit]
     from engine.factory import build_engine
     from engine.sampling import SamplingParams
 
@@ -100,7 +98,8 @@ def main() -> None:
     result = {
         "http_batch1_tok_s": b1_tokens / b1_s, "http_concurrent8_tok_s": c8_tokens / c8_s,
         "engine_batch1_tok_s": eng_tokens / eng_s, "engine_ms_per_round_batch1": 1000 * eng_s / max(1, eng_rounds),
-        "engine_draft_ms_per_round_batch1": eng_draft_ms, "engine_verify_ms_per_round_batch1": eng_verify_ms, "orchestration_ms_per_round_batch1": orch_ms,
+        "engine_draft_ms_per_round_batch1": eng_draft_ms, "engine_verify_ms_per_round_batch1": eng_verify_ms,
+        "orchestration_ms_per_round_batch1": orch_ms,
         "draft_compute_ms_per_round_batch1": per_round["draft_compute_ms_per_round"],
         "verify_compute_ms_per_round_batch1": per_round["verify_compute_ms_per_round"],
         "http_ms_per_round_batch1": 1000 * b1_s / max(1, rounds),

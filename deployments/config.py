@@ -80,8 +80,9 @@ class ScalingSection(_Strict):
     num_cpus: float = Field(0.5, gt=0, description="CPUs per model worker (the router: per replica)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per model worker")
     resources: dict[str, float] = Field(default_factory=dict, description="custom resources per model worker")
-    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per worker. None: the node's cores divided among the workers "
-                                         "that run at the same time (Ray itself would leave torch with 1 thread)")
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads per worker. None: the node's cores divided among the workers "
+                                "that run at the same time (Ray itself would leave torch with 1 thread)")
 
     @model_validator(mode="after")
     def _bounds(self) -> "ScalingSection":

@@ -15,6 +15,7 @@ PromQL, e.g.:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 PREFIX = "specserve_"
@@ -24,6 +25,17 @@ TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0
 ITL_BUCKETS = [0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0]
 E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0]
 PHASE_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0]
+
+
+logger = logging.getLogger("ray.serve")
+
+
+def observe(record, *args) -> None:
+    """Call a recording method; metrics never fail a round or a stream, a broken one is only logged."""
+    try:
+        record(*args)
+    except Exception:
+        logger.exception("recording a metric failed")
 
 
 class NullMetrics:

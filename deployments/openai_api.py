@@ -138,14 +138,15 @@ def create_app(router) -> FastAPI:
     @app.get("/stats")
     async def stats():
         st = router.scheduler.stats
+        ms_per_round = lambda seconds: 1000 * seconds / max(1, st.timings.rounds)  # noqa: E731
         return {"live_sequences": router.scheduler.num_live, "current_k": router.scheduler.current_k(),
                 "rounds": st.timings.rounds, "max_batch": st.timings.max_batch, "mean_batch": st.timings.mean_batch,
                 "replica_failures": st.replica_failures, "speculative": st.spec.as_dict(),
-                "orchestration_ms_per_round": 1000 * st.orchestration_seconds / max(1, st.timings.rounds),
-                "draft_ms_per_round": 1000 * st.timings.draft_seconds / max(1, st.timings.rounds),
-                "verify_ms_per_round": 1000 * st.timings.verify_seconds / max(1, st.timings.rounds),
-                "draft_compute_ms_per_round": 1000 * st.draft_compute_seconds / max(1, st.timings.rounds),
-                "verify_compute_ms_per_round": 1000 * st.verify_compute_seconds / max(1, st.timings.rounds)}
+                "orchestration_ms_per_round": ms_per_round(st.orchestration_seconds),
+                "draft_ms_per_round": ms_per_round(st.timings.draft_seconds),
+                "verify_ms_per_round": ms_per_round(st.timings.verify_seconds),
+                "draft_compute_ms_per_round": ms_per_round(st.draft_compute_seconds),
+                "verify_compute_ms_per_round": ms_per_round(st.verify_compute_seconds)}
 
     @app.get("/v1/models")
     async def models():

@@ -10,14 +10,14 @@ import hmac
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.loading import load_tokenizer, resolve
 from engine.sampling import SamplingParams
 from engine.sequence import EmptyPromptError, PromptTooLongError
 
 from .config import SpecServeConfig
-from .metrics import NullMetrics
+from .metrics import NullMetrics, observe
 from .openai_api import APIError, ChatCompletionRequest, CompletionRequest, create_app
 from .scheduler import Overloaded, ReplicaGone, Scheduler, SchedulerConfig
 
@@ -29,7 +29,7 @@ class Prepared:
     prompt_ids: list[int]
     params: SamplingParams
     k: int | None
-    arrival: float = field(default_factory=time.perf_counter)
+    arrival: float  # time.perf_counter() when the request was read
 
 
 def eos_ids_of(model_dir) -> frozenset[int]:
@@ -167,7 +167,6 @@ class Router:
         """The request's per-round outputs; scheduler errors become API errors."""
         stream = self.scheduler.generate(prepared.prompt_ids, prepared.params, prepared.k, request_id)
         last_t, last = None, None
-        observe = self.scheduler._observe  # metrics never break a stream
         try:
             async for out in stream:
                 now = time.perf_counter()
@@ -179,8 +178,8 @@ class Router:
                     last_t = now
                 last = out
                 if out.finished:
-                    observe(self.metrics.finished, out.num_prompt_tokens, out.num_output_tokens, out.finish_reason,
-                                          now - prepared.arrival)
+                    observe(self.metrics.finished, out.num_prompt_tokens, out.num_output_tokens,
+                            out.finish_reason, now - prepared.arrival)
                 yield out
         except Overloaded as exc:
             raise APIError(503, f"server overloaded: {exc}", type_="server_overloaded", code="overloaded",
@@ -192,7 +191,7 @@ class Router:
         finally:
             if last is not None and not last.finished:  # client gone or error: counted as aborted
                 observe(self.metrics.finished, last.num_prompt_tokens, last.num_output_tokens, "abort",
-                                      time.perf_counter() - prepared.arrival)
+                        time.perf_counter() - prepared.arrival)
             await stream.aclose()
 
 

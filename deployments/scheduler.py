@@ -28,7 +28,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput, SequenceState
 from engine.stats import EngineTimings, SpecStats
 
-from .metrics import NullMetrics
+from .metrics import NullMetrics, observe
 from .workers import DraftCall, SeqDelta, VerifyCall
 
 logger = logging.getLogger("ray.serve")
@@ -177,14 +177,6 @@ class Scheduler:
         if live.draft is not None:
             await live.draft.close()
 
-    @staticmethod
-    def _observe(record, *args) -> None:
-        """Metrics never fail a round: a broken metric is logged, the requests go on."""
-        try:
-            record(*args)
-        except Exception:
-            logger.exception("recording a metric failed")
-
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -193,7 +185,7 @@ class Scheduler:
     async def _run(self) -> None:
         while True:
             if not self._live:
-                self._observe(self.metrics.load, 0, self._waiting, self.current_k())
+                observe(self.metrics.load, 0, self._waiting, self.current_k())
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -211,7 +203,7 @@ class Scheduler:
             key = (live.draft.key if live.draft else None, live.target.key)
             groups.setdefault(key, []).append(live)
         k = self.current_k()
-        self._observe(self.metrics.load, len(self._live), self._waiting, k)
+        observe(self.metrics.load, len(self._live), self._waiting, k)
         await asyncio.gather(*(self._round_group(rows, k) for rows in groups.values()))
 
     async def _round_group(self, rows: list[_Live], k_now: int) -> None:
@@ -243,7 +235,7 @@ class Scheduler:
         # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
         orchestration = (t2 - t0) - draft_compute - result.get("seconds", 0.0)
         self.stats.orchestration_seconds += orchestration
-        self._observe(self.metrics.round, [len(d) for d in drafts], accepted, t1 - t0, t2 - t1, orchestration)
+        observe(self.metrics.round, [len(d) for d in drafts], accepted, t1 - t0, t2 - t1, orchestration)
         self.stats.draft_compute_seconds += draft_compute
         self.stats.verify_compute_seconds += result.get("seconds", 0.0)
 
@@ -254,9 +246,9 @@ class Scheduler:
             return drafts, {}, 0.0
         if self.ngram is not None:
             asked = [b for b, k in enumerate(ks) if k > 0]
+            # the generator is unused: lookup is deterministic
             proposal = self.ngram.propose([DraftRequest(rows[b].seq.request_id, rows[b].seq.tokens, ks[b],
-                                                        rows[b].seq.params, rows[b].seq.generator)  # unused: lookup is deterministic
-                                                   for b in asked])
+                                                        rows[b].seq.params, rows[b].seq.generator) for b in asked])
             for i, b in enumerate(asked):
                 drafts[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
             return drafts, {}, 0.0

@@ -8,13 +8,13 @@ import httpx
 from bench import load_bench
 from deployments.openai_api import create_app
 from deployments.router import Router
-from tests.deployments.conftest import LocalBroker, tiny_config
+from tests.deployments.conftest import TINY_CHAT_TEMPLATE, LocalBroker, tiny_config
 
 
 def test_load_bench_runs_both_modes_and_writes_plots(tiny_model_dirs, tmp_path):
     config = tiny_config(tiny_model_dirs)
     router = Router(config, LocalBroker(config))
-    router.tokenizer.chat_template = "{% for m in messages %}w5 w9 w{{ 10 + m['content'] | length % 50 }} {% endfor %}"
+    router.tokenizer.chat_template = TINY_CHAT_TEMPLATE
     args = argparse.Namespace(model="tiny", prompts="bench/prompts.jsonl", concurrency=[1, 2], rates=[50.0],
                               requests=3, max_tokens=6, temperature=0.0, seed=0,
                               ignore_eos=True)

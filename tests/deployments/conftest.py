@@ -27,6 +27,10 @@ def tiny_model_dirs(tmp_path_factory):
     return root / "target", root / "draft"
 
 
+# the tiny WordLevel tokenizer has no chat template; this one maps any conversation to known words
+TINY_CHAT_TEMPLATE = "{% for m in messages %}w5 w9 w{{ 10 + m['content'] | length % 50 }} {% endfor %}"
+
+
 def tiny_config(dirs, **overrides) -> SpecServeConfig:
     target, draft = dirs
     model = {"target": str(target), "draft": str(draft), "draft_dtype": "float32", "served_model_name": "tiny",

@@ -11,7 +11,7 @@ from schemathesis import GenerationMode
 from hypothesis import HealthCheck, given, settings
 
 from deployments.router import Router
-from tests.deployments.conftest import LocalBroker, http_server, tiny_config
+from tests.deployments.conftest import TINY_CHAT_TEMPLATE, LocalBroker, http_server, tiny_config
 
 CASES_PER_OPERATION = 300  # per operation and mode (valid / invalid bodies)
 CALLS = {"n": 0}
@@ -21,7 +21,7 @@ CALLS = {"n": 0}
 def server(tiny_model_dirs):
     config = tiny_config(tiny_model_dirs, limits={"max_tokens": 16})
     router = Router(config, LocalBroker(config))
-    router.tokenizer.chat_template = "{% for m in messages %}w5 w9 w{{ 10 + m['content'] | length % 50 }} {% endfor %}"
+    router.tokenizer.chat_template = TINY_CHAT_TEMPLATE
     with http_server(router) as base:
         yield base, router
 

@@ -156,16 +156,21 @@ def place(rayservice: dict, overlay: Overlay, scale: str = "max") -> Placement:
     return out
 
 
-def exclusivity_problems(rayservice: dict) -> list[str]:
-    """A model worker's bundle fits only pods of its own group, whatever else is running (custom resources)."""
+def _model_deployments(rayservice: dict):
+    """(deployment, its worker group's name, its Serve options, all worker groups) for each model deployment."""
     _, cfg = app_config_of(rayservice)
     options = deployment_options(cfg)
     groups = _groups(rayservice)
-    problems = []
     for deployment, group in WORKER_GROUP.items():
-        if deployment not in options:
-            continue
-        worker = options[deployment]["placement_group_bundles"][1]
+        if deployment in options:
+            yield deployment, group, options[deployment], groups
+
+
+def exclusivity_problems(rayservice: dict) -> list[str]:
+    """A model worker's bundle fits only pods of its own group, whatever else is running (custom resources)."""
+    problems = []
+    for deployment, group, opts, groups in _model_deployments(rayservice):
+        worker = opts["placement_group_bundles"][1]
         for name, spec in groups.items():
             fits = Node(name, 0, ray_resources(spec, name == "head")).fits(worker)
             if fits and name != group:
@@ -177,14 +182,9 @@ def exclusivity_problems(rayservice: dict) -> list[str]:
 
 def replica_bound_problems(rayservice: dict) -> list[str]:
     """One model replica per pod (custom resources = one replica's worth), so the group's bounds must match."""
-    _, cfg = app_config_of(rayservice)
-    options = deployment_options(cfg)
-    groups = _groups(rayservice)
     problems = []
-    for deployment, group in WORKER_GROUP.items():
-        if deployment not in options:
-            continue
-        scaling = options[deployment]["autoscaling_config"]
+    for deployment, group, opts, groups in _model_deployments(rayservice):
+        scaling = opts["autoscaling_config"]
         spec = groups.get(group)
         if spec is None:
             problems.append(f"no worker group {group!r} for the {deployment} deployment")
