@@ -32,9 +32,17 @@ def _autoscaling(s: ScalingSection) -> dict:
     }
 
 
-def worker_spec(s: ScalingSection) -> dict:
+def worker_spec(cfg: SpecServeConfig, role: str) -> dict:
+    """What a Draft or Target replica needs to start its worker actors."""
+    s = cfg.draft if role == "draft" else cfg.target
+    spec = cfg.speculation
+    # with overlap the draft computes while the target's ranks do; without, they take turns
+    concurrent = cfg.tp_size if role == "target" else 1
+    if spec.overlap and cfg.model.uses_draft_model:
+        concurrent += 1 if role == "target" else cfg.tp_size
     return {"num_cpus": s.num_cpus, "num_gpus": s.num_gpus, "resources": dict(s.resources),
-            "torch_threads": s.torch_threads}
+            "torch_threads": s.torch_threads, "concurrent_workers": concurrent,
+            "calibrate": spec.adaptive and spec.calibration is None}
 
 
 def deployment_options(cfg: SpecServeConfig) -> dict[str, dict]:
@@ -66,10 +74,10 @@ def build_app(args: dict | None = None):
     options = deployment_options(cfg)
     engine_config = cfg.engine_config()
     target = serve.deployment(TargetServer, name="Target").options(**options["Target"]).bind(
-        engine_config, worker_spec(cfg.target), cfg.tp_size)
+        engine_config, worker_spec(cfg, "target"), cfg.tp_size)
     draft = None
     if "Draft" in options:
         draft = serve.deployment(DraftServer, name="Draft").options(**options["Draft"]).bind(
-            engine_config, worker_spec(cfg.draft))
+            engine_config, worker_spec(cfg, "draft"))
     router = serve.deployment(build_router_server(), name="Router").options(**options["Router"])
     return router.bind(cfg.model_dump(), draft, target)

@@ -46,8 +46,18 @@ class SpeculationSection(_Strict):
     ngram_max: int = Field(4, ge=1, description="longest n-gram prompt lookup tries")
     max_batch_for_speculation: int = Field(
         EngineConfig.max_batch_for_speculation, ge=0,
-        description="live sequences in a round above which K drops to 0 (verification stops being free)",
+        description="without `adaptive`: live sequences in a round above which K drops to 0",
     )
+    adaptive: bool = Field(
+        True, description="choose each request's K per round from its observed acceptance and the measured cost "
+                          "of drafting and verifying at the current batch size (engine/policy.py); "
+                          "num_speculative_tokens is then the upper bound")
+    calibration: str | None = Field(
+        None, description="cost profile written by `specserve-calibrate` for this model pair and machine; "
+                          "None: each Draft/Target replica measures its own costs at start (a few seconds)")
+    overlap: bool = Field(
+        False, description="draft round r+1 while the target verifies round r, assuming round r is fully "
+                           "accepted (used when the guess is right, discarded otherwise)")
 
 
 class SamplingDefaults(_Strict):
@@ -111,6 +121,14 @@ class SpecServeConfig(_Strict):
     def _consistent(self) -> "SpecServeConfig":
         if self.speculation.ngram_min > self.speculation.ngram_max:
             raise ValueError("speculation.ngram_min must be <= ngram_max")
+        if self.speculation.calibration is not None:
+            from engine.policy import CostProfile
+
+            try:
+                CostProfile.from_json(self.speculation.calibration)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"speculation.calibration {self.speculation.calibration!r} is not a readable cost "
+                                 f"profile: {exc}") from exc
         if self.limits.max_prompt_tokens >= self.model.max_model_len:
             raise ValueError("limits.max_prompt_tokens must be below model.max_model_len")
         return self

@@ -72,9 +72,10 @@ def panels() -> list[dict]:
                                                 "{{finished_reason}}")], "reqps"),
         _panel("Running and waiting sequences", [(f"sum({P}num_requests_running{SEL})", "running"),
                                                  (f"sum({P}num_requests_waiting{SEL})", "waiting")], "short"),
-        _panel("Speculation: K and on/off", [(f"max({P}spec_decode_k{SEL})", "K (max over routers)"),
+        _panel("Speculation: K and on/off", [(f"max({P}spec_decode_k{SEL})", "mean K per round (max over routers)"),
                                              (f"min({P}spec_decode_enabled{SEL})", "on (min over routers)")],
-               "short", "The load policy drafts K tokens per round, and none above max_batch_for_speculation."),
+               "short", "The K policy's choice: per request from its acceptance, and 0 once the batch is past the "
+                        "measured knee (engine/policy.py)."),
         _panel("Replicas per deployment",
                [('count by (deployment)(ray_serve_replica_processing_queries{application=~"$application"})',
                  "{{deployment}} running"),

@@ -100,7 +100,7 @@ class ServingMetrics:
         # load
         self.running = gauge("num_requests_running", "Sequences in the round loop of this router replica.")
         self.waiting = gauge("num_requests_waiting", "Admitted requests waiting for a Draft/Target lease.")
-        self.k = gauge("spec_decode_k", "Draft tokens per round the load policy allows right now.")
+        self.k = gauge("spec_decode_k", "Mean draft tokens per sequence in the last round (the K policy's choice).")
         self.enabled = gauge("spec_decode_enabled", "1 while rounds draft tokens, 0 while decoding plainly.")
 
     # ---- round level (Scheduler) ----------------------------------------------------------------------------
@@ -119,7 +119,7 @@ class ServingMetrics:
         self.verify_time.observe(verify_s)
         self.orchestration_time.observe(max(0.0, orchestration_s))
 
-    def load(self, running: int, waiting: int, k: int) -> None:
+    def load(self, running: int, waiting: int, k: float) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
         self.k.set(k)

@@ -21,7 +21,7 @@ from engine.factory import EngineConfig
 
 from .workers import ray_actor_classes
 
-
+HEALTH_PING_TIMEOUT_S = 20.0  # a worker not answering a ping this long fails the health check (Serve's own: 30 s)
 
 def _in_my_bundle(index: int) -> dict:
     pg = get_current_placement_group()
@@ -41,6 +41,7 @@ class _LeasedReplica:
     def __init__(self) -> None:
         self.leases = 0
         self._replica_id = None
+        self.costs: dict | None = None  # measured at start when the router's K policy needs them (policy.py)
 
     @property
     def replica_id(self) -> str:
@@ -56,15 +57,41 @@ class _LeasedReplica:
     async def _hold(self, seq_id: str, workers: list):
         self.leases += 1
         try:
-            yield {"replica": self.replica_id, "workers": workers}
+            yield {"replica": self.replica_id, "workers": workers, "costs": self.costs}
             await asyncio.Event().wait()  # until the router cancels the lease
         finally:
             self.leases -= 1
             for w in workers:
                 w.release.remote([seq_id])
 
-    def _check(self, workers: list) -> None:
-        ray.get([w.ping.remote() for w in workers], timeout=30)
+    async def _check(self, workers: list) -> None:
+        """Serve's health check: raises at once if a worker died, or if one does not answer within 30 s.
+
+        Async, so a worker busy in a long call never blocks the replica's event loop (its leases); a dead worker's
+        error arrives immediately, even while a surviving rank is still blocked in a collective with it.
+        """
+        pings = [asyncio.ensure_future(w.ping.remote()) for w in workers]
+        done, pending = await asyncio.wait(pings, timeout=HEALTH_PING_TIMEOUT_S,
+                                           return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        for task in done:
+            if task.exception() is not None:
+                raise RuntimeError(f"a model worker of replica {self.replica_id} died: {task.exception()}")
+        if pending:
+            raise TimeoutError(f"{len(pending)} model worker(s) of replica {self.replica_id} did not answer a "
+                               f"ping within {HEALTH_PING_TIMEOUT_S:.0f} s")
+
+    def _stop(self, workers: list) -> None:
+        # The workers are owned by this replica's actor and die with it; killing them here as well frees a broken
+        # tensor-parallel group's survivors at once when Serve stops the replica gracefully.
+        for w in workers:
+            if w is None:
+                continue
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # already gone
+                pass
 
 
 class DraftServer(_LeasedReplica):
@@ -75,8 +102,10 @@ class DraftServer(_LeasedReplica):
         draft_cls, _ = ray_actor_classes()
         options = _actor_options(worker, 1, "specserve-draft")
         self.worker_name = options["name"]
-        self.worker = draft_cls.options(**options).remote(engine_config, worker["torch_threads"])
-        ray.get(self.worker.stats.remote())  # fail fast (missing model file, bad tokenizer) at start-up
+        self.worker = draft_cls.options(**options).remote(engine_config, worker["torch_threads"], worker["calibrate"],
+                                                          worker["concurrent_workers"])
+        # fail fast (missing model file, bad tokenizer) at start-up
+        self.costs = ray.get(self.worker.stats.remote())["costs"]
 
     async def lease(self, seq_id: str):
         async for item in self._hold(seq_id, [self.worker]):
@@ -86,8 +115,11 @@ class DraftServer(_LeasedReplica):
         return {"replica": self.replica_id, "leases": self.leases, "worker": self.worker_name,
                 "namespace": ray.get_runtime_context().namespace, **(await self.worker.stats.remote())}
 
-    def check_health(self) -> None:
-        self._check([self.worker])
+    async def check_health(self) -> None:
+        await self._check([self.worker])
+
+    def __del__(self) -> None:
+        self._stop([getattr(self, "worker", None)])
 
 
 class TargetServer(_LeasedReplica):
@@ -97,14 +129,17 @@ class TargetServer(_LeasedReplica):
         super().__init__()
         _, target_cls = ray_actor_classes()
         self.workers = [
-            target_cls.options(**_actor_options(worker, 1 + rank, f"specserve-target-r{rank}")).remote(engine_config, rank, tp_size,
-                                                                          worker["torch_threads"])
+            target_cls.options(**_actor_options(worker, 1 + rank, f"specserve-target-r{rank}")).remote(
+                engine_config, rank, tp_size, worker["torch_threads"], worker["concurrent_workers"])
             for rank in range(tp_size)
         ]
         if tp_size > 1:
             address, port = ray.get(self.workers[0].rendezvous_address.remote())
             ray.get([w.init_distributed.remote(address, port) for w in self.workers])
         ray.get([w.ping.remote() for w in self.workers])
+        if worker["calibrate"]:
+            self.costs = ray.get([w.calibrate.remote(max(engine_config.num_speculative_tokens, 1))
+                                  for w in self.workers])[0]
 
     async def lease(self, seq_id: str):
         async for item in self._hold(seq_id, self.workers):
@@ -114,5 +149,8 @@ class TargetServer(_LeasedReplica):
         ranks = await asyncio.gather(*[w.stats.remote() for w in self.workers])
         return {"replica": self.replica_id, "leases": self.leases, "ranks": list(ranks)}
 
-    def check_health(self) -> None:
-        self._check(self.workers)
+    async def check_health(self) -> None:
+        await self._check(self.workers)
+
+    def __del__(self) -> None:
+        self._stop(getattr(self, "workers", []))

@@ -142,6 +142,7 @@ def create_app(router) -> FastAPI:
         return {"live_sequences": router.scheduler.num_live, "current_k": router.scheduler.current_k(),
                 "rounds": st.timings.rounds, "max_batch": st.timings.max_batch, "mean_batch": st.timings.mean_batch,
                 "replica_failures": st.replica_failures, "speculative": st.spec.as_dict(),
+                "ahead": {"drafts": st.ahead_drafts, "used": st.ahead_used, "cancelled": st.ahead_cancelled},
                 "orchestration_ms_per_round": ms_per_round(st.orchestration_seconds),
                 "draft_ms_per_round": ms_per_round(st.timings.draft_seconds),
                 "verify_ms_per_round": ms_per_round(st.timings.verify_seconds),

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from engine.loading import load_tokenizer, resolve
+from engine.policy import CostProfile
 from engine.sampling import SamplingParams
 from engine.sequence import EmptyPromptError, PromptTooLongError
 
@@ -73,6 +74,9 @@ class Router:
                 draft_mode=mode, ngram_min=config.speculation.ngram_min, ngram_max=config.speculation.ngram_max,
                 max_batch_for_speculation=config.speculation.max_batch_for_speculation,
                 max_live_sequences=config.limits.max_live_sequences_per_router,
+                adaptive=config.speculation.adaptive, overlap=config.speculation.overlap and mode == "model",
+                profile=(CostProfile.from_json(config.speculation.calibration)
+                         if config.speculation.calibration else None),
             ),
             self.tokenizer, broker,
         )

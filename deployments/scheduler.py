@@ -6,6 +6,19 @@ workers); the rejection sampler (engine/, pure) runs here. Requests join between
 or cancelled, closing their leases, which frees their caches at once. A replica that dies mid-request is
 replaced by a new lease and the sequence is re-sent from token 0 (re-prefill); committed tokens never change, so
 the output does not either.
+
+Each request's K comes from engine/policy.py: with `adaptive`, from its observed acceptance and the measured cost
+of a round at the group's batch size (the replicas measure their costs at start, or a calibration file gives
+them); otherwise the fixed `max_batch_for_speculation` threshold.
+
+With `overlap`, the draft worker drafts round r+1 while the target verifies round r, from the committed tokens
+plus round r's drafts, i.e. assuming they are all accepted; it drafts one token more than K, the first being its
+guess for the bonus token. When round r accepts every draft and its bonus token equals the guess, the rest is
+round r+1's draft and round r+1 skips the draft call; otherwise it is discarded (cancelled as soon as a
+rejection makes it hopeless) and the draft worker's cache rolls back on its next call. The ahead draft never
+changes what round r emits, and when it is used it is a draft from the draft model for exactly the committed
+prefix, with its probabilities: the rejection sampler's guarantee (output distributed as the target's) holds
+unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +34,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine.policy import load_adjusted_k
+from engine.calibrate import profile_from
+from engine.policy import AcceptanceTracker, CostProfile, load_adjusted_k
 from engine.proposers import DraftRequest, NgramProposer
 from engine.rejection import greedy_accept, rejection_sample
 from engine.sampling import SamplingParams
@@ -34,6 +48,7 @@ from .workers import DraftCall, SeqDelta, VerifyCall
 logger = logging.getLogger("ray.serve")
 
 MAX_REPLICA_FAILURES = 3  # per request, before it is answered with an error
+GAUGE_REFRESH_S = 1.0  # while idle, the load gauges are set again this often
 
 
 class ReplicaGone(RuntimeError):
@@ -46,14 +61,18 @@ class Overloaded(RuntimeError):
 
 class DraftLease(Protocol):
     key: str
+    costs: dict | None  # {"batch_sizes": [...], "draft_step_seconds": [...]} measured by the replica, or None
 
-    async def propose(self, calls: list[DraftCall]) -> dict: ...
+    async def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> dict: ...
+
+    def cancel(self, ahead_id: int) -> None: ...
 
     async def close(self) -> None: ...
 
 
 class TargetLease(Protocol):
     key: str
+    costs: dict | None  # {"batch_sizes": [...], "verify_seconds": [[...]]} measured by the replica, or None
 
     async def verify(self, calls: list[VerifyCall]) -> dict: ...
 
@@ -73,12 +92,29 @@ class _Live:
     target: TargetLease
     draft: DraftLease | None = None
     draft_sent: int = 0  # committed tokens the draft worker has
+    draft_extra: list[int] = field(default_factory=list)  # tokens past those it was sent (an ahead draft's base)
     target_sent: int = 0
     failures: int = 0
+    tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    ready: tuple[list[int], np.ndarray | None] | None = None  # next round's draft (tokens, [K, V] probs), made ahead
 
     def delta(self, sent: int) -> SeqDelta:
         p = self.seq.params
         return SeqDelta(self.seq.request_id, sent, self.seq.tokens[sent:], p.temperature, p.top_k, p.top_p, p.seed)
+
+    def draft_delta(self, extra: list[int]) -> SeqDelta:
+        """The call that leaves the draft worker holding the committed tokens plus `extra`, re-sending as little as
+        possible (after a right guess the worker already holds the new tokens)."""
+        wanted = self.seq.tokens + extra
+        start, held = self.draft_sent, self.draft_extra
+        same = 0
+        while same < len(held) and start + same < len(wanted) and held[same] == wanted[start + same]:
+            same += 1
+        p = self.seq.params
+        delta = SeqDelta(self.seq.request_id, start + same, wanted[start + same:], p.temperature, p.top_k, p.top_p,
+                         p.seed)
+        self.draft_sent, self.draft_extra = self.seq.num_tokens, list(extra)
+        return delta
 
 
 @dataclass
@@ -89,8 +125,11 @@ class SchedulerConfig:
     draft_mode: str  # "model" | "ngram" | "none"
     ngram_min: int = 2
     ngram_max: int = 4
-    max_batch_for_speculation: int = 4
+    max_batch_for_speculation: int = 4  # without `adaptive`
     max_live_sequences: int = 64
+    adaptive: bool = False  # K per request from acceptance and measured costs (engine/policy.py)
+    profile: CostProfile | None = None  # costs from a calibration file; None: the leased replicas' own
+    overlap: bool = False  # draft round r+1 during round r's verify
 
 
 @dataclass
@@ -101,6 +140,9 @@ class SchedulerStats:
     draft_compute_seconds: float = 0.0  # the draft workers' own compute, summed
     verify_compute_seconds: float = 0.0  # the target workers' own compute (rank 0), summed
     replica_failures: int = 0
+    ahead_drafts: int = 0  # rows drafted ahead (overlap)
+    ahead_used: int = 0  # of those, rows whose guess was right and whose next round used the draft
+    ahead_cancelled: int = 0  # ahead draft calls stopped early because no row could use them
 
 
 class Scheduler:
@@ -116,17 +158,17 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
+        self._ahead_ids = itertools.count()
+        self._profiles: dict[tuple, CostProfile | None] = {}
+        self.last_mean_k = 0.0  # mean K over the last round's rows (the `spec_decode_k` gauge)
 
     @property
     def num_live(self) -> int:
         return len(self._live)
 
-    def current_k(self) -> int:
-        """The K rounds use right now (0 once the batch outgrows speculation)."""
-        if self.config.draft_mode == "none":
-            return 0
-        return load_adjusted_k(self.config.num_speculative_tokens, len(self._live),
-                               self.config.max_batch_for_speculation)
+    def current_k(self) -> float:
+        """Mean K of the last round's rows (0 while rounds decode plainly)."""
+        return self.last_mean_k if self._live else 0.0
 
     # ---- requests -------------------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, k: int | None = None,
@@ -185,9 +227,12 @@ class Scheduler:
     async def _run(self) -> None:
         while True:
             if not self._live:
-                observe(self.metrics.load, 0, self._waiting, self.current_k())
+                observe(self.metrics.load, 0, self._waiting, 0.0)
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                try:  # Ray ages out a gauge that is not set again within ~2 export intervals: refresh while idle
+                    await asyncio.wait_for(self._wakeup.wait(), GAUGE_REFRESH_S)
+                except asyncio.TimeoutError:
+                    pass
                 continue
             try:
                 await self._round()
@@ -202,22 +247,59 @@ class Scheduler:
         for live in self._live.values():
             key = (live.draft.key if live.draft else None, live.target.key)
             groups.setdefault(key, []).append(live)
-        k = self.current_k()
-        observe(self.metrics.load, len(self._live), self._waiting, k)
-        await asyncio.gather(*(self._round_group(rows, k) for rows in groups.values()))
+        plans = [(rows, self._ks(rows)) for rows in groups.values()]
+        all_ks = [k for _, ks in plans for k in ks]
+        self.last_mean_k = sum(all_ks) / len(all_ks)
+        observe(self.metrics.load, len(self._live), self._waiting, self.last_mean_k)
+        await asyncio.gather(*(self._round_group(rows, ks) for rows, ks in plans))
 
-    async def _round_group(self, rows: list[_Live], k_now: int) -> None:
+    def _ks(self, rows: list[_Live]) -> list[int]:
+        """Each row's draft length this round (engine/policy.py)."""
+        profile = self._profile(rows[0]) if self.config.adaptive else None
+        ks = []
+        for live in rows:
+            cap = live.seq.k if (self.config.draft_mode != "model" or live.draft is not None) else 0
+            if profile is not None:
+                k = live.tracker.next_k(profile, len(rows), cap)
+            else:
+                k = load_adjusted_k(cap, len(self._live), self.config.max_batch_for_speculation)
+            ks.append(live.seq.draft_len(k))
+        return ks
+
+    def _profile(self, live: _Live) -> CostProfile | None:
+        """The costs K is chosen by: the calibration file's, else those the leased replicas measured."""
+        if self.config.profile is not None:
+            return self.config.profile
+        key = (live.draft.key if live.draft else None, live.target.key)
+        if key not in self._profiles:
+            target = live.target.costs
+            draft = live.draft.costs if live.draft is not None else None
+            profile = None
+            if target is not None and (draft is not None or self.config.draft_mode != "model"):
+                steps = draft["draft_step_seconds"] if draft else [0.0] * len(target["batch_sizes"])
+                if draft is None or draft["batch_sizes"] == target["batch_sizes"]:
+                    profile = profile_from(target["batch_sizes"], target["verify_seconds"], steps)
+            if profile is None:
+                logger.warning("no measured costs for replicas %s; K follows max_batch_for_speculation", key)
+            self._profiles[key] = profile
+        return self._profiles[key]
+
+    async def _round_group(self, rows: list[_Live], ks: list[int]) -> None:
         t0 = time.perf_counter()
-        ks = [live.seq.draft_len(min(k_now, live.seq.k)) for live in rows]
         drafts, draft_probs, draft_compute = await self._propose(rows, ks)
         t1 = time.perf_counter()
         target = rows[0].target
         calls = [VerifyCall(live.delta(live.target_sent), drafts[b]) for b, live in enumerate(rows)]
+        aheads = self._start_ahead(rows, drafts) if self.config.overlap else []
         try:
             result = await target.verify(calls)
         except ReplicaGone:
+            await self._settle_ahead(aheads, rows, drafts, None, None)
             await self._replace_target(rows)
             return
+        except BaseException:
+            await self._settle_ahead(aheads, rows, drafts, None, None)
+            raise
         for live in rows:
             live.target_sent = live.seq.num_tokens
         t2 = time.perf_counter()
@@ -230,6 +312,7 @@ class Scheduler:
                     finished.append(live.seq.request_id)
         for request_id in finished:  # leave now, not when the consumer next runs: no round for a finished request
             await self._finish(request_id)
+        await self._settle_ahead(aheads, rows, drafts, accepted, [out.finished for out in outputs])
         t3 = time.perf_counter()
         self.stats.timings.record(len(rows), t1 - t0, t2 - t1, t3 - t2)
         # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
@@ -242,8 +325,12 @@ class Scheduler:
     async def _propose(self, rows: list[_Live], ks: list[int]
                        ) -> tuple[list[list[int]], dict[int, np.ndarray], float]:
         drafts: list[list[int]] = [[] for _ in rows]
+        probs: dict[int, np.ndarray] = {}
+        ready = [live.ready for live in rows]
+        for live in rows:
+            live.ready = None  # a draft made ahead serves the round right after it, or nobody
         if not any(ks):
-            return drafts, {}, 0.0
+            return drafts, probs, 0.0
         if self.ngram is not None:
             asked = [b for b, k in enumerate(ks) if k > 0]
             # the generator is unused: lookup is deterministic
@@ -251,16 +338,20 @@ class Scheduler:
                                                         rows[b].seq.params, rows[b].seq.generator) for b in asked])
             for i, b in enumerate(asked):
                 drafts[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
-            return drafts, {}, 0.0
+            return drafts, probs, 0.0
         by_lease: dict[str, list[int]] = {}
         for b, (live, k) in enumerate(zip(rows, ks)):
-            if k > 0 and live.draft is not None:
+            if k > 0 and ready[b] is not None:
+                self.stats.ahead_used += 1
+                drafts[b] = ready[b][0][:k]
+                if ready[b][1] is not None:
+                    probs[b] = ready[b][1][:k]
+            elif k > 0 and live.draft is not None:
                 by_lease.setdefault(live.draft.key, []).append(b)
-        probs: dict[int, np.ndarray] = {}
         compute = 0.0
         for members in by_lease.values():
             lease = rows[members[0]].draft
-            calls = [DraftCall(rows[b].delta(rows[b].draft_sent), ks[b]) for b in members]
+            calls = [DraftCall(rows[b].draft_delta([]), ks[b]) for b in members]
             try:
                 result = await lease.propose(calls)
             except ReplicaGone:
@@ -268,11 +359,56 @@ class Scheduler:
                 continue  # these rows verify without drafts this round: output unchanged
             compute += result.get("seconds", 0.0)
             for i, b in enumerate(members):
-                rows[b].draft_sent = rows[b].seq.num_tokens
                 drafts[b] = result["drafts"][i]
                 if i in result["probs"]:
                     probs[b] = result["probs"][i]
         return drafts, probs, compute
+
+    def _start_ahead(self, rows: list[_Live], drafts: list[list[int]]) -> list[tuple]:
+        """Draft the next round now, for rows whose round may accept everything: one call per draft lease."""
+        by_lease: dict[str, list[int]] = {}
+        for b, live in enumerate(rows):
+            # a row that ends this round even if all is accepted needs no next round
+            if drafts[b] and live.draft is not None and live.seq.remaining() > len(drafts[b]) + 1:
+                by_lease.setdefault(live.draft.key, []).append(b)
+        aheads = []
+        for members in by_lease.values():
+            lease, ahead_id = rows[members[0]].draft, next(self._ahead_ids)
+            calls = [DraftCall(rows[b].draft_delta(drafts[b]), len(drafts[b]) + 1) for b in members]
+            self.stats.ahead_drafts += len(members)
+            aheads.append((lease, ahead_id, members, asyncio.ensure_future(lease.propose(calls, ahead_id))))
+        return aheads
+
+    async def _settle_ahead(self, aheads: list[tuple], rows: list[_Live], drafts: list[list[int]],
+                            accepted: list[int] | None, finished: list[bool] | None) -> None:
+        """Keep the ahead drafts whose guess came true as the rows' next drafts; stop hopeless ones early.
+
+        `accepted` and `finished` are None when the round failed: every ahead draft is then hopeless.
+        """
+        def usable(b: int) -> bool:  # all drafts accepted, so the last committed token is the bonus token
+            return accepted is not None and not finished[b] and accepted[b] == len(drafts[b]) > 0
+
+        for lease, ahead_id, members, task in aheads:
+            if not any(usable(b) for b in members) and not task.done():
+                lease.cancel(ahead_id)
+            try:
+                result = await task
+            except ReplicaGone:
+                if accepted is not None:
+                    await self._replace_draft([rows[b] for b in members if rows[b].seq.request_id in self._live])
+                continue
+            except Exception:
+                if accepted is None:
+                    continue  # the round is failing anyway
+                raise
+            if result.get("cancelled"):
+                self.stats.ahead_cancelled += 1
+                continue
+            for i, b in enumerate(members):
+                guess = result["drafts"][i]
+                if usable(b) and guess and rows[b].seq.text.token_ids[-1] == guess[0]:
+                    probs = result["probs"].get(i)
+                    rows[b].ready = (guess[1:], None if probs is None else probs[1:])
 
     def _accept(self, rows: list[_Live], drafts: list[list[int]], draft_probs: dict[int, np.ndarray],
                 result: dict) -> tuple[list[RequestOutput], list[int]]:
@@ -299,6 +435,7 @@ class Scheduler:
         outputs, accepted_counts = [], []
         for b, live in enumerate(rows):
             tokens, accepted = emitted[b]
+            live.tracker.record(len(drafts[b]), accepted)
             out = live.seq.commit(tokens, len(drafts[b]), accepted)
             self.stats.spec.record(len(drafts[b]), accepted, len(out.new_token_ids))
             outputs.append(out)
@@ -325,6 +462,7 @@ class Scheduler:
         self.stats.replica_failures += 1
         for live in rows:
             await live.draft.close()
+            live.ready, live.draft_extra = None, []
             try:
                 live.draft = await self.broker.draft(live.seq.request_id)
                 live.draft_sent = 0

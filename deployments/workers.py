@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
+from engine.calibrate import BATCH_SIZES, measure_draft_step, measure_verify
 from engine.factory import EngineConfig, build_target
 from engine.loading import load_causal_lm, load_tokenizer, resolve
 from engine.model_runner import ModelRunner
@@ -81,7 +83,8 @@ def set_torch_threads(threads: int | None, concurrent_workers: int = 1) -> int:
 
     Ray starts workers with OMP_NUM_THREADS=1 unless told otherwise, which makes a CPU model run on one core. None
     means: this node's cores, shared among the workers that compute at the same time (the ranks of one
-    tensor-parallel target; draft and target alternate within a round, so each gets all cores).
+    tensor-parallel target, plus the draft when it drafts ahead during the verify; without that overlap draft
+    and target take turns within a round, so each gets all cores).
     """
     if threads is None:
         threads = max(1, len(os.sched_getaffinity(0)) // concurrent_workers)
@@ -90,10 +93,18 @@ def set_torch_threads(threads: int | None, concurrent_workers: int = 1) -> int:
 
 
 class DraftWorkerCore:
-    """Holds the draft model, its KV caches and each sequence's draft random stream."""
+    """Holds the draft model, its KV caches and each sequence's draft random stream.
 
-    def __init__(self, config: EngineConfig, torch_threads: int | None = None) -> None:
-        self.torch_threads = set_torch_threads(torch_threads)
+    A draft made *ahead* (overlapped with the target's verify of the previous round) carries an id; `cancel(id)`,
+    served on its own thread while the draft computes, stops it after the current draft step, because the
+    router already knows the guess it was built on is wrong.
+    """
+
+    CANCELLED_KEPT = 256  # cancel ids remembered (one per in-flight ahead draft is enough)
+
+    def __init__(self, config: EngineConfig, torch_threads: int | None = None, calibrate: bool = False,
+                 concurrent_workers: int = 1) -> None:
+        self.torch_threads = set_torch_threads(torch_threads, concurrent_workers)
         target = resolve(config.target)
         draft = resolve(config.draft)
         check_tokenizers_compatible(load_tokenizer(target), load_tokenizer(draft))
@@ -104,10 +115,26 @@ class DraftWorkerCore:
         self.proposer = DraftModelProposer(ModelRunner(model, max_model_len=config.max_model_len), target_vocab)
         self._known = _KnownTokens()
         self._generators: dict[str, torch.Generator] = {}
+        self._cancelled: set[int] = set()
+        self._cancel_lock = threading.Lock()
         self.calls = 0
         self.rows = 0
+        self.cancelled_drafts = 0
+        # seconds of one draft step by batch size, for the router's K policy (engine/policy.py)
+        self.costs = ({"batch_sizes": list(BATCH_SIZES), "draft_step_seconds": measure_draft_step(self.proposer.runner)}
+                      if calibrate else None)
 
-    def propose(self, calls: list[DraftCall]) -> dict:
+    def cancel(self, ahead_id: int) -> None:
+        with self._cancel_lock:
+            if len(self._cancelled) >= self.CANCELLED_KEPT:
+                self._cancelled.clear()
+            self._cancelled.add(ahead_id)
+
+    def _is_cancelled(self, ahead_id: int) -> bool:
+        with self._cancel_lock:
+            return ahead_id in self._cancelled
+
+    def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> dict:
         start = time.perf_counter()
         requests = []
         for call in calls:
@@ -116,7 +143,13 @@ class DraftWorkerCore:
                 self._generators[call.seq.seq_id] = draft_generator(call.seq.sampling())
             requests.append(DraftRequest(call.seq.seq_id, tokens, call.k, call.seq.sampling(),
                                          self._generators[call.seq.seq_id]))
-        proposal = self.proposer.propose(requests)
+        stop = None if ahead_id is None else (lambda: self._is_cancelled(ahead_id))
+        proposal = self.proposer.propose(requests, stop=stop)
+        if stop is not None and stop():
+            with self._cancel_lock:
+                self._cancelled.discard(ahead_id)
+            self.cancelled_drafts += 1
+            return {"cancelled": True, "seconds": time.perf_counter() - start}
         self.calls += 1
         self.rows += len(calls)
         sampled = [b for b, call in enumerate(calls) if call.seq.temperature > 0]
@@ -136,7 +169,8 @@ class DraftWorkerCore:
 
     def stats(self) -> dict:
         return {"live_sequences": self.proposer.runner.num_live, "calls": self.calls, "rows": self.rows,
-                "pid": os.getpid(), "torch_threads": self.torch_threads}
+                "cancelled_drafts": self.cancelled_drafts, "pid": os.getpid(), "torch_threads": self.torch_threads,
+                "costs": self.costs}
 
     def ping(self) -> bool:
         return True
@@ -145,11 +179,13 @@ class DraftWorkerCore:
 class TargetWorkerCore:
     """One tensor-parallel rank of the target: a shard of the weights and of every KV cache."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, world: int = 1, torch_threads: int | None = None) -> None:
-        self.torch_threads = set_torch_threads(torch_threads, concurrent_workers=world)
+    def __init__(self, config: EngineConfig, rank: int = 0, world: int = 1, torch_threads: int | None = None,
+                 concurrent_workers: int | None = None) -> None:
+        self.torch_threads = set_torch_threads(torch_threads, concurrent_workers or world)
         self.rank, self.world = rank, world
         self.config = config
         self.runner: ModelRunner | None = None
+        self.costs: dict | None = None
         self._known = _KnownTokens()
         self.calls = 0
         self.rows = 0
@@ -164,12 +200,17 @@ class TargetWorkerCore:
             port = s.getsockname()[1]
         return socket.gethostbyname(socket.gethostname()), port
 
-    def init_distributed(self, address: str, port: int) -> None:
+    def init_distributed(self, address: str, port: int, timeout_s: float = 120.0) -> None:
+        """Join the replica's process group. `timeout_s` bounds every collective: a rank whose peer died mid-call
+        (a killed worker) fails that call instead of waiting torch's default 30 minutes, so it answers pings again
+        and its replica can be torn down."""
+        import datetime
+
         import torch.distributed as dist
 
         backend = "nccl" if self.config.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=self.world)
+                                world_size=self.world, timeout=datetime.timedelta(seconds=timeout_s))
         self.load()
 
     def load(self) -> None:
@@ -179,6 +220,11 @@ class TargetWorkerCore:
         vocab = model.config.vocab_size
         shard_model(model, self.rank, self.world)
         self.runner = ModelRunner(model, max_model_len=self.config.max_model_len, vocab_size=vocab)
+
+    def calibrate(self, max_k: int) -> dict:
+        """Verify costs by batch size and draft count (every rank must run it at once: collectives)."""
+        self.costs = {"batch_sizes": list(BATCH_SIZES), "verify_seconds": measure_verify(self.runner, max_k)}
+        return self.costs
 
     # ---- the round ------------------------------------------------------------------------------------------
     def verify(self, calls: list[VerifyCall]) -> dict | None:
@@ -231,6 +277,7 @@ def ray_actor_classes():
     """The Ray actor versions of the cores (imported lazily so the cores stay usable without Ray)."""
     import ray
 
-    return ray.remote(DraftWorkerCore), ray.remote(TargetWorkerCore)
+    # `cancel` runs on its own thread while `propose` computes; every other method stays serial (group size 1)
+    return ray.remote(concurrency_groups={"control": 1})(DraftWorkerCore), ray.remote(TargetWorkerCore)
 
 

@@ -1,16 +1,152 @@
-"""How many draft tokens a round uses under load.
+"""How many draft tokens a round uses: by load and by each request's observed acceptance.
 
-Verifying K drafts for B sequences is a (B*(K+1))-row forward pass. At batch 1 that costs little more than one
-decode step (memory-bound), so speculation pays; as B grows the pass becomes compute-bound and the drafts stop
-being free (measured here: at 8 sequences, K=3 speculation gave ~48 tok/s against ~67 tok/s for plain batched
-decoding). Above `max_batch` live sequences the round drafts nothing, so throughput under load is plain
-decoding's. (A calibrated, per-machine curve replaces the fixed threshold later.)
+Leviathan et al. 2022 (arXiv 2211.17192), section 3.4: with per-token acceptance rate a and K drafts a round
+emits E(a, K) = (1 - a^(K+1)) / (1 - a) tokens in expectation, and costs K draft steps plus one verify pass of
+K+1 tokens. Speculation pays while E(a, K) / cost(K) beats plain decoding's 1 / cost(0). Both costs depend on the
+batch: at batch 1 verifying K+1 tokens costs little more than one decode step (memory-bound), but as the batch
+grows the verify pass becomes compute-bound and the drafts stop being free. `CostProfile` holds those costs as
+measured on one machine for one model pair (engine/calibrate.py), and `choose_k` picks the K with the most
+expected tokens per second: per request (its own acceptance) at the round's batch size (the load). With more
+live sequences than the knee, every request's K is 0 and rounds are plain batched decoding.
+
+`AcceptanceTracker` estimates a per request from recent rounds; a request whose drafts keep failing drops to
+K = 0 and probes with K = 1 every `PROBE_EVERY` rounds, so a request whose text turns predictable gets its
+drafts back. Without a profile, `load_adjusted_k`'s fixed threshold is the (uncalibrated) fallback.
 """
 
 from __future__ import annotations
 
+import json
+from bisect import bisect_left
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PRIOR_ACCEPTANCE = 0.7  # a new request's assumed per-token acceptance (pulls the estimate for a few rounds)
+PRIOR_WEIGHT = 2.0  # in draft tokens: how quickly observations outweigh the prior
+DECAY = 0.8  # per round: the weight of older rounds (about the last 5 rounds count)
+PROBE_EVERY = 8  # rounds at K = 0 (because of acceptance, not load) before one probing round with K = 1
+
 
 def load_adjusted_k(k: int, num_live: int, max_batch: int | None) -> int:
+    """The uncalibrated fallback: K up to `max_batch` live sequences, 0 above."""
     if max_batch is not None and num_live > max_batch:
         return 0
     return k
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """E(a, K): expected tokens one round emits (accepted drafts plus the recovered or bonus token)."""
+    if k <= 0:
+        return 1.0
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Measured seconds per round part, by batch size; the unit every `choose_k` decision is made in."""
+
+    batch_sizes: tuple[int, ...]  # ascending, e.g. (1, 2, 4, 8, 16)
+    verify_seconds: tuple[tuple[float, ...], ...]  # [batch][w]: one target pass over w+1 tokens per sequence
+    draft_step_seconds: tuple[float, ...]  # [batch]: one draft model step (0 for a proposer without a model)
+
+    def __post_init__(self) -> None:
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or not self.batch_sizes:
+            raise ValueError("batch_sizes must be distinct and ascending")
+        if len(self.verify_seconds) != len(self.batch_sizes) or len(self.draft_step_seconds) != len(self.batch_sizes):
+            raise ValueError("one row of costs per batch size")
+        if any(len(row) != len(self.verify_seconds[0]) or len(row) < 2 for row in self.verify_seconds):
+            raise ValueError("every batch size needs verify costs for widths 1..K+1 (at least 2)")
+
+    @property
+    def max_k(self) -> int:
+        return len(self.verify_seconds[0]) - 1
+
+    def _at_batch(self, values: list[float], batch: int) -> float:
+        """Linear in the batch size between measured sizes, and beyond the largest along the last segment."""
+        sizes = self.batch_sizes
+        if len(sizes) == 1:
+            return values[0] * batch / sizes[0]
+        i = min(max(bisect_left(sizes, batch), 1), len(sizes) - 1)
+        b0, b1 = sizes[i - 1], sizes[i]
+        v0, v1 = values[i - 1], values[i]
+        return max(v0 + (v1 - v0) * (batch - b0) / (b1 - b0), 0.0)
+
+    def verify(self, batch: int, k: int) -> float:
+        """Seconds of a verify pass over `batch` sequences with k drafts each (k beyond the profile: linear)."""
+        widths = self.max_k
+        if k <= widths:
+            return self._at_batch([row[k] for row in self.verify_seconds], batch)
+        last, before = (self._at_batch([row[w] for row in self.verify_seconds], batch) for w in (widths, widths - 1))
+        return last + (last - before) * (k - widths)
+
+    def draft(self, batch: int, k: int) -> float:
+        return k * self._at_batch(list(self.draft_step_seconds), batch)
+
+    def round_seconds(self, batch: int, k: int) -> float:
+        return self.draft(batch, k) + self.verify(batch, k)
+
+    def knee(self, acceptance: float, k_max: int) -> int:
+        """The largest batch (up to 4x the largest measured) at which `choose_k` still drafts for this acceptance."""
+        last = 0
+        for batch in range(1, 4 * self.batch_sizes[-1] + 1):
+            if choose_k(self, batch, acceptance, k_max) > 0:
+                last = batch
+        return last
+
+    # ---- files (written by `python -m engine.calibrate`) -----------------------------------------------------
+    def to_json(self, path: str | Path, **meta) -> None:
+        Path(path).write_text(json.dumps({**asdict(self), "meta": meta}, indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "CostProfile":
+        data = json.loads(Path(path).read_text())
+        return cls(batch_sizes=tuple(data["batch_sizes"]),
+                   verify_seconds=tuple(tuple(row) for row in data["verify_seconds"]),
+                   draft_step_seconds=tuple(data["draft_step_seconds"]))
+
+
+def choose_k(profile: CostProfile, batch: int, acceptance: float, k_max: int) -> int:
+    """The K in [0, k_max] with the most expected tokens per second for a request in a round of `batch` rows."""
+    best_k, best_rate = 0, 1.0 / profile.round_seconds(batch, 0)
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(acceptance, k) / profile.round_seconds(batch, k)
+        if rate > best_rate * 1.001:  # ties go to the smaller K (less work for the same tokens)
+            best_k, best_rate = k, rate
+    return best_k
+
+
+class AcceptanceTracker:
+    """One request's per-token acceptance estimate and its K decisions (Leviathan et al.'s a, per request).
+
+    Each round contributes its accepted drafts and whether it ended in a rejection: a = accepted / (accepted +
+    rejections) is the maximum-likelihood estimate for the truncated geometric run lengths speculation produces.
+    Older rounds decay by `DECAY`, so the estimate follows the request's text as it changes.
+    """
+
+    def __init__(self, prior: float = PRIOR_ACCEPTANCE) -> None:
+        self.accepted = prior * PRIOR_WEIGHT
+        self.rejected = (1.0 - prior) * PRIOR_WEIGHT
+        self.rounds_without_drafts = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft == 0:
+            self.rounds_without_drafts += 1
+            return
+        self.rounds_without_drafts = 0
+        self.accepted = DECAY * self.accepted + num_accepted
+        self.rejected = DECAY * self.rejected + (1 if num_accepted < num_draft else 0)
+
+    def next_k(self, profile: CostProfile, batch: int, k_max: int) -> int:
+        """K for this request's next round: the best for its acceptance at this load, or a probe."""
+        if k_max <= 0:
+            return 0
+        k = choose_k(profile, batch, self.acceptance, k_max)
+        if k == 0 and self.rounds_without_drafts >= PROBE_EVERY and choose_k(profile, batch, 1.0, k_max) > 0:
+            return 1  # off because of this request's acceptance, not the load: look again
+        return k

@@ -6,7 +6,7 @@ Decoding" (the method behind HF's `prompt_lookup_num_tokens` and vLLM's `ngram` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,7 +34,7 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    def propose(self, requests: Sequence[DraftRequest]) -> Proposal: ...
+    def propose(self, requests: Sequence[DraftRequest], stop: Callable[[], bool] | None = None) -> Proposal: ...
 
     def release(self, seq_id: str) -> None: ...
 
@@ -80,9 +80,12 @@ class DraftModelProposer:
         self.runner = runner
         self.target_vocab_size = target_vocab_size
 
-    def propose(self, requests: Sequence[DraftRequest]) -> Proposal:
+    def propose(self, requests: Sequence[DraftRequest], stop: Callable[[], bool] | None = None) -> Proposal:
+        """Draft up to k tokens per request; `stop()`, checked between steps, ends drafting early (the caller
+        no longer wants the result; `num_tokens` then counts the steps done)."""
         batch, k_max = len(requests), max(r.k for r in requests)
         token_ids = torch.full((batch, k_max), -1, dtype=torch.long)
+        num_tokens = torch.tensor([r.k for r in requests], dtype=torch.long)
         probs = torch.zeros(batch, k_max, self.target_vocab_size)
         for r in requests:
             if not self.runner.has(r.seq_id):
@@ -109,11 +112,10 @@ class DraftModelProposer:
             active = active_next
             if not active:
                 break
-        return Proposal(
-            token_ids=token_ids,
-            probs=probs,
-            num_tokens=torch.tensor([r.k for r in requests], dtype=torch.long),
-        )
+            if stop is not None and stop():
+                num_tokens = num_tokens.clamp(max=step + 1)
+                break
+        return Proposal(token_ids=token_ids, probs=probs, num_tokens=num_tokens)
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
@@ -143,7 +145,7 @@ class NgramProposer:
                 return arr[start : start + k].tolist()
         return []
 
-    def propose(self, requests: Sequence[DraftRequest]) -> Proposal:
+    def propose(self, requests: Sequence[DraftRequest], stop: Callable[[], bool] | None = None) -> Proposal:
         batch, k_max = len(requests), max(r.k for r in requests)
         token_ids = torch.full((batch, k_max), -1, dtype=torch.long)
         num = torch.zeros(batch, dtype=torch.long)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -55,6 +56,34 @@ def perturbed_copy(model, noise: float, seed: int = 1):
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * noise * p.std().clamp(min=1e-3))
     return draft
+
+
+def third_token_marginals(target, draft, prompt: list[int], vocab: int,
+                          top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact marginal distributions [V] of the 3rd sampled token (temperature 1, optional top-k) under `target`
+    and `draft`."""
+
+    def probs(logits):  # [..., V]
+        if top_k:
+            kth = logits.topk(top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return logits.softmax(-1)
+
+    def marginal(model):
+        with torch.no_grad():
+            p1 = probs(model(torch.tensor([prompt])).logits[0, -1])
+            prefixes = torch.tensor([prompt + [a] for a in range(vocab)])
+            p2 = probs(model(prefixes).logits[:, -1])  # [a, b]
+            both = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+            p3 = probs(model(both).logits[:, -1]).view(vocab, vocab, vocab)
+            return torch.einsum("a,ab,abc->c", p1, p2, p3)
+
+    return marginal(target), marginal(draft)
+
+
+def total_variation_bound(vocab: int, n: int) -> float:
+    """4x the expected total-variation distance of an n-sample empirical distribution over `vocab` outcomes."""
+    return 4 * 0.5 * math.sqrt(2 * vocab / (math.pi * n))
 
 
 @pytest.fixture(scope="session")

@@ -36,13 +36,18 @@ def tiny_config(dirs, **overrides) -> SpecServeConfig:
     model = {"target": str(target), "draft": str(draft), "draft_dtype": "float32", "served_model_name": "tiny",
              "max_model_len": 256, **overrides.pop("model", {})}
     limits = {"max_prompt_tokens": 200, "max_tokens": 128, **overrides.pop("limits", {})}
-    return SpecServeConfig.model_validate({"model": model, "limits": limits, **overrides})
+    # tiny draft and target cost the same, so the adaptive policy would (rightly) never draft: tests of the round
+    # machinery use fixed K unless they ask for the policy
+    speculation = {"adaptive": False, **overrides.pop("speculation", {})}
+    return SpecServeConfig.model_validate({"model": model, "limits": limits, "speculation": speculation,
+                                           **overrides})
 
 
 class _Lease:
     def __init__(self, broker, kind: str, core, key: str, seq_id: str) -> None:
         self.broker, self.kind, self.core, self.key, self.seq_id = broker, kind, core, key, seq_id
         self.closed = False
+        self.costs = core.costs
 
     def _maybe_fail(self) -> None:
         self.broker.calls[self.kind] += 1
@@ -50,9 +55,14 @@ class _Lease:
             self.broker.replace(self.kind)
             raise ReplicaGone(f"{self.kind} replica killed")
 
-    async def propose(self, calls):
+    async def propose(self, calls, ahead_id=None):
         self._maybe_fail()
-        return self.core.propose(calls)
+        await asyncio.sleep(0)  # like a remote call: the round's verify can start before the draft is done
+        return self.core.propose(calls, ahead_id)
+
+    def cancel(self, ahead_id) -> None:
+        self.broker.cancels += 1
+        self.core.cancel(ahead_id)
 
     async def verify(self, calls):
         self._maybe_fail()
@@ -72,18 +82,29 @@ class LocalBroker:
     def __init__(self, config: SpecServeConfig) -> None:
         self.engine_config = config.engine_config()
         self.uses_draft = config.model.uses_draft_model
+        # like the replicas: measure costs at start when the router's K policy wants them
+        self.calibrate = config.speculation.adaptive and config.speculation.calibration is None
         self.counter = itertools.count()
-        self.cores = {"target": TargetWorkerCore(self.engine_config)}
+        self.cores = {"target": self._core("target")}
         if self.uses_draft:
-            self.cores["draft"] = DraftWorkerCore(self.engine_config)
+            self.cores["draft"] = self._core("draft")
         self.keys = {kind: f"{kind}-0" for kind in self.cores}
         self.fail_at_call: dict[str, int] = {}
         self.verify_delay = 0.0
         self.calls = {"draft": 0, "target": 0}
         self.open_leases = {"draft": 0, "target": 0}
+        self.cancels = 0
+
+    def _core(self, kind: str):
+        if kind == "draft":
+            return DraftWorkerCore(self.engine_config, calibrate=self.calibrate)
+        core = TargetWorkerCore(self.engine_config)
+        if self.calibrate:
+            core.calibrate(max(self.engine_config.num_speculative_tokens, 1))
+        return core
 
     def replace(self, kind: str) -> None:
-        self.cores[kind] = (TargetWorkerCore if kind == "target" else DraftWorkerCore)(self.engine_config)
+        self.cores[kind] = self._core(kind)
         self.keys[kind] = f"{kind}-{next(self.counter) + 1}"
 
     async def _lease(self, kind: str, seq_id: str):
@@ -118,3 +139,13 @@ def http_server(router):
     finally:
         uv.should_exit = True
         thread.join(10)
+
+
+def write_profile(path, knee_batch: int) -> str:
+    """A cost profile where drafting pays up to `knee_batch` sequences and extra verify tokens are ruinous above."""
+    from engine.policy import CostProfile
+
+    sizes = (1, 2, 4, 8)
+    verify = tuple(tuple(0.01 * (1 + (w * 10 if b > knee_batch else w * 0.05)) for w in range(4)) for b in sizes)
+    CostProfile(sizes, verify, (0.001,) * len(sizes)).to_json(path)
+    return str(path)

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from tests.deployments.conftest import tiny_config
+from tests.deployments.conftest import tiny_config, write_profile
 
 pytestmark = pytest.mark.ray
 PORT = 8123
@@ -105,3 +105,40 @@ def test_load_scales_target_replicas_up_and_idleness_down(ray_cluster, tiny_mode
         time.sleep(1)
     assert replicas() == 1, "idleness lowered it again"
     serve.delete("scale")
+
+
+def test_autoscaler_holds_steady_while_speculation_switches_off_and_on(ray_cluster, tiny_model_dirs, tmp_path):
+    """Speculation turns off above the profile's knee (2 sequences per Target replica) and back on when a
+    replica is added; throughput changes, but the replica count follows the live sequences (the leases),
+    so under steady load it only rises and never swings back while the load lasts."""
+    from ray import serve
+
+    scaling = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2, "max_ongoing_requests": 8,
+               "upscale_delay_s": 0.5, "downscale_delay_s": 2, "look_back_period_s": 1, "num_cpus": 0.25}
+    config = tiny_config(tiny_model_dirs, target=scaling,
+                         speculation={"adaptive": True, "calibration": write_profile(tmp_path / "c.json", 2)})
+    base = deploy(config, "steady")
+
+    def replicas():
+        status = serve.status().applications["steady"].deployments["Target"]
+        return status.replica_states.get("RUNNING", 0)
+
+    stop = time.time() + 30
+    counts = []
+
+    def load():
+        while time.time() < stop:
+            complete(base, [5, 6, 7], n=60)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(load) for _ in range(4)]
+        while time.time() < stop:
+            counts.append(replicas())
+            time.sleep(0.5)
+        for f in futures:
+            f.result()
+    spec = httpx.get(f"{base}/stats", timeout=10).json()["speculative"]
+    assert 0 < spec["num_drafts"] < spec["rounds"], "rounds ran both with and without drafts"
+    assert max(counts) == 2, f"4 sequences at 2 per replica: 2 replicas ({counts})"
+    assert counts == sorted(counts), f"the replica count went down while the load lasted: {counts}"
+    serve.delete("steady")

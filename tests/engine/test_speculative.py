@@ -7,7 +7,7 @@ import torch
 
 from engine import (DraftModelProposer, EmptyPromptError, ModelRunner, NgramProposer, PromptTooLongError,
                     SamplingParams, SpeculativeEngine)
-from tests.conftest import make_tiny_model, perturbed_copy
+from tests.conftest import make_tiny_model, perturbed_copy, third_token_marginals, total_variation_bound
 
 PROMPTS = [
     [2, 3, 4, 5, 6],
@@ -167,24 +167,14 @@ def test_sampled_generation_is_lossless_end_to_end(tiny_tokenizer):
     draft = perturbed_copy(target, 0.25, seed=4)
     prompt = [2, 3, 4]
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
-    with torch.no_grad():
-        p1 = target(torch.tensor([prompt])).logits[0, -1].softmax(-1)
-        prefixes = torch.tensor([prompt + [a] for a in range(vocab)])
-        p2 = target(prefixes).logits[:, -1].softmax(-1)  # [a, b]
-        both = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
-        p3 = target(both).logits[:, -1].softmax(-1).view(vocab, vocab, vocab)
-        exact = torch.einsum("a,ab,abc->c", p1, p2, p3)
-        d1 = draft(torch.tensor([prompt])).logits[0, -1].softmax(-1)
-        d2 = draft(prefixes).logits[:, -1].softmax(-1)
-        d3 = draft(both).logits[:, -1].softmax(-1).view(vocab, vocab, vocab)
-        draft_marginal = torch.einsum("a,ab,abc->c", d1, d2, d3)
+    exact, draft_marginal = third_token_marginals(target, draft, prompt, vocab)
     n = 3000
     runner = ModelRunner(target)
     engine = SpeculativeEngine(runner, tiny_tokenizer, DraftModelProposer(ModelRunner(draft), vocab), 2)
     outs = engine.generate([prompt] * n, [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(n)])
     third = torch.tensor([o.token_ids[2] for o in outs])
     got = torch.bincount(third, minlength=vocab).float() / n
-    bound = 4 * 0.5 * math.sqrt(2 * vocab / (math.pi * n))
+    bound = total_variation_bound(vocab, n)
     assert 0.5 * (got - exact).abs().sum() < bound
     assert 0.5 * (draft_marginal - exact).abs().sum() > 2 * bound, "the draft differs enough to be detectable"
     assert 0.1 < engine.stats.acceptance_rate < 0.95  # both acceptances and rollbacks happened

@@ -1,0 +1,89 @@
+"""`specserve-calibrate`: measure what drafting and verifying cost on this machine for a config's model pair.
+
+Loads the config's target and draft in this process, times verify passes and draft steps by batch size
+(engine/calibrate.py) and writes the cost profile that `speculation.calibration` points the router's K policy at.
+It prints the table and, for a few acceptance rates, the K the policy would pick per batch size and the largest
+batch at which it still drafts (the knee). Without a profile file the Draft and Target replicas measure the same
+costs themselves at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import yaml
+
+from engine.calibrate import BATCH_SIZES, measure_draft_step, measure_verify, profile_from
+from engine.factory import build_proposer, build_target
+from engine.policy import choose_k
+
+from .config import SpecServeConfig
+
+ACCEPTANCES = (0.5, 0.7, 0.9)
+
+
+def config_from(path: str, app: str | None) -> SpecServeConfig:
+    """The validated args of one application in a serve config file."""
+    with open(path) as f:
+        doc = yaml.safe_load(f)
+    apps = doc.get("applications", [])
+    chosen = [a for a in apps if app is None or a.get("name") == app]
+    if not chosen:
+        raise SystemExit(f"no application {app!r} in {path}")
+    return SpecServeConfig.model_validate(chosen[0].get("args") or {})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specserve-calibrate", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="serve_config.yaml", help="serve config whose model pair to measure")
+    parser.add_argument("--app", default=None, help="application name (default: the first)")
+    parser.add_argument("--out", default="calibration.json", help="where to write the cost profile")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions per measurement (the minimum is kept)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    cfg = config_from(args.config, args.app)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine_config = cfg.engine_config()
+    max_k = max(cfg.speculation.num_speculative_tokens, 1)
+    start = time.perf_counter()
+    target, tokenizer = build_target(engine_config)
+    verify = measure_verify(target, max_k, BATCH_SIZES, args.reps)
+    steps = None
+    proposer = build_proposer(engine_config, tokenizer, target.vocab_size)
+    runner = getattr(proposer, "runner", None)
+    if runner is not None:  # a draft model (n-gram lookup and "none" cost no model steps)
+        del target
+        steps = measure_draft_step(runner, BATCH_SIZES, args.reps)
+    profile = profile_from(BATCH_SIZES, verify, steps)
+    meta = {"target": cfg.model.target, "target_dtype": cfg.model.target_dtype, "draft": cfg.model.draft,
+            "draft_dtype": cfg.model.draft_dtype, "torch_threads": torch.get_num_threads(),
+            "cpus": os.cpu_count(), "machine": platform.machine(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                           time.gmtime())}
+    profile.to_json(args.out, **meta)
+
+    print(f"measured in {time.perf_counter() - start:.1f} s ({json.dumps(meta)})")
+    print("batch  " + "  ".join(f"verify k={k} ms" for k in range(max_k + 1)) + "  draft step ms")
+    for i, batch in enumerate(BATCH_SIZES):
+        row = "  ".join(f"{1000 * t:14.1f}" for t in profile.verify_seconds[i])
+        print(f"{batch:5d}  {row}  {1000 * profile.draft_step_seconds[i]:13.1f}")
+    print("\nK the policy picks (acceptance a = per-token acceptance rate):")
+    batches = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+    print("a      " + " ".join(f"b={b:<3d}" for b in batches) + "  knee (largest batch that drafts)")
+    for a in ACCEPTANCES:
+        ks = " ".join(f"{choose_k(profile, b, a, max_k):<5d}" for b in batches)
+        print(f"{a:<5}  {ks}  {profile.knee(a, max_k)}")
+    print(f"\nwrote {args.out}; point `speculation.calibration` at it to use it instead of measuring at start")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

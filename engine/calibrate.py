@@ -1,0 +1,64 @@
+"""Measuring the costs `engine.policy.choose_k` decides with: verify passes and draft steps, by batch size.
+
+The measurement is a plain timing of `ModelRunner.forward` at each batch size and width on synthetic sequences
+of `context` tokens (the cache is rolled back between repetitions, so every repetition sees the same context);
+the minimum over repetitions is kept, which filters out the machine's other work. Every rank of a
+tensor-parallel target runs the same calls, so its collectives line up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from .model_runner import ModelRunner
+from .policy import CostProfile
+
+BATCH_SIZES = (1, 2, 4, 8, 16)
+CONTEXT = 64  # tokens of context per synthetic sequence (a short prompt plus some output)
+
+
+def measure_forward(runner: ModelRunner, batch_sizes: Sequence[int], widths: Sequence[int], reps: int = 3,
+                    context: int = CONTEXT) -> list[list[float]]:
+    """[batch][width] minimum seconds of one forward over `width` new tokens for each of `batch` sequences."""
+    ids = [f"calibrate-{i}" for i in range(max(batch_sizes))]
+    vocab = min(runner.vocab_size, 1000)
+    prompts = [[(7 * i + 3 * t) % (vocab - 1) + 1 for t in range(context)] for i in range(len(ids))]
+    extra = [(11 * t) % (vocab - 1) + 1 for t in range(max(widths))]
+    try:
+        for seq_id, prompt in zip(ids, prompts):
+            runner.add(seq_id)
+            runner.forward([seq_id], [runner.sync(seq_id, prompt)], [1])
+        table = []
+        for batch in batch_sizes:
+            row = []
+            for width in widths:
+                best = float("inf")
+                for _ in range(reps + 1):  # the first repetition warms up this shape
+                    for s, prompt in zip(ids[:batch], prompts):
+                        runner.sync(s, prompt + [0])  # roll the cache back to exactly the context
+                    start = time.perf_counter()
+                    runner.forward(ids[:batch], [extra[:width]] * batch, [width] * batch)
+                    best = min(best, time.perf_counter() - start)
+                row.append(best)
+            table.append(row)
+        return table
+    finally:
+        for seq_id in ids:
+            runner.release(seq_id)
+
+
+def measure_verify(runner: ModelRunner, max_k: int, batch_sizes: Sequence[int] = BATCH_SIZES,
+                   reps: int = 3) -> list[list[float]]:
+    """[batch][k] seconds of a verify pass with k drafts (k + 1 tokens) per sequence, k = 0..max_k."""
+    return measure_forward(runner, batch_sizes, list(range(1, max_k + 2)), reps)
+
+
+def measure_draft_step(runner: ModelRunner, batch_sizes: Sequence[int] = BATCH_SIZES, reps: int = 3) -> list[float]:
+    """[batch] seconds of one draft step (one new token per sequence)."""
+    return [row[0] for row in measure_forward(runner, batch_sizes, [1], reps)]
+
+
+def profile_from(batch_sizes: Sequence[int], verify: list[list[float]], draft_step: list[float] | None) -> CostProfile:
+    return CostProfile(batch_sizes=tuple(batch_sizes), verify_seconds=tuple(tuple(r) for r in verify),
+                       draft_step_seconds=tuple(draft_step or [0.0] * len(batch_sizes)))

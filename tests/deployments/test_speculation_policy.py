@@ -1,0 +1,146 @@
+"""Overlapped drafting and adaptive K in the router's rounds, on tiny models without a cluster."""
+
+import asyncio
+
+import pytest
+import torch
+
+from deployments.router import Router
+from engine import SamplingParams
+from engine.policy import PROBE_EVERY
+from tests.conftest import (make_tiny_model, make_tiny_tokenizer, perturbed_copy, third_token_marginals,
+                            total_variation_bound)
+from tests.deployments.conftest import LocalBroker, tiny_config, write_profile
+from tests.deployments.test_router import plain_reference
+
+PROMPTS = [[5, 6, 7, 8], [9, 8, 7, 6, 5], [20, 21, 22, 20, 21], [30, 31, 32, 33, 34, 35]]
+
+
+def save_pair(root, target, draft):
+    tokenizer = make_tiny_tokenizer()
+    for name, model in [("target", target), ("draft", draft)]:
+        model.generation_config.eos_token_id = 1
+        model.save_pretrained(root / name, safe_serialization=True)
+        tokenizer.save_pretrained(root / name)
+    return root / "target", root / "draft"
+
+
+@pytest.fixture(scope="module")
+def unrelated_draft_dirs(tmp_path_factory):
+    """A draft that shares the tokenizer but not the weights: it almost never agrees with the target."""
+    return save_pair(tmp_path_factory.mktemp("unrelated"), make_tiny_model("llama", seed=0),
+                     make_tiny_model("llama", seed=99))
+
+
+def router_for(dirs, **speculation) -> tuple[Router, LocalBroker]:
+    config = tiny_config(dirs, speculation=speculation)
+    broker = LocalBroker(config)
+    return Router(config, broker), broker
+
+
+async def generate(router, prompt, params, k=None) -> list[int]:
+    tokens = []
+    async for out in router.scheduler.generate(prompt, params, k=k):
+        tokens.extend(out.new_token_ids)
+    return tokens
+
+
+def text(router, tokens) -> str:
+    return router.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def run_all(router, prompts, params, k=None, limit=48):
+    async def go():
+        gate = asyncio.Semaphore(limit)
+
+        async def one(prompt, p):
+            async with gate:
+                return await generate(router, prompt, p, k)
+
+        return await asyncio.gather(*(one(pr, p) for pr, p in zip(prompts, params)))
+
+    return asyncio.run(go())
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def test_overlap_keeps_greedy_output_and_uses_drafts_made_ahead(tiny_model_dirs):
+    router, broker = router_for(tiny_model_dirs, overlap=True)
+    outputs = run_all(router, PROMPTS, [GREEDY] * len(PROMPTS))
+    for prompt, tokens in zip(PROMPTS, outputs):
+        assert text(router, tokens) == plain_reference(tiny_model_dirs, prompt, 24)
+    st = router.scheduler.stats
+    assert st.ahead_drafts > 0 and 0 < st.ahead_used <= st.ahead_drafts
+    assert broker.cores["draft"].proposer.runner.num_live == 0, "caches freed, ahead drafts included"
+
+
+def test_overlap_cancels_ahead_drafts_no_row_can_use(unrelated_draft_dirs):
+    router, broker = router_for(unrelated_draft_dirs, overlap=True)
+    [tokens] = run_all(router, [PROMPTS[0]], [GREEDY])
+    assert text(router, tokens) == plain_reference(unrelated_draft_dirs, PROMPTS[0], 24)
+    st = router.scheduler.stats
+    assert broker.cancels > 0 and st.ahead_cancelled > 0
+    assert broker.cores["draft"].cancelled_drafts == st.ahead_cancelled
+
+
+def test_overlap_keeps_the_target_distribution_when_sampling(tmp_path):
+    """The 3rd token is verified against a draft made ahead whenever round 1's guess came true: its marginal
+    must still be the target's exact one (same check as the engine's losslessness test)."""
+    vocab = 8
+    target = make_tiny_model("llama", vocab=vocab, seed=3)
+    draft = perturbed_copy(target, 0.08, seed=4)
+    dirs = save_pair(tmp_path, target, draft)
+    # top-k 2 makes the draft's guess of the bonus token right often, so many 3rd tokens take the ahead path
+    exact, draft_marginal = third_token_marginals(target, draft, [2, 3, 4], vocab, top_k=2)
+    router, _ = router_for(dirs, overlap=True, num_speculative_tokens=1, max_batch_for_speculation=64)
+    n = 3000
+    params = [SamplingParams(temperature=1.0, top_k=2, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
+    outputs = run_all(router, [[2, 3, 4]] * n, params)
+    got = torch.bincount(torch.tensor([t[2] for t in outputs]), minlength=vocab).float() / n
+    bound = total_variation_bound(vocab, n)
+    assert 0.5 * (got - exact).abs().sum() < bound
+    assert 0.5 * (draft_marginal - exact).abs().sum() > 2 * bound, "the draft differs enough to be detectable"
+    st = router.scheduler.stats
+    assert st.ahead_used > n // 4, "a good share of 3rd tokens came from drafts made ahead"
+
+
+def test_adaptive_k_switches_off_under_load_and_back_on(tiny_model_dirs, tmp_path):
+    router, _ = router_for(tiny_model_dirs, adaptive=True, calibration=write_profile(tmp_path / "c.json", 2))
+    busy = run_all(router, PROMPTS, [GREEDY] * 4)  # 4 live sequences > knee: plain rounds while all four live
+    drafted_busy = router.scheduler.stats.spec.num_drafts
+    quiet = run_all(router, PROMPTS[:2], [GREEDY] * 2)
+    for prompt, tokens in zip(PROMPTS, busy):
+        assert text(router, tokens) == plain_reference(tiny_model_dirs, prompt, 24)
+    assert busy[:2] == quiet
+    assert drafted_busy == 0
+    assert router.scheduler.stats.spec.num_drafts > 0
+
+
+def test_adaptive_k_drops_a_failing_request_to_zero_and_probes(unrelated_draft_dirs, tmp_path):
+    router, broker = router_for(unrelated_draft_dirs, adaptive=True,
+                                calibration=write_profile(tmp_path / "c.json", 8))
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    [tokens] = run_all(router, [PROMPTS[1]], [params])
+    assert text(router, tokens) == plain_reference(unrelated_draft_dirs, PROMPTS[1], 100)
+    spec = router.scheduler.stats.spec
+    assert spec.acceptance_rate < 0.3
+    # after a few failing rounds it drafts only to probe: about one round in PROBE_EVERY + 1
+    assert spec.num_drafts <= 6 + spec.rounds // PROBE_EVERY, spec.as_dict()
+    assert spec.rounds > 60
+
+
+def test_adaptive_k_uses_costs_the_replicas_measured(tiny_model_dirs):
+    router, broker = router_for(tiny_model_dirs, adaptive=True)
+    assert broker.cores["target"].costs["verify_seconds"] and broker.cores["draft"].costs["draft_step_seconds"]
+    [tokens] = run_all(router, [PROMPTS[0]], [GREEDY])
+    assert text(router, tokens) == plain_reference(tiny_model_dirs, PROMPTS[0], 24)
+    profile = next(iter(router.scheduler._profiles.values()))
+    assert profile is not None and profile.batch_sizes == (1, 2, 4, 8, 16)
+
+
+def test_a_calibration_file_that_is_not_a_profile_is_refused(tiny_model_dirs, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="not a readable cost profile"):
+        tiny_config(tiny_model_dirs, speculation={"calibration": str(bad)})

@@ -1,0 +1,102 @@
+"""K by load and by acceptance (engine/policy.py) and the cost measurement behind it (engine/calibrate.py)."""
+
+import pytest
+
+from engine import ModelRunner
+from engine.calibrate import measure_draft_step, measure_verify, profile_from
+from engine.policy import (PROBE_EVERY, AcceptanceTracker, CostProfile, choose_k, expected_tokens,
+                           load_adjusted_k)
+from tests.conftest import make_tiny_model
+
+
+def cpu_like_profile() -> CostProfile:
+    """Verify nearly free at batch 1 (memory-bound), linear in rows once compute-bound; draft step ~0.4 target."""
+    sizes = (1, 2, 4, 8, 16)
+    verify = tuple(tuple(0.040 * max(1.0, b * (w + 1) / 4) for w in range(4)) for b in sizes)
+    draft = tuple(0.016 * max(1.0, b / 4) for b in sizes)
+    return CostProfile(sizes, verify, draft)
+
+
+def test_expected_tokens_matches_leviathan():
+    assert expected_tokens(0.0, 3) == 1.0
+    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.9, 0) == 1.0
+
+
+def test_k_shrinks_to_zero_as_the_batch_grows():
+    profile = cpu_like_profile()
+    ks = [choose_k(profile, batch, 0.8, 4) for batch in (1, 2, 4, 8, 16, 32)]
+    assert ks[0] >= 2, ks
+    assert ks == sorted(ks, reverse=True), ks
+    assert ks[-1] == 0 and ks[-2] == 0, ks
+    knee = profile.knee(0.8, 4)
+    assert choose_k(profile, knee, 0.8, 4) > 0 and choose_k(profile, knee + 1, 0.8, 4) == 0
+
+
+def test_k_follows_acceptance_and_respects_the_bound():
+    profile = cpu_like_profile()
+    ks = [choose_k(profile, 1, a, 4) for a in (0.05, 0.3, 0.6, 0.9, 0.99)]
+    assert ks[0] == 0 and ks == sorted(ks), ks
+    assert max(ks) <= 4
+    assert choose_k(profile, 1, 0.99, 2) == 2
+
+
+def test_free_drafts_and_free_verification_always_speculate():
+    sizes = (1, 4)
+    flat = CostProfile(sizes, ((0.01, 0.01, 0.01), (0.01, 0.01, 0.01)), (0.0, 0.0))
+    assert choose_k(flat, 64, 0.2, 2) == 2
+
+
+def test_profile_interpolates_extrapolates_and_round_trips(tmp_path):
+    profile = cpu_like_profile()
+    assert profile.verify(3, 0) == pytest.approx((profile.verify(2, 0) + profile.verify(4, 0)) / 2)
+    assert profile.verify(32, 3) > profile.verify(16, 3)
+    assert profile.verify(4, 5) > profile.verify(4, 3) and profile.verify(1, 5) >= profile.verify(1, 3)
+    assert profile.draft(8, 3) == pytest.approx(3 * profile.draft_step_seconds[3])
+    path = tmp_path / "costs.json"
+    profile.to_json(path, machine="test")
+    assert CostProfile.from_json(path) == profile
+    with pytest.raises(ValueError):
+        CostProfile((4, 1), profile.verify_seconds[:2], profile.draft_step_seconds[:2])
+
+
+def test_tracker_drops_a_failing_request_to_zero_then_probes():
+    profile = cpu_like_profile()
+    tracker = AcceptanceTracker()
+    assert tracker.next_k(profile, 1, 4) > 0  # the prior lets a new request speculate
+    for _ in range(6):
+        tracker.record(3, 0)
+    assert tracker.acceptance < 0.1
+    ks = []
+    for _ in range(2 * PROBE_EVERY + 2):
+        k = tracker.next_k(profile, 1, 4)
+        ks.append(k)
+        tracker.record(k, 0)
+    assert ks.count(1) == 2 and set(ks) == {0, 1}, ks  # one probe per PROBE_EVERY rounds at K = 0
+    for _ in range(8):
+        tracker.record(1, 1)
+    assert tracker.next_k(profile, 1, 4) >= 2, "a request whose drafts start agreeing gets K back"
+
+
+def test_no_probe_when_the_load_alone_keeps_k_at_zero():
+    profile = cpu_like_profile()
+    tracker = AcceptanceTracker()
+    for _ in range(3 * PROBE_EVERY):
+        assert tracker.next_k(profile, 64, 4) == 0
+        tracker.record(0, 0)
+
+
+def test_fixed_threshold_fallback():
+    assert load_adjusted_k(3, 4, 4) == 3 and load_adjusted_k(3, 5, 4) == 0 and load_adjusted_k(3, 99, None) == 3
+
+
+def test_measured_costs_have_the_profile_shape():
+    runner = ModelRunner(make_tiny_model("llama"))
+    verify = measure_verify(runner, max_k=2, batch_sizes=(1, 2, 4), reps=1)
+    steps = measure_draft_step(runner, batch_sizes=(1, 2, 4), reps=1)
+    assert len(verify) == 3 and all(len(row) == 3 for row in verify) and len(steps) == 3
+    assert all(t > 0 for row in verify for t in row) and all(t > 0 for t in steps)
+    assert runner.num_live == 0, "calibration sequences are released"
+    profile = profile_from((1, 2, 4), verify, steps)
+    assert profile.max_k == 2
