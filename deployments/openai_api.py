@@ -35,6 +35,8 @@ class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     k: int | None = Field(None, ge=0, le=16, description="draft tokens per round for this request")
     enabled: bool = Field(True, description="false: plain target decoding for this request")
+    adaptive: bool | None = Field(None, description="false: exactly k drafts every round, whatever the acceptance "
+                                                    "or the load (default: the server's policy)")
 
 
 class StreamOptions(BaseModel):

@@ -30,6 +30,7 @@ class Prepared:
     prompt_ids: list[int]
     params: SamplingParams
     k: int | None
+    adaptive: bool | None  # None: the server's K policy; False: exactly k every round
     arrival: float  # time.perf_counter() when the request was read
 
 
@@ -160,16 +161,18 @@ class Router:
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
-        k = None
+        k, adaptive = None, None
         if body.speculative is not None:
             k = 0 if not body.speculative.enabled else body.speculative.k
+            adaptive = body.speculative.adaptive
         if self.config.log_prompts:
             logger.info("prompt: %r", self.tokenizer.decode(prompt_ids))
-        return Prepared(prompt_ids, params, k, arrival)
+        return Prepared(prompt_ids, params, k, adaptive, arrival)
 
     async def run(self, prepared: Prepared, request_id: str):
         """The request's per-round outputs; scheduler errors become API errors."""
-        stream = self.scheduler.generate(prepared.prompt_ids, prepared.params, prepared.k, request_id)
+        stream = self.scheduler.generate(prepared.prompt_ids, prepared.params, prepared.k, request_id,
+                                         adaptive=prepared.adaptive)
         last_t, last = None, None
         try:
             async for out in stream:

@@ -96,6 +96,7 @@ class _Live:
     target_sent: int = 0
     failures: int = 0
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    fixed_k: bool = False  # the request asked for exactly seq.k drafts per round
     ready: tuple[list[int], np.ndarray | None] | None = None  # next round's draft (tokens, [K, V] probs), made ahead
 
     def delta(self, sent: int) -> SeqDelta:
@@ -172,8 +173,11 @@ class Scheduler:
 
     # ---- requests -------------------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, k: int | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Admit a request and yield its per-round outputs; closing the iterator aborts it."""
+                       request_id: str | None = None, adaptive: bool | None = None) -> AsyncIterator[RequestOutput]:
+        """Admit a request and yield its per-round outputs; closing the iterator aborts it.
+
+        `adaptive=False` pins the request to exactly `k` drafts per round (no acceptance or load adaptation).
+        """
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
         if len(self._live) + self._waiting >= self.config.max_live_sequences:
             raise Overloaded(f"{len(self._live)} live and {self._waiting} starting sequences: at the router's "
@@ -186,6 +190,7 @@ class Scheduler:
             live = await self._open(seq)
         finally:
             self._waiting -= 1
+        live.fixed_k = adaptive is False
         self._live[request_id] = live
         self._ensure_running()
         self._wakeup.set()
@@ -259,7 +264,9 @@ class Scheduler:
         ks = []
         for live in rows:
             cap = live.seq.k if (self.config.draft_mode != "model" or live.draft is not None) else 0
-            if profile is not None:
+            if live.fixed_k:
+                k = cap
+            elif profile is not None:
                 k = live.tracker.next_k(profile, len(rows), cap)
             else:
                 k = load_adjusted_k(cap, len(self._live), self.config.max_batch_for_speculation)

@@ -59,6 +59,22 @@ def measure_draft_step(runner: ModelRunner, batch_sizes: Sequence[int] = BATCH_S
     return [row[0] for row in measure_forward(runner, batch_sizes, [1], reps)]
 
 
+def monotone(table: list[list[float]]) -> list[list[float]]:
+    """[batch][width] costs where a pass over fewer sequences or tokens never costs more than a bigger one: each
+    entry becomes the minimum over the entries at least as large. A timing inflated by the machine's other work
+    (a burst of another process) is replaced by the cheaper measurement of a bigger pass."""
+    out = [list(row) for row in table]
+    for i in reversed(range(len(out))):
+        for j in reversed(range(len(out[i]))):
+            if i + 1 < len(out):
+                out[i][j] = min(out[i][j], out[i + 1][j])
+            if j + 1 < len(out[i]):
+                out[i][j] = min(out[i][j], out[i][j + 1])
+    return out
+
+
 def profile_from(batch_sizes: Sequence[int], verify: list[list[float]], draft_step: list[float] | None) -> CostProfile:
-    return CostProfile(batch_sizes=tuple(batch_sizes), verify_seconds=tuple(tuple(r) for r in verify),
-                       draft_step_seconds=tuple(draft_step or [0.0] * len(batch_sizes)))
+    """A profile from measured tables (made monotone first)."""
+    steps = [row[0] for row in monotone([[t] for t in draft_step])] if draft_step else [0.0] * len(batch_sizes)
+    return CostProfile(batch_sizes=tuple(batch_sizes), verify_seconds=tuple(tuple(r) for r in monotone(verify)),
+                       draft_step_seconds=tuple(steps))

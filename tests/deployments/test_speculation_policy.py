@@ -38,9 +38,9 @@ def router_for(dirs, **speculation) -> tuple[Router, LocalBroker]:
     return Router(config, broker), broker
 
 
-async def generate(router, prompt, params, k=None) -> list[int]:
+async def generate(router, prompt, params, k=None, adaptive=None) -> list[int]:
     tokens = []
-    async for out in router.scheduler.generate(prompt, params, k=k):
+    async for out in router.scheduler.generate(prompt, params, k=k, adaptive=adaptive):
         tokens.extend(out.new_token_ids)
     return tokens
 
@@ -144,3 +144,18 @@ def test_a_calibration_file_that_is_not_a_profile_is_refused(tiny_model_dirs, tm
     bad.write_text("{}")
     with pytest.raises(ValueError, match="not a readable cost profile"):
         tiny_config(tiny_model_dirs, speculation={"calibration": str(bad)})
+
+
+def test_a_request_can_pin_its_k_past_the_policy(tiny_model_dirs, tmp_path):
+    router, _ = router_for(tiny_model_dirs, adaptive=True, calibration=write_profile(tmp_path / "c.json", 1))
+
+    async def go():
+        pinned = generate(router, PROMPTS[0], GREEDY, k=2, adaptive=False)
+        others = [generate(router, p, GREEDY) for p in PROMPTS[1:3]]
+        return await asyncio.gather(pinned, *others)
+
+    outputs = asyncio.run(go())
+    for prompt, tokens in zip(PROMPTS, outputs):
+        assert text(router, tokens) == plain_reference(tiny_model_dirs, prompt, 24)
+    spec = router.scheduler.stats.spec
+    assert spec.num_drafts > 0 and spec.num_draft_tokens == 2 * spec.num_drafts, "only the pinned request drafted"

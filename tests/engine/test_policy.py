@@ -3,7 +3,7 @@
 import pytest
 
 from engine import ModelRunner
-from engine.calibrate import measure_draft_step, measure_verify, profile_from
+from engine.calibrate import measure_draft_step, measure_verify, monotone, profile_from
 from engine.policy import (PROBE_EVERY, AcceptanceTracker, CostProfile, choose_k, expected_tokens,
                            load_adjusted_k)
 from tests.conftest import make_tiny_model
@@ -100,3 +100,10 @@ def test_measured_costs_have_the_profile_shape():
     assert runner.num_live == 0, "calibration sequences are released"
     profile = profile_from((1, 2, 4), verify, steps)
     assert profile.max_k == 2
+
+
+def test_a_timing_inflated_by_other_work_gives_way_to_a_bigger_pass():
+    measured = [[0.244, 0.046, 0.060], [0.044, 0.051, 0.066], [0.049, 2.1, 0.115]]
+    assert monotone(measured) == [[0.044, 0.046, 0.060], [0.044, 0.051, 0.066], [0.049, 0.115, 0.115]]
+    profile = profile_from((1, 2, 4), measured, [0.030, 0.027, 0.038])
+    assert profile.draft_step_seconds == (0.027, 0.027, 0.038)
