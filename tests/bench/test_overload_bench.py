@@ -1,0 +1,46 @@
+"""The overload benchmark end to end against the in-process app over real HTTP (tiny models): what it counts, not
+how fast (the figures come from the real Serve app, bench/RESULTS.md)."""
+
+import argparse
+import asyncio
+import json
+
+from bench import overload_bench
+from deployments.router import Router
+from tests.deployments.conftest import TINY_CHAT_TEMPLATE, LocalBroker, http_server, tiny_config
+
+
+def test_bursts_are_answered_in_full_and_refusals_counted(tiny_model_dirs, tmp_path):
+    capacity = 2
+    config = tiny_config(tiny_model_dirs, limits={"max_live_sequences_per_router": capacity})
+    broker = LocalBroker(config)
+    broker.verify_delay = 0.01  # admitted requests stay live for a while, so the burst meets the limit
+    router = Router(config, broker)
+    router.tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    args = argparse.Namespace(model="tiny", prompts="bench/prompts.jsonl", capacity=capacity, factor=10, bursts=2,
+                              pause=0.0, max_tokens=24, timeout=120.0)
+    with http_server(router) as base:
+        results, per_burst = asyncio.run(overload_bench.bursts(args, base))
+    assert len(results) == 2 * 10 * capacity and [b["burst"] for b in per_burst] == [0, 1]
+    summary = overload_bench.summarize(results, target_ms=100.0)
+    counts = summary["counts"]
+    assert set(counts) <= {"200", "503"} and summary["hung"] == 0, counts  # every request answered
+    assert counts["200"] >= 2 * capacity and counts["503"] > 0
+    assert summary["refused_with_retry_after"] == counts["503"]
+    assert summary["refusal_codes"] == {"overloaded": counts["503"]}
+    assert summary["refusal_latency"]["n"] == counts["503"]
+    assert summary["refusal_latency"]["p50_ms"] <= summary["refusal_latency"]["max_ms"]
+    assert summary["admitted_total"]["n"] == counts["200"]
+    assert {r["stream"] for r in results} == {True, False}
+    json.dumps(summary)  # what the benchmark writes
+    assert router.scheduler.num_live == 0
+
+
+def test_limited_config_sets_the_limit_and_one_router(tmp_path):
+    out = overload_bench.limited_config(overload_bench.Path("serve_config.yaml"), 3, tmp_path / "c.yaml")
+    args = overload_bench.yaml.safe_load(out.read_text())["applications"][0]["args"]
+    assert args["limits"]["max_live_sequences_per_router"] == 3
+    assert args["router"]["min_replicas"] == args["router"]["max_replicas"] == 1
+    from deployments.config import SpecServeConfig
+
+    SpecServeConfig.model_validate(args)  # still a valid config
