@@ -4,7 +4,8 @@ For each variant the benchmark writes serve_config.yaml with that variant's `spe
 the way the README does (a local Ray head, then `serve run`), and runs the load benchmark's fixed-concurrency
 clients (bench/load_bench.py: streaming chat requests from bench/prompts.jsonl) at each concurrency, speculative
 (the server's policy) and plain (the same requests with `"speculative": {"enabled": false}`, same server). Then
-it reads the router's /stats (rounds, ahead drafts used, K) and stops the server.
+it reads the router's /stats (rounds, ahead drafts used, K) and stops the server. One speculative and one plain
+request warm the server up first (not measured).
 
     python -m bench.policy_bench                       # all variants, concurrency 1 and 16
     python -m bench.policy_bench --variants fixed fixed+overlap --concurrency 1
@@ -53,6 +54,10 @@ async def measure(args, prompts) -> tuple[list, dict]:
     runs = []
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=BASE, timeout=600, limits=limits) as client:
+        # warm-up, not measured: the first requests wait for the replicas' start (model load, cost measurement)
+        with tqdm(total=2, desc="warm-up", leave=False) as bar:
+            await run_concurrency(client, args.model, prompts, 1, 1, 8, 0.0, True, bar, True)
+            await run_concurrency(client, args.model, prompts, 1, 1, 8, 0.0, False, bar, True)
         for clients in args.concurrency:
             total = max(args.min_requests, 2 * clients)
             for speculative in (True, False):

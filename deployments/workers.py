@@ -8,8 +8,11 @@ bookkeeping. Replies carry token ids (greedy rows) or processed probabilities (s
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import socket
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -92,6 +95,25 @@ def set_torch_threads(threads: int | None, concurrent_workers: int = 1) -> int:
     return threads
 
 
+@contextlib.contextmanager
+def cpu_startup_turn(config: EngineConfig):
+    """One model worker at a time per node loads and measures its costs, when they compute on CPU.
+
+    Cost measurements taken while another worker on the same cores loads a model or measures its own would
+    be inflated, and the draft/verify ratio the K policy decides by would be wrong. A node-local file lock
+    serializes these start-up phases (GPU workers do not share their compute, so they skip it).
+    """
+    if config.device != "cpu":
+        yield
+        return
+    with open(os.path.join(tempfile.gettempdir(), "specserve-cpu-startup.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 class DraftWorkerCore:
     """Holds the draft model, its KV caches and each sequence's draft random stream.
 
@@ -105,6 +127,10 @@ class DraftWorkerCore:
     def __init__(self, config: EngineConfig, torch_threads: int | None = None, calibrate: bool = False,
                  concurrent_workers: int = 1) -> None:
         self.torch_threads = set_torch_threads(torch_threads, concurrent_workers)
+        with cpu_startup_turn(config):
+            self._start(config, calibrate)
+
+    def _start(self, config: EngineConfig, calibrate: bool) -> None:
         target = resolve(config.target)
         draft = resolve(config.draft)
         check_tokenizers_compatible(load_tokenizer(target), load_tokenizer(draft))
@@ -190,7 +216,8 @@ class TargetWorkerCore:
         self.calls = 0
         self.rows = 0
         if world == 1:
-            self.load()
+            with cpu_startup_turn(config):
+                self.load()
 
     # ---- tensor-parallel set-up (world > 1) -------------------------------------------------------------------
     @staticmethod
@@ -223,7 +250,9 @@ class TargetWorkerCore:
 
     def calibrate(self, max_k: int) -> dict:
         """Verify costs by batch size and draft count (every rank must run it at once: collectives)."""
-        self.costs = {"batch_sizes": list(BATCH_SIZES), "verify_seconds": measure_verify(self.runner, max_k)}
+        # with several ranks only rank 0 takes the node's turn: the others must not block its collectives
+        with cpu_startup_turn(self.config) if self.rank == 0 else contextlib.nullcontext():
+            self.costs = {"batch_sizes": list(BATCH_SIZES), "verify_seconds": measure_verify(self.runner, max_k)}
         return self.costs
 
     # ---- the round ------------------------------------------------------------------------------------------

@@ -21,6 +21,9 @@ from .cpu_kernels import linear
 from .quantize import Int8WeightOnlyLinear
 
 FAMILIES = ("llama", "qwen2", "mistral")
+# ATen's int8 weight-only kernel is built for decode (a few rows); past this many rows (a prompt's prefill) the
+# int8 weights are dequantized for one dense fp32 product instead (measured: see bench/RESULTS-engine.md)
+INT8_KERNEL_MAX_ROWS = 32
 
 
 @dataclass
@@ -49,7 +52,11 @@ class _Proj:
         if self.scales is None:
             return linear(x, self.weight, self.bias)
         shape = x.shape
-        out = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight, self.scales)
+        rows = x.reshape(-1, shape[-1])
+        if rows.shape[0] > INT8_KERNEL_MAX_ROWS:  # prefill: a dense fp32 product beats the int8 kernel here
+            out = F.linear(rows.float(), self.weight.float() * self.scales.float()[:, None]).to(x.dtype)
+        else:
+            out = torch._weight_int8pack_mm(rows, self.weight, self.scales)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], -1)

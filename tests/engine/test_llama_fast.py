@@ -39,3 +39,20 @@ def test_fast_path_with_int8_weights():
 def test_other_families_keep_the_transformers_path():
     assert not supports(make_tiny_model("gpt2"))
     assert not supports(make_tiny_model("gemma"))
+
+
+def test_int8_prefill_takes_the_dense_path_with_the_same_logits(monkeypatch):
+    import engine.llama_fast as llama_fast
+
+    model = quantize_int8_weight_only(make_tiny_model("llama", seed=0))
+    prompt = [(5 * t) % 60 + 2 for t in range(llama_fast.INT8_KERNEL_MAX_ROWS + 9)]
+
+    def prefill_logits():
+        runner = ModelRunner(model)
+        runner.add("s")
+        return runner.forward(["s"], [prompt], [4])
+
+    dense = prefill_logits()
+    monkeypatch.setattr(llama_fast, "INT8_KERNEL_MAX_ROWS", 10**9)
+    kernel = prefill_logits()
+    torch.testing.assert_close(dense, kernel, atol=0.05, rtol=0.05)
