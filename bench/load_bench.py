@@ -71,10 +71,13 @@ def percentiles(values: list[float]) -> dict:
 
 
 async def one_request(client: httpx.AsyncClient, model: str, messages: list[dict], max_tokens: int,
-                      temperature: float, speculative: bool, ignore_eos: bool = False) -> RequestResult:
+                      temperature: float, speculative: bool | dict, ignore_eos: bool = False) -> RequestResult:
+    """One streaming chat request; `speculative` False = plain, a dict = the request's speculation options."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
-    if not speculative:
+    if isinstance(speculative, dict):
+        body["speculative"] = speculative
+    elif not speculative:
         body["speculative"] = {"enabled": False}
     start = time.perf_counter()
     first = last = None
@@ -109,7 +112,7 @@ async def one_request(client: httpx.AsyncClient, model: str, messages: list[dict
 
 
 async def run_concurrency(client, model, prompts, clients: int, total: int, max_tokens: int, temperature: float,
-                          speculative: bool, progress: tqdm, ignore_eos: bool = False
+                          speculative: bool | dict, progress: tqdm, ignore_eos: bool = False
                           ) -> tuple[list[RequestResult], float]:
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(total):

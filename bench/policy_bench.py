@@ -1,20 +1,28 @@
-"""Speculation policies against each other over HTTP: fixed K, overlapped drafting, adaptive K, both.
+"""Speculation policies against each other over HTTP, paired: fixed K, adaptive K, overlapped drafting, plain.
 
-For each variant the benchmark writes serve_config.yaml with that variant's `speculation` settings, starts it
-the way the README does (a local Ray head, then `serve run`), and runs the load benchmark's fixed-concurrency
-clients (bench/load_bench.py: streaming chat requests from bench/prompts.jsonl) at each concurrency, speculative
-(the server's policy) and plain (the same requests with `"speculative": {"enabled": false}`, same server). Then
-it reads the router's /stats (rounds, ahead drafts used, K) and stops the server. One speculative and one plain
-request warm the server up first (not measured).
+This machine's speed drifts by tens of percent between minutes, so policies are compared inside one server and
+interleaved, not across separate runs. Each mode is a per-request option of the same server
+(`"speculative": {...}` in the body):
 
-    python -m bench.policy_bench                       # all variants, concurrency 1 and 16
-    python -m bench.policy_bench --variants fixed fixed+overlap --concurrency 1
+    plain           {"enabled": false}
+    fixed           {"k": K, "adaptive": false, "overlap": false}   K drafts every round, no matter what
+    adaptive        {"overlap": false}                              the server's K policy (engine/policy.py)
+    fixed+overlap   {"k": K, "adaptive": false}                     on a server with speculation.overlap: true
+    adaptive+overlap {}                                             idem
 
-Reported ratios (issue targets in brackets):
-- overlap at batch 1: tokens/s of `X+overlap` / `X` at concurrency 1 [>= 1.2];
-- speculative / plain at the highest concurrency, per variant [>= 1.0 for the default];
-- adaptive's speedup over plain at concurrency 1 / fixed K's speedup over plain [>= 0.9].
-Writes JSON and a PNG chart next to `--out`.
+Server 1 is serve_config.yaml as it is (adaptive, no overlap); server 2 the same with `speculation.overlap: true`
+(its workers then get half the cores each, because draft and target compute at the same time). Each is started
+the way the README does (a local Ray head, then `serve run`).
+- Concurrency 1: every prompt runs once in every mode, back to back, the order rotating from prompt to prompt;
+  tokens/s of a mode = its output tokens / the sum of its requests' durations.
+- Concurrency 16 (server 1): each mode runs 2 x 16 requests with 16 clients, modes alternating, twice over.
+
+    python -m bench.policy_bench                  # both servers
+    python -m bench.policy_bench --servers default --prompts-limit 4
+
+Ratios (issue targets in brackets): fixed+overlap / fixed at concurrency 1 [>= 1.2]; adaptive / plain at
+concurrency 16 [>= 1.0]; adaptive's speedup over plain / fixed K's at concurrency 1 [>= 0.9]. Greedy, 64 tokens
+(EOS ignored), streaming chat requests from bench/prompts.jsonl. Writes JSON and a PNG chart next to `--out`.
 """
 
 from __future__ import annotations
@@ -31,18 +39,24 @@ import httpx
 import yaml
 from tqdm import tqdm
 
-from bench.load_bench import load_prompts, run_concurrency, summarize
+from bench.load_bench import load_prompts, one_request, run_concurrency, summarize
 from tests.deployments.serve_cluster import BASE, ROOT, serve_app
 
-VARIANTS = {
-    "fixed": {"adaptive": False},
-    "fixed+overlap": {"adaptive": False, "overlap": True},
-    "adaptive": {"adaptive": True},
-    "adaptive+overlap": {"adaptive": True, "overlap": True},
-}
+K = 3
 
 
-def variant_config(base: Path, speculation: dict, out: Path) -> Path:
+def modes_for(server: str) -> dict[str, dict]:
+    fixed = {"k": K, "adaptive": False, "overlap": False}
+    if server == "default":
+        return {"plain": {"enabled": False}, "fixed": fixed, "adaptive": {"overlap": False}}
+    return {"plain": {"enabled": False}, "fixed": fixed, "fixed+overlap": {"k": K, "adaptive": False},
+            "adaptive+overlap": {}}
+
+
+SERVERS = {"default": {}, "overlap": {"overlap": True}}
+
+
+def server_config(base: Path, speculation: dict, out: Path) -> Path:
     doc = yaml.safe_load(base.read_text())
     app = doc["applications"][0]
     app["args"]["speculation"] = {**app["args"].get("speculation", {}), **speculation}
@@ -50,78 +64,88 @@ def variant_config(base: Path, speculation: dict, out: Path) -> Path:
     return out
 
 
-async def measure(args, prompts) -> tuple[list, dict]:
-    runs = []
+def tokens_per_s(results) -> float:
+    ok = [r for r in results if r.ok]
+    return sum(r.output_tokens for r in ok) / max(1e-9, sum(r.e2e for r in ok))
+
+
+async def paired_c1(client, args, prompts, modes: dict[str, dict]) -> dict:
+    by_mode: dict[str, list] = {m: [] for m in modes}
+    names = list(modes)
+    with tqdm(total=len(prompts) * len(names), desc="c=1 paired", leave=False) as bar:
+        for i, messages in enumerate(prompts):
+            for j in range(len(names)):
+                name = names[(i + j) % len(names)]  # rotate which mode goes first
+                by_mode[name].append(await one_request(client, args.model, messages, args.max_tokens, 0.0,
+                                                       modes[name], True))
+                bar.update(1)
+    return {name: {"tokens_per_s": tokens_per_s(res), "requests": len(res),
+                   "errors": sum(1 for r in res if not r.ok),
+                   "ttft_p50_ms": 1000 * sorted(r.ttft for r in res if r.ttft is not None)[len(res) // 2],
+                   "drafted": sum(r.drafted for r in res), "accepted": sum(r.accepted for r in res)}
+            for name, res in by_mode.items()}
+
+
+async def alternating_c16(client, args, prompts, modes: dict[str, dict], clients: int) -> dict:
+    runs: dict[str, list] = {m: [] for m in modes}
+    total = 2 * clients
+    for cycle in range(2):
+        for name, options in modes.items():
+            with tqdm(total=total, desc=f"c={clients} {name} ({cycle + 1}/2)", leave=False) as bar:
+                results, duration = await run_concurrency(client, args.model, prompts, clients, total,
+                                                          args.max_tokens, 0.0, options, bar, True)
+            runs[name].append(summarize(name, "concurrency", clients, results, duration))
+    return {name: {"tokens_per_s": sum(r.output_tokens_per_s for r in rs) / len(rs),
+                   "runs": [asdict(r) for r in rs]} for name, rs in runs.items()}
+
+
+async def measure_server(args, prompts, server: str) -> dict:
+    modes = modes_for(server)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=BASE, timeout=600, limits=limits) as client:
-        # warm-up, not measured: the first requests wait for the replicas' start (model load, cost measurement)
-        with tqdm(total=2, desc="warm-up", leave=False) as bar:
-            await run_concurrency(client, args.model, prompts, 1, 1, 8, 0.0, True, bar, True)
-            await run_concurrency(client, args.model, prompts, 1, 1, 8, 0.0, False, bar, True)
-        for clients in args.concurrency:
-            total = max(args.min_requests, 2 * clients)
-            for speculative in (True, False):
-                mode = "speculative" if speculative else "plain"
-                with tqdm(total=total, desc=f"c={clients} {mode}", leave=False) as bar:
-                    results, duration = await run_concurrency(client, args.model, prompts, clients, total,
-                                                              args.max_tokens, 0.0, speculative, bar, True)
-                runs.append(summarize(mode, "concurrency", clients, results, duration))
-        stats = (await client.get("/stats")).json()
-    return runs, stats
-
-
-def tok_s(result: dict, variant: str, mode: str, clients: int) -> float | None:
-    for run in result.get(variant, {}).get("runs", []):
-        if run["mode"] == mode and run["level"] == clients:
-            return run["output_tokens_per_s"]
-    return None
-
-
-def ratios(results: dict, concurrency: list[int]) -> dict:
-    low, high = min(concurrency), max(concurrency)
-    out: dict[str, float] = {}
-    for base in ("fixed", "adaptive"):
-        with_overlap, without = tok_s(results, f"{base}+overlap", "speculative", low), tok_s(results, base,
-                                                                                               "speculative", low)
-        if with_overlap and without:
-            out[f"overlap_vs_{base}_c{low}"] = with_overlap / without
-    for variant in results:
-        for clients in concurrency:
-            spec, plain = (tok_s(results, variant, m, clients) for m in ("speculative", "plain"))
-            if spec and plain:
-                out[f"{variant}_spec_vs_plain_c{clients}"] = spec / plain
-    for variant in ("adaptive", "adaptive+overlap"):
-        adaptive, fixed = out.get(f"{variant}_spec_vs_plain_c{low}"), out.get(f"fixed_spec_vs_plain_c{low}")
-        if adaptive and fixed:
-            out[f"{variant}_keeps_of_fixed_speedup_c{low}"] = adaptive / fixed
-    plains = [tok_s(results, v, "plain", high) for v in results]
-    plains = [p for p in plains if p]
-    if plains:
-        for variant in results:
-            spec = tok_s(results, variant, "speculative", high)
-            if spec:
-                out[f"{variant}_spec_vs_best_plain_c{high}"] = spec / max(plains)
+        for options in modes.values():  # warm-up, not measured (first requests wait for replicas' start)
+            await one_request(client, args.model, prompts[0], 8, 0.0, options, True)
+        out = {"c1": await paired_c1(client, args, prompts, modes)}
+        if server == "default" and args.clients:
+            out[f"c{args.clients}"] = await alternating_c16(client, args, prompts, modes, args.clients)
+        out["router_stats"] = (await client.get("/stats")).json()
     return out
 
 
-def plot(results: dict, concurrency: list[int], path: Path) -> None:
+def ratios(results: dict, clients: int) -> dict:
+    out = {}
+    d, o = results.get("default", {}).get("c1"), results.get("overlap", {}).get("c1")
+    if d:
+        out["default_c1_fixed_vs_plain"] = d["fixed"]["tokens_per_s"] / d["plain"]["tokens_per_s"]
+        out["default_c1_adaptive_vs_plain"] = d["adaptive"]["tokens_per_s"] / d["plain"]["tokens_per_s"]
+        out["default_c1_adaptive_speedup_over_fixed_speedup"] = d["adaptive"]["tokens_per_s"] / d["fixed"][
+            "tokens_per_s"]
+    high = results.get("default", {}).get(f"c{clients}")
+    if high:
+        out[f"default_c{clients}_adaptive_vs_plain"] = high["adaptive"]["tokens_per_s"] / high["plain"]["tokens_per_s"]
+        out[f"default_c{clients}_fixed_vs_plain"] = high["fixed"]["tokens_per_s"] / high["plain"]["tokens_per_s"]
+    if o:
+        out["overlap_c1_fixed+overlap_vs_fixed"] = o["fixed+overlap"]["tokens_per_s"] / o["fixed"]["tokens_per_s"]
+        out["overlap_c1_fixed+overlap_vs_plain"] = o["fixed+overlap"]["tokens_per_s"] / o["plain"]["tokens_per_s"]
+        out["overlap_c1_adaptive+overlap_vs_plain"] = o["adaptive+overlap"]["tokens_per_s"] / o["plain"][
+            "tokens_per_s"]
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(concurrency), figsize=(5 * len(concurrency), 4), squeeze=False)
-    for ax, clients in zip(axes[0], concurrency):
-        names = list(results)
-        spec = [tok_s(results, v, "speculative", clients) or 0 for v in names]
-        plain = [tok_s(results, v, "plain", clients) or 0 for v in names]
-        xs = range(len(names))
-        ax.bar([x - 0.2 for x in xs], spec, 0.4, label="speculative")
-        ax.bar([x + 0.2 for x in xs], plain, 0.4, label="plain (same server)")
-        ax.set_xticks(list(xs), names, rotation=20)
-        ax.set_title(f"concurrency {clients}")
+    panels = [(server, load) for server, res in results.items() for load in res if load.startswith("c")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    for ax, (server, load) in zip(axes[0], panels):
+        modes = results[server][load]
+        ax.bar(range(len(modes)), [m["tokens_per_s"] for m in modes.values()])
+        ax.set_xticks(range(len(modes)), list(modes), rotation=20)
+        ax.set_title(f"{server} server, concurrency {load[1:]}")
         ax.set_ylabel("output tokens/s")
-        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -129,38 +153,35 @@ def plot(results: dict, concurrency: list[int], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="serve_config.yaml", help="the config every variant starts from")
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 16])
-    ap.add_argument("--min-requests", type=int, default=8, help="requests per load point: max(this, 2 x clients)")
+    ap.add_argument("--config", default="serve_config.yaml", help="the config both servers start from")
+    ap.add_argument("--servers", nargs="*", default=list(SERVERS), choices=list(SERVERS))
+    ap.add_argument("--clients", type=int, default=16, help="the high-concurrency point (default server); 0: none")
+    ap.add_argument("--prompts-limit", type=int, default=8, help="prompts for the paired concurrency-1 runs")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--prompts", default="bench/prompts.jsonl")
     ap.add_argument("--out", default="bench/results/policy_bench", help="prefix of the .json and .png outputs")
     args = ap.parse_args(argv)
 
-    prompts = load_prompts(args.prompts)
+    prompts = load_prompts(args.prompts)[: args.prompts_limit]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.variants:
-            config = variant_config(ROOT / args.config, VARIANTS[name], Path(tmp) / f"{name}.yaml")
-            started = time.perf_counter()
+        for server in args.servers:
+            config = server_config(ROOT / args.config, SERVERS[server], Path(tmp) / f"{server}.yaml")
             with serve_app(Path(tmp), config=str(config)):
-                up_s = time.perf_counter() - started
-                runs, stats = asyncio.run(measure(args, prompts))
-            results[name] = {"speculation": VARIANTS[name], "start_s": up_s, "runs": [asdict(r) for r in runs],
-                             "router_stats": stats}
-            for r in runs:
-                print(f"{name:18s} c={int(r.level):<3d} {r.mode:12s} {r.output_tokens_per_s:7.2f} tok/s  "
-                      f"ttft p50 {1000 * r.ttft_s.get('p50', 0):7.0f} ms  errors {r.errors or 0}")
-            print(f"{name:18s} ahead drafts {stats.get('ahead')}, mean K now {stats.get('current_k')}")
-    summary = ratios(results, args.concurrency)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "variants": results, "ratios": summary},
-                                                   indent=2))
-    plot(results, args.concurrency, out.with_suffix(".png"))
-    print("\n".join(f"{k:45s} {v:.3f}" for k, v in summary.items()))
+                results[server] = asyncio.run(measure_server(args, prompts, server))
+            for load, modes in results[server].items():
+                if load.startswith("c"):
+                    for name, m in modes.items():
+                        print(f"{server:8s} {load:4s} {name:17s} {m['tokens_per_s']:7.2f} tok/s")
+    summary = ratios(results, args.clients)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "started": started, "servers": results,
+                                                    "ratios": summary}, indent=2))
+    plot(results, out.with_suffix(".png"))
+    print("\n".join(f"{k:50s} {v:.3f}" for k, v in summary.items()))
     print(f"wrote {out.with_suffix('.json')} {out.with_suffix('.png')}")
 
 

@@ -37,6 +37,8 @@ class SpeculativeOptions(BaseModel):
     enabled: bool = Field(True, description="false: plain target decoding for this request")
     adaptive: bool | None = Field(None, description="false: exactly k drafts every round, whatever the acceptance "
                                                     "or the load (default: the server's policy)")
+    overlap: bool | None = Field(None, description="false: no drafting ahead for this request on a server with "
+                                                   "speculation.overlap (default: the server's setting)")
 
 
 class StreamOptions(BaseModel):
@@ -145,6 +147,7 @@ def create_app(router) -> FastAPI:
                 "rounds": st.timings.rounds, "max_batch": st.timings.max_batch, "mean_batch": st.timings.mean_batch,
                 "replica_failures": st.replica_failures, "speculative": st.spec.as_dict(),
                 "ahead": {"drafts": st.ahead_drafts, "used": st.ahead_used, "cancelled": st.ahead_cancelled},
+                "cost_profiles": router.scheduler.cost_profiles(),
                 "orchestration_ms_per_round": ms_per_round(st.orchestration_seconds),
                 "draft_ms_per_round": ms_per_round(st.timings.draft_seconds),
                 "verify_ms_per_round": ms_per_round(st.timings.verify_seconds),

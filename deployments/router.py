@@ -31,6 +31,7 @@ class Prepared:
     params: SamplingParams
     k: int | None
     adaptive: bool | None  # None: the server's K policy; False: exactly k every round
+    overlap: bool | None  # None: the server's setting; False: no drafting ahead for this request
     arrival: float  # time.perf_counter() when the request was read
 
 
@@ -161,18 +162,18 @@ class Router:
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
-        k, adaptive = None, None
+        k, adaptive, overlap = None, None, None
         if body.speculative is not None:
             k = 0 if not body.speculative.enabled else body.speculative.k
-            adaptive = body.speculative.adaptive
+            adaptive, overlap = body.speculative.adaptive, body.speculative.overlap
         if self.config.log_prompts:
             logger.info("prompt: %r", self.tokenizer.decode(prompt_ids))
-        return Prepared(prompt_ids, params, k, adaptive, arrival)
+        return Prepared(prompt_ids, params, k, adaptive, overlap, arrival)
 
     async def run(self, prepared: Prepared, request_id: str):
         """The request's per-round outputs; scheduler errors become API errors."""
         stream = self.scheduler.generate(prepared.prompt_ids, prepared.params, prepared.k, request_id,
-                                         adaptive=prepared.adaptive)
+                                         adaptive=prepared.adaptive, overlap=prepared.overlap)
         last_t, last = None, None
         try:
             async for out in stream:

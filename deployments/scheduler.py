@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from engine.calibrate import profile_from
-from engine.policy import AcceptanceTracker, CostProfile, load_adjusted_k
+from engine.policy import AcceptanceTracker, CostCorrection, CostProfile, load_adjusted_k
 from engine.proposers import DraftRequest, NgramProposer
 from engine.rejection import greedy_accept, rejection_sample
 from engine.sampling import SamplingParams
@@ -97,6 +97,7 @@ class _Live:
     failures: int = 0
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     fixed_k: bool = False  # the request asked for exactly seq.k drafts per round
+    overlap: bool = False  # draft its next round during this round's verify
     ready: tuple[list[int], np.ndarray | None] | None = None  # next round's draft (tokens, [K, V] probs), made ahead
 
     def delta(self, sent: int) -> SeqDelta:
@@ -161,6 +162,7 @@ class Scheduler:
         self._ids = itertools.count()
         self._ahead_ids = itertools.count()
         self._profiles: dict[tuple, CostProfile | None] = {}
+        self._corrections: dict[tuple, CostCorrection] = {}
         self.last_mean_k = 0.0  # mean K over the last round's rows (the `spec_decode_k` gauge)
 
     @property
@@ -173,10 +175,12 @@ class Scheduler:
 
     # ---- requests -------------------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, k: int | None = None,
-                       request_id: str | None = None, adaptive: bool | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, adaptive: bool | None = None, overlap: bool | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Admit a request and yield its per-round outputs; closing the iterator aborts it.
 
-        `adaptive=False` pins the request to exactly `k` drafts per round (no acceptance or load adaptation).
+        `adaptive=False` pins the request to exactly `k` drafts per round (no acceptance or load adaptation);
+        `overlap=False` turns drafting ahead off for it (on a server that overlaps).
         """
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
         if len(self._live) + self._waiting >= self.config.max_live_sequences:
@@ -191,6 +195,7 @@ class Scheduler:
         finally:
             self._waiting -= 1
         live.fixed_k = adaptive is False
+        live.overlap = self.config.overlap and overlap is not False
         self._live[request_id] = live
         self._ensure_running()
         self._wakeup.set()
@@ -261,6 +266,8 @@ class Scheduler:
     def _ks(self, rows: list[_Live]) -> list[int]:
         """Each row's draft length this round (engine/policy.py)."""
         profile = self._profile(rows[0]) if self.config.adaptive else None
+        if profile is not None:
+            profile = self._correction(rows[0]).apply(profile)
         ks = []
         for live in rows:
             cap = live.seq.k if (self.config.draft_mode != "model" or live.draft is not None) else 0
@@ -273,11 +280,50 @@ class Scheduler:
             ks.append(live.seq.draft_len(k))
         return ks
 
+    def cost_profiles(self) -> dict[str, dict | None]:
+        """The costs K is chosen by, per Draft/Target replica pair (for /stats), in milliseconds."""
+        def ms(profile: CostProfile | None) -> dict | None:
+            if profile is None:
+                return None
+            return {"batch_sizes": list(profile.batch_sizes),
+                    "verify_ms": [[round(1000 * t, 2) for t in row] for row in profile.verify_seconds],
+                    "draft_step_ms": [round(1000 * t, 2) for t in profile.draft_step_seconds]}
+        def shown(pair, profile: CostProfile | None) -> dict | None:
+            correction = self._corrections.get(pair)
+            if profile is None:
+                return None
+            return {**ms(profile), "observed_over_profile": None if correction is None else
+                    {"draft": round(correction.draft, 3), "verify": round(correction.verify, 3)}}
+        if self.config.profile is not None:
+            return {f"{d} / {t} (calibration file)": shown((d, t), self.config.profile) for d, t in self._corrections}
+        return {f"{draft} / {target}": shown((draft, target), p) for (draft, target), p in self._profiles.items()}
+
+    @staticmethod
+    def _pair(live: _Live) -> tuple:
+        return (live.draft.key if live.draft else None, live.target.key)
+
+    def _correction(self, live: _Live) -> CostCorrection:
+        return self._corrections.setdefault(self._pair(live), CostCorrection())
+
+    def _observe_costs(self, live: _Live, kind: str, calls: list, k: int, seconds: float) -> None:
+        """Feed a round's measured draft or verify seconds to the pair's cost correction.
+
+        Calls that carry a prompt (a new or re-sent sequence: a prefill) are not a round's steady-state cost
+        and are left out.
+        """
+        if any(len(call.seq.tokens) > k + 2 for call in calls):
+            return
+        batch = len(calls)
+        profile = self._profile(live) if self.config.adaptive else None
+        if profile is not None and seconds:
+            correction = self._correction(live)
+            (correction.observe_draft if kind == "draft" else correction.observe_verify)(profile, batch, k, seconds)
+
     def _profile(self, live: _Live) -> CostProfile | None:
         """The costs K is chosen by: the calibration file's, else those the leased replicas measured."""
         if self.config.profile is not None:
             return self.config.profile
-        key = (live.draft.key if live.draft else None, live.target.key)
+        key = self._pair(live)
         if key not in self._profiles:
             target = live.target.costs
             draft = live.draft.costs if live.draft is not None else None
@@ -309,6 +355,7 @@ class Scheduler:
             raise
         for live in rows:
             live.target_sent = live.seq.num_tokens
+        self._observe_costs(rows[0], "verify", calls, max(len(d) for d in drafts), result.get("seconds", 0.0))
         t2 = time.perf_counter()
         outputs, accepted = self._accept(rows, drafts, draft_probs, result)
         finished = []
@@ -365,6 +412,8 @@ class Scheduler:
                 await self._replace_draft([rows[b] for b in members])
                 continue  # these rows verify without drafts this round: output unchanged
             compute += result.get("seconds", 0.0)
+            self._observe_costs(rows[members[0]], "draft", calls, max(ks[b] for b in members),
+                                result.get("seconds", 0.0))
             for i, b in enumerate(members):
                 drafts[b] = result["drafts"][i]
                 if i in result["probs"]:
@@ -376,7 +425,8 @@ class Scheduler:
         by_lease: dict[str, list[int]] = {}
         for b, live in enumerate(rows):
             # a row that ends this round even if all is accepted needs no next round
-            if drafts[b] and live.draft is not None and live.seq.remaining() > len(drafts[b]) + 1:
+            if (live.overlap and drafts[b] and live.draft is not None
+                    and live.seq.remaining() > len(drafts[b]) + 1):
                 by_lease.setdefault(live.draft.key, []).append(b)
         aheads = []
         for members in by_lease.values():

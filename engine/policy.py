@@ -9,7 +9,8 @@ measured on one machine for one model pair (engine/calibrate.py), and `choose_k`
 expected tokens per second: per request (its own acceptance) at the round's batch size (the load). With more
 live sequences than the knee, every request's K is 0 and rounds are plain batched decoding.
 
-`AcceptanceTracker` estimates a per request from recent rounds; a request whose drafts keep failing drops to
+`CostCorrection` pulls the profile toward the costs the rounds really see. `AcceptanceTracker` estimates a per
+request from recent rounds; a request whose drafts keep failing drops to
 K = 0 and probes with K = 1 every `PROBE_EVERY` rounds, so a request whose text turns predictable gets its
 drafts back. Without a profile, `load_adjusted_k`'s fixed threshold is the (uncalibrated) fallback.
 """
@@ -25,6 +26,7 @@ PRIOR_ACCEPTANCE = 0.7  # a new request's assumed per-token acceptance (pulls th
 PRIOR_WEIGHT = 2.0  # in draft tokens: how quickly observations outweigh the prior
 DECAY = 0.8  # per round: the weight of older rounds (about the last 5 rounds count)
 PROBE_EVERY = 8  # rounds at K = 0 (because of acceptance, not load) before one probing round with K = 1
+CORRECTION_WEIGHT = 0.1  # weight of one round's observed/predicted cost ratio once a few rounds are in
 
 
 def load_adjusted_k(k: int, num_live: int, max_batch: int | None) -> int:
@@ -84,6 +86,10 @@ class CostProfile:
     def draft(self, batch: int, k: int) -> float:
         return k * self._at_batch(list(self.draft_step_seconds), batch)
 
+    def scaled(self, draft: float, verify: float) -> "CostProfile":
+        return CostProfile(self.batch_sizes, tuple(tuple(t * verify for t in row) for row in self.verify_seconds),
+                           tuple(t * draft for t in self.draft_step_seconds))
+
     def round_seconds(self, batch: int, k: int) -> float:
         return self.draft(batch, k) + self.verify(batch, k)
 
@@ -115,6 +121,41 @@ def choose_k(profile: CostProfile, batch: int, acceptance: float, k_max: int) ->
         if rate > best_rate * 1.001:  # ties go to the smaller K (less work for the same tokens)
             best_k, best_rate = k, rate
     return best_k
+
+
+class CostCorrection:
+    """What the rounds really cost against what the profile predicted, as running ratios.
+
+    A start-up measurement can be off (the machine was busy, the contexts are longer than the measured ones,
+    the draft computes alongside the verify): each round's own draft and verify seconds, reported by the
+    workers, pull the profile's draft and verify costs toward reality. The first few observations count as a
+    plain mean, later ones with weight `CORRECTION_WEIGHT`.
+    """
+
+    def __init__(self) -> None:
+        self.draft, self.verify = 1.0, 1.0
+        self._draft_n, self._verify_n = 0, 0
+
+    @staticmethod
+    def _update(current: float, n: int, ratio: float) -> float:
+        ratio = min(max(ratio, 0.1), 10.0)
+        weight = max(1.0 / (n + 1), CORRECTION_WEIGHT)
+        return current + weight * (ratio - current)
+
+    def observe_draft(self, profile: CostProfile, batch: int, k: int, seconds: float) -> None:
+        predicted = profile.draft(batch, k)
+        if k > 0 and predicted > 0 and seconds > 0:
+            self.draft = self._update(self.draft, self._draft_n, seconds / predicted)
+            self._draft_n += 1
+
+    def observe_verify(self, profile: CostProfile, batch: int, k: int, seconds: float) -> None:
+        predicted = profile.verify(batch, k)
+        if predicted > 0 and seconds > 0:
+            self.verify = self._update(self.verify, self._verify_n, seconds / predicted)
+            self._verify_n += 1
+
+    def apply(self, profile: CostProfile) -> CostProfile:
+        return profile.scaled(self.draft, self.verify)
 
 
 class AcceptanceTracker:

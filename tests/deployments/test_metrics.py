@@ -5,7 +5,7 @@ from collections import defaultdict
 
 from deployments.metrics import ServingMetrics
 from deployments.router import Router
-from tests.deployments.conftest import LocalBroker, tiny_config
+from tests.deployments.conftest import LocalBroker, tiny_config, write_profile
 from tests.deployments.test_router import client, complete
 
 
@@ -93,3 +93,35 @@ def test_rounds_with_nothing_accepted_or_nothing_drafted_record_cleanly():
     assert backend.total("counters", "specserve_spec_decode_num_draft_tokens") == 6
     assert backend.total("counters", "specserve_spec_decode_num_accepted_tokens") == 0
     assert backend.total("counters", "specserve_request_success", finished_reason="abort") == 1
+
+
+def test_k_and_on_off_gauges_follow_the_policy(tiny_model_dirs, tmp_path):
+    """Under load past the profile's knee the gauges read K = 0 and off; with one request, K > 0 and on."""
+    config = tiny_config(tiny_model_dirs, speculation={"adaptive": True,
+                                                       "calibration": write_profile(tmp_path / "c.json", 2)})
+    backend = RecordingBackend()
+    router = Router(config, LocalBroker(config), metrics=ServingMetrics("tiny", backend))
+    k_key, on_key = (("specserve_" + n, (("model_name", "tiny"),)) for n in ("spec_decode_k", "spec_decode_enabled"))
+    seen = []
+    set_gauge = _Metric.set
+
+    def recording_set(metric, value, tags=None):
+        set_gauge(metric, value, tags)
+        if metric.name.endswith(("spec_decode_k", "spec_decode_enabled", "num_requests_running")):
+            seen.append((metric.name.removeprefix("specserve_"), value))
+
+    _Metric.set = recording_set
+    try:
+        async def go():
+            async with client(router) as c:
+                await asyncio.gather(*[complete(c, prompt=[5 + i, 6, 7], max_tokens=8) for i in range(4)])
+                await complete(c, max_tokens=8)
+        asyncio.run(go())
+    finally:
+        _Metric.set = set_gauge
+    # gauges are set in this order per round: running, waiting (not kept), k, enabled
+    rounds = [(seen[i][1], seen[i + 1][1], seen[i + 2][1]) for i in range(0, len(seen) - 2)
+              if seen[i][0] == "num_requests_running" and seen[i + 1][0] == "spec_decode_k"]
+    assert any(running == 4 and k == 0 and on == 0 for running, k, on in rounds), rounds
+    assert any(running == 1 and k > 0 and on == 1 for running, k, on in rounds), rounds
+    assert backend.gauges[k_key] == 0 and backend.gauges[on_key] == 0, "idle: no drafting"

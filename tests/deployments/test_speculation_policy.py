@@ -38,9 +38,9 @@ def router_for(dirs, **speculation) -> tuple[Router, LocalBroker]:
     return Router(config, broker), broker
 
 
-async def generate(router, prompt, params, k=None, adaptive=None) -> list[int]:
+async def generate(router, prompt, params, k=None, adaptive=None, overlap=None) -> list[int]:
     tokens = []
-    async for out in router.scheduler.generate(prompt, params, k=k, adaptive=adaptive):
+    async for out in router.scheduler.generate(prompt, params, k=k, adaptive=adaptive, overlap=overlap):
         tokens.extend(out.new_token_ids)
     return tokens
 
@@ -135,8 +135,9 @@ def test_adaptive_k_uses_costs_the_replicas_measured(tiny_model_dirs):
     assert broker.cores["target"].costs["verify_seconds"] and broker.cores["draft"].costs["draft_step_seconds"]
     [tokens] = run_all(router, [PROMPTS[0]], [GREEDY])
     assert text(router, tokens) == plain_reference(tiny_model_dirs, PROMPTS[0], 24)
-    profile = next(iter(router.scheduler._profiles.values()))
-    assert profile is not None and profile.batch_sizes == (1, 2, 4, 8, 16)
+    [(pair, shown)] = router.scheduler.cost_profiles().items()
+    assert pair == "draft-0 / target-0" and shown["batch_sizes"] == [1, 2, 4, 8, 16]
+    assert len(shown["verify_ms"]) == 5 and all(t > 0 for t in shown["draft_step_ms"])
 
 
 def test_a_calibration_file_that_is_not_a_profile_is_refused(tiny_model_dirs, tmp_path):
@@ -159,3 +160,14 @@ def test_a_request_can_pin_its_k_past_the_policy(tiny_model_dirs, tmp_path):
         assert text(router, tokens) == plain_reference(tiny_model_dirs, prompt, 24)
     spec = router.scheduler.stats.spec
     assert spec.num_drafts > 0 and spec.num_draft_tokens == 2 * spec.num_drafts, "only the pinned request drafted"
+
+
+def test_a_request_can_turn_overlap_off(tiny_model_dirs):
+    router, _ = router_for(tiny_model_dirs, overlap=True)
+
+    async def go():
+        return await generate(router, PROMPTS[0], GREEDY, overlap=False)
+
+    tokens = asyncio.run(go())
+    assert text(router, tokens) == plain_reference(tiny_model_dirs, PROMPTS[0], 24)
+    assert router.scheduler.stats.ahead_drafts == 0

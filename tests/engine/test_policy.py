@@ -4,7 +4,7 @@ import pytest
 
 from engine import ModelRunner
 from engine.calibrate import measure_draft_step, measure_verify, monotone, profile_from
-from engine.policy import (PROBE_EVERY, AcceptanceTracker, CostProfile, choose_k, expected_tokens,
+from engine.policy import (PROBE_EVERY, AcceptanceTracker, CostCorrection, CostProfile, choose_k, expected_tokens,
                            load_adjusted_k)
 from tests.conftest import make_tiny_model
 
@@ -107,3 +107,15 @@ def test_a_timing_inflated_by_other_work_gives_way_to_a_bigger_pass():
     assert monotone(measured) == [[0.044, 0.046, 0.060], [0.044, 0.051, 0.066], [0.049, 0.115, 0.115]]
     profile = profile_from((1, 2, 4), measured, [0.030, 0.027, 0.038])
     assert profile.draft_step_seconds == (0.027, 0.027, 0.038)
+
+
+def test_observed_round_costs_correct_a_profile_that_was_measured_too_slow():
+    measured = cpu_like_profile().scaled(draft=3.0, verify=1.0)  # the draft was timed on a busy machine
+    assert choose_k(measured, 1, 0.9, 4) == 0
+    correction = CostCorrection()
+    true = cpu_like_profile()
+    for _ in range(4):  # a few probing rounds report what one K=1 draft and its verify really took
+        correction.observe_draft(measured, 1, 1, true.draft(1, 1))
+        correction.observe_verify(measured, 1, 1, true.verify(1, 1))
+    assert correction.draft == pytest.approx(1 / 3) and correction.verify == pytest.approx(1.0)
+    assert choose_k(correction.apply(measured), 1, 0.9, 4) == choose_k(true, 1, 0.9, 4) > 0
