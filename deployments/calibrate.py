@@ -18,7 +18,7 @@ import time
 
 import yaml
 
-from engine.calibrate import BATCH_SIZES, measure_draft_step, measure_verify, profile_from
+from engine.calibrate import BATCH_SIZES, measure_draft_step, measure_prefill, measure_verify, profile_from
 from engine.factory import build_proposer, build_target
 from engine.policy import choose_k
 
@@ -57,13 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     target, tokenizer = build_target(engine_config)
     verify = measure_verify(target, max_k, BATCH_SIZES, args.reps)
-    steps = None
+    steps, prefill = None, 0.0
     proposer = build_proposer(engine_config, tokenizer, target.vocab_size)
     runner = getattr(proposer, "runner", None)
     if runner is not None:  # a draft model (n-gram lookup and "none" cost no model steps)
         del target
         steps = measure_draft_step(runner, BATCH_SIZES, args.reps)
-    profile = profile_from(BATCH_SIZES, verify, steps)
+        prefill = measure_prefill(runner, reps=args.reps)
+    profile = profile_from(BATCH_SIZES, verify, steps, prefill)
     meta = {"target": cfg.model.target, "target_dtype": cfg.model.target_dtype, "draft": cfg.model.draft,
             "draft_dtype": cfg.model.draft_dtype, "torch_threads": torch.get_num_threads(),
             "cpus": os.cpu_count(), "machine": platform.machine(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, batch in enumerate(BATCH_SIZES):
         row = "  ".join(f"{1000 * t:14.1f}" for t in profile.verify_seconds[i])
         print(f"{batch:5d}  {row}  {1000 * profile.draft_step_seconds[i]:13.1f}")
+    print(f"draft prefill: {1000 * profile.draft_prefill_seconds_per_token:.2f} ms per prompt token")
     print("\nK the policy picks (acceptance a = per-token acceptance rate):")
     batches = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     print("a      " + " ".join(f"b={b:<3d}" for b in batches) + "  knee (largest batch that drafts)")

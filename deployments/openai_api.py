@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API: request models, error JSON, and the FastAPI app over a `Router`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events ending in
-`data: [DONE]`), GET /v1/models, GET /health. Extension fields: `speculative: {"k": int, "enabled": bool}`,
-`top_k`, `ignore_eos`; `usage.speculative` reports the request's rounds, drafted and accepted tokens.
+`data: [DONE]`), GET /v1/models, GET /health. Extension fields: `speculative: {"k": int, "enabled": bool,
+"adaptive": bool, "overlap": bool}`, `top_k`, `ignore_eos`; `usage.speculative` reports the request's rounds, drafted and accepted tokens.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from engine.calibrate import profile_from
-from engine.policy import AcceptanceTracker, CostCorrection, CostProfile, load_adjusted_k
+from engine.policy import AcceptanceTracker, CostCorrection, CostProfile, load_adjusted_k, worth_starting
 from engine.proposers import DraftRequest, NgramProposer
 from engine.rejection import greedy_accept, rejection_sample
 from engine.sampling import SamplingParams
@@ -231,6 +231,7 @@ class Scheduler:
 
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
+            self._wakeup = asyncio.Event()  # a fresh one: the last loop's may be bound to a loop that is gone
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     # ---- rounds ---------------------------------------------------------------------------------------------
@@ -266,7 +267,7 @@ class Scheduler:
     def _ks(self, rows: list[_Live]) -> list[int]:
         """Each row's draft length this round (engine/policy.py)."""
         profile = self._profile(rows[0]) if self.config.adaptive else None
-        if profile is not None:
+        if profile is not None and self.config.profile is None:  # a calibration file is taken as given
             profile = self._correction(rows[0]).apply(profile)
         ks = []
         for live in rows:
@@ -275,6 +276,9 @@ class Scheduler:
                 k = cap
             elif profile is not None:
                 k = live.tracker.next_k(profile, len(rows), cap)
+                if k and live.draft is not None and live.draft_sent == 0 and not worth_starting(
+                        profile, len(rows), live.tracker.acceptance, k, live.seq.num_tokens, live.seq.remaining()):
+                    k = 0  # the draft would have to read the whole context first, for too few tokens left
             else:
                 k = load_adjusted_k(cap, len(self._live), self.config.max_batch_for_speculation)
             ks.append(live.seq.draft_len(k))
@@ -314,7 +318,7 @@ class Scheduler:
         if any(len(call.seq.tokens) > k + 2 for call in calls):
             return
         batch = len(calls)
-        profile = self._profile(live) if self.config.adaptive else None
+        profile = self._profile(live) if self.config.adaptive and self.config.profile is None else None
         if profile is not None and seconds:
             correction = self._correction(live)
             (correction.observe_draft if kind == "draft" else correction.observe_verify)(profile, batch, k, seconds)
@@ -331,7 +335,8 @@ class Scheduler:
             if target is not None and (draft is not None or self.config.draft_mode != "model"):
                 steps = draft["draft_step_seconds"] if draft else [0.0] * len(target["batch_sizes"])
                 if draft is None or draft["batch_sizes"] == target["batch_sizes"]:
-                    profile = profile_from(target["batch_sizes"], target["verify_seconds"], steps)
+                    profile = profile_from(target["batch_sizes"], target["verify_seconds"], steps,
+                                           draft.get("draft_prefill_seconds_per_token", 0.0) if draft else 0.0)
             if profile is None:
                 logger.warning("no measured costs for replicas %s; K follows max_batch_for_speculation", key)
             self._profiles[key] = profile

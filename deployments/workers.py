@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.calibrate import BATCH_SIZES, measure_draft_step, measure_verify
+from engine.calibrate import BATCH_SIZES, measure_draft_step, measure_prefill, measure_verify
 from engine.factory import EngineConfig, build_target
 from engine.loading import load_causal_lm, load_tokenizer, resolve
 from engine.model_runner import ModelRunner
@@ -147,8 +147,9 @@ class DraftWorkerCore:
         self.rows = 0
         self.cancelled_drafts = 0
         # seconds of one draft step by batch size, for the router's K policy (engine/policy.py)
-        self.costs = ({"batch_sizes": list(BATCH_SIZES), "draft_step_seconds": measure_draft_step(self.proposer.runner)}
-                      if calibrate else None)
+        runner = self.proposer.runner
+        self.costs = ({"batch_sizes": list(BATCH_SIZES), "draft_step_seconds": measure_draft_step(runner),
+                       "draft_prefill_seconds_per_token": measure_prefill(runner)} if calibrate else None)
 
     def cancel(self, ahead_id: int) -> None:
         with self._cancel_lock:

@@ -48,6 +48,22 @@ def measure_forward(runner: ModelRunner, batch_sizes: Sequence[int], widths: Seq
             runner.release(seq_id)
 
 
+def measure_prefill(runner: ModelRunner, tokens: int = 2 * CONTEXT, reps: int = 3) -> float:
+    """Seconds per token of a prompt's prefill (one sequence of `tokens` tokens)."""
+    vocab = min(runner.vocab_size, 1000)
+    prompt = [(5 * t) % (vocab - 1) + 1 for t in range(tokens)]
+    best = float("inf")
+    for _ in range(reps + 1):
+        runner.add("calibrate-prefill")
+        try:
+            start = time.perf_counter()
+            runner.forward(["calibrate-prefill"], [prompt], [1])
+            best = min(best, time.perf_counter() - start)
+        finally:
+            runner.release("calibrate-prefill")
+    return best / tokens
+
+
 def measure_verify(runner: ModelRunner, max_k: int, batch_sizes: Sequence[int] = BATCH_SIZES,
                    reps: int = 3) -> list[list[float]]:
     """[batch][k] seconds of a verify pass with k drafts (k + 1 tokens) per sequence, k = 0..max_k."""
@@ -73,8 +89,9 @@ def monotone(table: list[list[float]]) -> list[list[float]]:
     return out
 
 
-def profile_from(batch_sizes: Sequence[int], verify: list[list[float]], draft_step: list[float] | None) -> CostProfile:
+def profile_from(batch_sizes: Sequence[int], verify: list[list[float]], draft_step: list[float] | None,
+                 draft_prefill_per_token: float = 0.0) -> CostProfile:
     """A profile from measured tables (made monotone first)."""
     steps = [row[0] for row in monotone([[t] for t in draft_step])] if draft_step else [0.0] * len(batch_sizes)
     return CostProfile(batch_sizes=tuple(batch_sizes), verify_seconds=tuple(tuple(r) for r in monotone(verify)),
-                       draft_step_seconds=tuple(steps))
+                       draft_step_seconds=tuple(steps), draft_prefill_seconds_per_token=draft_prefill_per_token)

@@ -52,6 +52,7 @@ class CostProfile:
     batch_sizes: tuple[int, ...]  # ascending, e.g. (1, 2, 4, 8, 16)
     verify_seconds: tuple[tuple[float, ...], ...]  # [batch][w]: one target pass over w+1 tokens per sequence
     draft_step_seconds: tuple[float, ...]  # [batch]: one draft model step (0 for a proposer without a model)
+    draft_prefill_seconds_per_token: float = 0.0  # the draft reading a prompt it has not seen (0: no model)
 
     def __post_init__(self) -> None:
         if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or not self.batch_sizes:
@@ -88,7 +89,8 @@ class CostProfile:
 
     def scaled(self, draft: float, verify: float) -> "CostProfile":
         return CostProfile(self.batch_sizes, tuple(tuple(t * verify for t in row) for row in self.verify_seconds),
-                           tuple(t * draft for t in self.draft_step_seconds))
+                           tuple(t * draft for t in self.draft_step_seconds),
+                           self.draft_prefill_seconds_per_token * draft)
 
     def round_seconds(self, batch: int, k: int) -> float:
         return self.draft(batch, k) + self.verify(batch, k)
@@ -110,7 +112,19 @@ class CostProfile:
         data = json.loads(Path(path).read_text())
         return cls(batch_sizes=tuple(data["batch_sizes"]),
                    verify_seconds=tuple(tuple(row) for row in data["verify_seconds"]),
-                   draft_step_seconds=tuple(data["draft_step_seconds"]))
+                   draft_step_seconds=tuple(data["draft_step_seconds"]),
+                   draft_prefill_seconds_per_token=data.get("draft_prefill_seconds_per_token", 0.0))
+
+
+def worth_starting(profile: CostProfile, batch: int, acceptance: float, k: int, context: int,
+                   remaining: int) -> bool:
+    """Whether a request that has not drafted yet should start: the draft must first read its whole context
+    (a prefill), which pays only if the rest of the request saves more than that at the expected rate."""
+    if k <= 0:
+        return False
+    plain = profile.round_seconds(batch, 0)
+    speculative = profile.round_seconds(batch, k) / expected_tokens(acceptance, k)
+    return remaining * (plain - speculative) > context * profile.draft_prefill_seconds_per_token
 
 
 def choose_k(profile: CostProfile, batch: int, acceptance: float, k_max: int) -> int:

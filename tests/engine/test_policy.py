@@ -5,7 +5,7 @@ import pytest
 from engine import ModelRunner
 from engine.calibrate import measure_draft_step, measure_verify, monotone, profile_from
 from engine.policy import (PROBE_EVERY, AcceptanceTracker, CostCorrection, CostProfile, choose_k, expected_tokens,
-                           load_adjusted_k)
+                           load_adjusted_k, worth_starting)
 from tests.conftest import make_tiny_model
 
 
@@ -119,3 +119,15 @@ def test_observed_round_costs_correct_a_profile_that_was_measured_too_slow():
         correction.observe_verify(measured, 1, 1, true.verify(1, 1))
     assert correction.draft == pytest.approx(1 / 3) and correction.verify == pytest.approx(1.0)
     assert choose_k(correction.apply(measured), 1, 0.9, 4) == choose_k(true, 1, 0.9, 4) > 0
+
+
+def test_a_request_starts_drafting_only_if_the_rest_of_it_repays_the_draft_prefill():
+    base = cpu_like_profile()
+    profile = CostProfile(base.batch_sizes, base.verify_seconds, base.draft_step_seconds,
+                          draft_prefill_seconds_per_token=0.002)
+    k = choose_k(profile, 1, 0.9, 4)
+    assert k > 0
+    assert worth_starting(profile, 1, 0.9, k, context=100, remaining=500)
+    assert not worth_starting(profile, 1, 0.9, k, context=100, remaining=3)
+    assert not worth_starting(profile, 1, 0.9, 0, context=1, remaining=500)
+    assert worth_starting(base, 1, 0.9, k, context=10_000, remaining=2), "no prefill cost: nothing to repay"
