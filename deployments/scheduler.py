@@ -163,6 +163,8 @@ class Scheduler:
         self._ahead_ids = itertools.count()
         self._profiles: dict[tuple, CostProfile | None] = {}
         self._corrections: dict[tuple, CostCorrection] = {}
+        # acceptance over all requests: a new request's prior, so it starts where its predecessors ended
+        self.population = AcceptanceTracker()
         self.last_mean_k = 0.0  # mean K over the last round's rows (the `spec_decode_k` gauge)
 
     @property
@@ -219,7 +221,8 @@ class Scheduler:
             except BaseException:
                 await target.close()
                 raise
-        return _Live(seq=seq, queue=asyncio.Queue(), target=target, draft=draft)
+        return _Live(seq=seq, queue=asyncio.Queue(), target=target, draft=draft,
+                     tracker=AcceptanceTracker(prior=self.population.acceptance))
 
     async def _finish(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
@@ -297,7 +300,8 @@ class Scheduler:
             if profile is None:
                 return None
             return {**ms(profile), "observed_over_profile": None if correction is None else
-                    {"draft": round(correction.draft, 3), "verify": round(correction.verify, 3)}}
+                    {"draft": round(correction.draft, 3), "verify": round(correction.verify, 3),
+                     "round_overhead_ms": round(1000 * correction.overhead, 2)}}
         if self.config.profile is not None:
             return {f"{d} / {t} (calibration file)": shown((d, t), self.config.profile) for d, t in self._corrections}
         return {f"{draft} / {target}": shown((draft, target), p) for (draft, target), p in self._profiles.items()}
@@ -377,6 +381,8 @@ class Scheduler:
         # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
         orchestration = (t2 - t0) - draft_compute - result.get("seconds", 0.0)
         self.stats.orchestration_seconds += orchestration
+        if self.config.adaptive:
+            self._correction(rows[0]).observe_overhead(orchestration)
         observe(self.metrics.round, [len(d) for d in drafts], accepted, t1 - t0, t2 - t1, orchestration)
         self.stats.draft_compute_seconds += draft_compute
         self.stats.verify_compute_seconds += result.get("seconds", 0.0)
@@ -498,6 +504,7 @@ class Scheduler:
         for b, live in enumerate(rows):
             tokens, accepted = emitted[b]
             live.tracker.record(len(drafts[b]), accepted)
+            self.population.record(len(drafts[b]), accepted)
             out = live.seq.commit(tokens, len(drafts[b]), accepted)
             self.stats.spec.record(len(drafts[b]), accepted, len(out.new_token_ids))
             outputs.append(out)

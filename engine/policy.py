@@ -53,6 +53,7 @@ class CostProfile:
     verify_seconds: tuple[tuple[float, ...], ...]  # [batch][w]: one target pass over w+1 tokens per sequence
     draft_step_seconds: tuple[float, ...]  # [batch]: one draft model step (0 for a proposer without a model)
     draft_prefill_seconds_per_token: float = 0.0  # the draft reading a prompt it has not seen (0: no model)
+    round_overhead_seconds: float = 0.0  # per round outside the models (RPC, serialization); observed online
 
     def __post_init__(self) -> None:
         if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or not self.batch_sizes:
@@ -87,13 +88,13 @@ class CostProfile:
     def draft(self, batch: int, k: int) -> float:
         return k * self._at_batch(list(self.draft_step_seconds), batch)
 
-    def scaled(self, draft: float, verify: float) -> "CostProfile":
+    def scaled(self, draft: float, verify: float, overhead: float = 0.0) -> "CostProfile":
         return CostProfile(self.batch_sizes, tuple(tuple(t * verify for t in row) for row in self.verify_seconds),
                            tuple(t * draft for t in self.draft_step_seconds),
-                           self.draft_prefill_seconds_per_token * draft)
+                           self.draft_prefill_seconds_per_token * draft, overhead)
 
     def round_seconds(self, batch: int, k: int) -> float:
-        return self.draft(batch, k) + self.verify(batch, k)
+        return self.draft(batch, k) + self.verify(batch, k) + self.round_overhead_seconds
 
     def knee(self, acceptance: float, k_max: int) -> int:
         """The largest batch (up to 4x the largest measured) at which `choose_k` still drafts for this acceptance."""
@@ -148,7 +149,8 @@ class CostCorrection:
 
     def __init__(self) -> None:
         self.draft, self.verify = 1.0, 1.0
-        self._draft_n, self._verify_n = 0, 0
+        self.overhead = 0.0  # seconds per round outside the workers' compute
+        self._draft_n, self._verify_n, self._overhead_n = 0, 0, 0
 
     @staticmethod
     def _update(current: float, n: int, ratio: float) -> float:
@@ -168,8 +170,13 @@ class CostCorrection:
             self.verify = self._update(self.verify, self._verify_n, seconds / predicted)
             self._verify_n += 1
 
+    def observe_overhead(self, seconds: float) -> None:
+        weight = max(1.0 / (self._overhead_n + 1), CORRECTION_WEIGHT)
+        self.overhead += weight * (max(seconds, 0.0) - self.overhead)
+        self._overhead_n += 1
+
     def apply(self, profile: CostProfile) -> CostProfile:
-        return profile.scaled(self.draft, self.verify)
+        return profile.scaled(self.draft, self.verify, self.overhead)
 
 
 class AcceptanceTracker:

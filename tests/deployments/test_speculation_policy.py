@@ -171,3 +171,10 @@ def test_a_request_can_turn_overlap_off(tiny_model_dirs):
     tokens = asyncio.run(go())
     assert text(router, tokens) == plain_reference(tiny_model_dirs, PROMPTS[0], 24)
     assert router.scheduler.stats.ahead_drafts == 0
+
+
+def test_a_new_request_starts_from_the_acceptance_its_predecessors_saw(unrelated_draft_dirs, tmp_path):
+    router, _ = router_for(unrelated_draft_dirs, adaptive=True, calibration=write_profile(tmp_path / "c.json", 8))
+    assert router.scheduler.population.acceptance == pytest.approx(0.7)
+    run_all(router, [PROMPTS[1]], [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)])
+    assert router.scheduler.population.acceptance < 0.3

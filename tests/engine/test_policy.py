@@ -131,3 +131,16 @@ def test_a_request_starts_drafting_only_if_the_rest_of_it_repays_the_draft_prefi
     assert not worth_starting(profile, 1, 0.9, k, context=100, remaining=3)
     assert not worth_starting(profile, 1, 0.9, 0, context=1, remaining=500)
     assert worth_starting(base, 1, 0.9, k, context=10_000, remaining=2), "no prefill cost: nothing to repay"
+
+
+def test_round_overhead_counts_against_plain_decoding_too():
+    base = cpu_like_profile()
+    correction = CostCorrection()
+    for _ in range(3):
+        correction.observe_overhead(0.030)
+    assert correction.overhead == pytest.approx(0.030)
+    corrected = correction.apply(base)
+    assert corrected.round_seconds(1, 0) == pytest.approx(base.round_seconds(1, 0) + 0.030)
+    # a fixed cost per round favours fewer, longer rounds: speculation pays at a lower acceptance
+    lowest = lambda p: min(a / 100 for a in range(1, 100) if choose_k(p, 1, a / 100, 4) > 0)  # noqa: E731
+    assert lowest(corrected) < lowest(base)
