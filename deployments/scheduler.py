@@ -97,6 +97,7 @@ class _Live:
     failures: int = 0
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     fixed_k: bool = False  # the request asked for exactly seq.k drafts per round
+    reletting: bool = False  # its Target replica died; a new lease is being taken (it sits out the rounds)
     overlap: bool = False  # draft its next round during this round's verify
     ready: tuple[list[int], np.ndarray | None] | None = None  # next round's draft (tokens, [K, V] probs), made ahead
 
@@ -161,6 +162,7 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._ahead_ids = itertools.count()
+        self._relets: set[asyncio.Task] = set()
         self._profiles: dict[tuple, CostProfile | None] = {}
         self._corrections: dict[tuple, CostCorrection] = {}
         # acceptance over all requests: a new request's prior, so it starts where its predecessors ended
@@ -228,7 +230,8 @@ class Scheduler:
         live = self._live.pop(request_id, None)
         if live is None:
             return
-        await live.target.close()
+        if not live.reletting:  # a dead replica's lease was closed already
+            await live.target.close()
         if live.draft is not None:
             await live.draft.close()
 
@@ -240,8 +243,8 @@ class Scheduler:
     # ---- rounds ---------------------------------------------------------------------------------------------
     async def _run(self) -> None:
         while True:
-            if not self._live:
-                observe(self.metrics.load, 0, self._waiting, 0.0)
+            if not any(not live.reletting for live in self._live.values()):  # nothing can run a round now
+                observe(self.metrics.load, len(self._live), self._waiting, 0.0)
                 self._wakeup.clear()
                 try:  # Ray ages out a gauge that is not set again within ~2 export intervals: refresh while idle
                     await asyncio.wait_for(self._wakeup.wait(), GAUGE_REFRESH_S)
@@ -259,8 +262,8 @@ class Scheduler:
     async def _round(self) -> None:
         groups: dict[tuple, list[_Live]] = {}
         for live in self._live.values():
-            key = (live.draft.key if live.draft else None, live.target.key)
-            groups.setdefault(key, []).append(live)
+            if not live.reletting:
+                groups.setdefault(self._pair(live), []).append(live)
         plans = [(rows, self._ks(rows)) for rows in groups.values()]
         all_ks = [k for _, ks in plans for k in ks]
         self.last_mean_k = sum(all_ks) / len(all_ks)
@@ -512,20 +515,42 @@ class Scheduler:
         return outputs, accepted_counts
 
     async def _replace_target(self, rows: list[_Live]) -> None:
+        """Lease another Target replica for these rows in a task of its own: taking a lease can wait for Serve
+        to replace the dead replica, and meanwhile the round loop goes on for every other request."""
         self.stats.replica_failures += 1
         for live in rows:
             live.failures += 1
+            live.reletting = True
             await live.target.close()
+        task = asyncio.get_running_loop().create_task(self._relet(rows))
+        self._relets.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._relets.discard)
+
+    async def _relet(self, rows: list[_Live]) -> None:
+        for live in rows:
+            request_id = live.seq.request_id
+            if self._live.get(request_id) is not live:
+                continue  # aborted meanwhile
             if live.failures > MAX_REPLICA_FAILURES:
-                live.queue.put_nowait(ReplicaGone("the target replica failed repeatedly; giving up on this request"))
-                self._live.pop(live.seq.request_id, None)
+                await self._drop(live, ReplicaGone("the target replica failed repeatedly; giving up on this request"))
                 continue
             try:
-                live.target = await self.broker.target(live.seq.request_id)
-                live.target_sent = 0  # the new replica re-prefills from token 0
+                target = await self.broker.target(request_id)
             except Exception as exc:
-                live.queue.put_nowait(exc)
-                self._live.pop(live.seq.request_id, None)
+                await self._drop(live, exc)
+                continue
+            if self._live.get(request_id) is not live:
+                await target.close()  # aborted while the lease was being taken
+                continue
+            live.target, live.target_sent, live.reletting = target, 0, False  # re-prefill from token 0
+        self._wakeup.set()
+
+    async def _drop(self, live: _Live, exc: BaseException) -> None:
+        """End a request with an error; its target lease is already closed."""
+        self._live.pop(live.seq.request_id, None)
+        live.queue.put_nowait(exc)
+        if live.draft is not None:
+            await live.draft.close()
 
     async def _replace_draft(self, rows: list[_Live]) -> None:
         self.stats.replica_failures += 1

@@ -94,6 +94,9 @@ class LocalBroker:
         self.calls = {"draft": 0, "target": 0}
         self.open_leases = {"draft": 0, "target": 0}
         self.cancels = 0
+        self.held_target_leases: set[str] = set()
+        self.leased_targets: set[str] = set()
+        self.release_leases = asyncio.Event()
 
     def _core(self, kind: str):
         if kind == "draft":
@@ -115,6 +118,9 @@ class LocalBroker:
         return await self._lease("draft", seq_id)
 
     async def target(self, seq_id):
+        if seq_id in self.held_target_leases and seq_id in self.leased_targets:
+            await self.release_leases.wait()  # a test holds this request's re-lease (a slow replacement)
+        self.leased_targets.add(seq_id)
         return await self._lease("target", seq_id)
 
 

@@ -321,3 +321,30 @@ def test_worker_with_a_missing_or_corrupt_model_fails_fast_naming_the_file(tiny_
         config = dataclasses.replace(base, **{role: str(path)})
         with pytest.raises((ModelLoadError, ValueError, OSError), match=path.name):
             DraftWorkerCore(config) if role == "draft" else TargetWorkerCore(config)
+
+
+def test_a_request_waiting_for_a_new_target_replica_does_not_hold_up_the_others(setup, tiny_model_dirs):
+    config, broker, router = setup
+    broker.fail_at_call["target"] = 3  # request A's replica dies at its third round ...
+    broker.held_target_leases.add("A")  # ... and its replacement is slow to come
+
+    async def text_of(prompt, request_id, n):
+        text = ""
+        async for out in router.scheduler.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                                          ignore_eos=True), request_id=request_id):
+            text += out.new_text
+        return text
+
+    async def go():
+        a = asyncio.create_task(text_of(PROMPT_IDS, "A", 30))
+        while router.scheduler.stats.replica_failures == 0:
+            await asyncio.sleep(0.01)
+        b = await asyncio.wait_for(text_of([9, 8, 7, 6], "B", 12), 60)  # B runs its rounds meanwhile
+        assert not a.done(), "A is still waiting for its lease"
+        broker.release_leases.set()
+        return await asyncio.wait_for(a, 60), b
+
+    a, b = asyncio.run(go())
+    assert a == plain_reference(tiny_model_dirs, PROMPT_IDS, 30)
+    assert b == plain_reference(tiny_model_dirs, [9, 8, 7, 6], 12)
+    assert broker.open_leases == {"draft": 0, "target": 0}
