@@ -18,7 +18,7 @@ import time
 
 import yaml
 
-from engine.calibrate import BATCH_SIZES, measure_draft_step, measure_prefill, measure_verify, profile_from
+from engine.calibrate import BATCH_SIZES, measure_draft_costs, measure_target_costs, profile_from_costs
 from engine.factory import build_proposer, build_target
 from engine.policy import choose_k
 
@@ -56,15 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     max_k = max(cfg.speculation.num_speculative_tokens, 1)
     start = time.perf_counter()
     target, tokenizer = build_target(engine_config)
-    verify = measure_verify(target, max_k, BATCH_SIZES, args.reps)
-    steps, prefill = None, 0.0
+    target_costs = measure_target_costs(target, max_k, args.reps)
+    draft_costs = None
     proposer = build_proposer(engine_config, tokenizer, target.vocab_size)
     runner = getattr(proposer, "runner", None)
     if runner is not None:  # a draft model (n-gram lookup and "none" cost no model steps)
         del target
-        steps = measure_draft_step(runner, BATCH_SIZES, args.reps)
-        prefill = measure_prefill(runner, reps=args.reps)
-    profile = profile_from(BATCH_SIZES, verify, steps, prefill)
+        draft_costs = measure_draft_costs(runner, args.reps)
+    profile = profile_from_costs(target_costs, draft_costs)
     meta = {"target": cfg.model.target, "target_dtype": cfg.model.target_dtype, "draft": cfg.model.draft,
             "draft_dtype": cfg.model.draft_dtype, "torch_threads": torch.get_num_threads(),
             "cpus": os.cpu_count(), "machine": platform.machine(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",

@@ -34,7 +34,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine.calibrate import profile_from
+from engine.calibrate import profile_from_costs
 from engine.policy import AcceptanceTracker, CostCorrection, CostProfile, load_adjusted_k, worth_starting
 from engine.proposers import DraftRequest, NgramProposer
 from engine.rejection import greedy_accept, rejection_sample
@@ -272,9 +272,7 @@ class Scheduler:
 
     def _ks(self, rows: list[_Live]) -> list[int]:
         """Each row's draft length this round (engine/policy.py)."""
-        profile = self._profile(rows[0]) if self.config.adaptive else None
-        if profile is not None and self.config.profile is None:  # a calibration file is taken as given
-            profile = self._correction(rows[0]).apply(profile)
+        profile = self._policy_profile(rows[0])
         ks = []
         for live in rows:
             cap = live.seq.k if (self.config.draft_mode != "model" or live.draft is not None) else 0
@@ -291,23 +289,21 @@ class Scheduler:
         return ks
 
     def cost_profiles(self) -> dict[str, dict | None]:
-        """The costs K is chosen by, per Draft/Target replica pair (for /stats), in milliseconds."""
-        def ms(profile: CostProfile | None) -> dict | None:
+        """The costs K is chosen by (for /stats), in milliseconds: the calibration file's, or per Draft/Target
+        replica pair the measured ones with what steady rounds observed against them."""
+        def shown(profile: CostProfile | None, correction: CostCorrection | None) -> dict | None:
             if profile is None:
                 return None
             return {"batch_sizes": list(profile.batch_sizes),
                     "verify_ms": [[round(1000 * t, 2) for t in row] for row in profile.verify_seconds],
-                    "draft_step_ms": [round(1000 * t, 2) for t in profile.draft_step_seconds]}
-        def shown(pair, profile: CostProfile | None) -> dict | None:
-            correction = self._corrections.get(pair)
-            if profile is None:
-                return None
-            return {**ms(profile), "observed_over_profile": None if correction is None else
-                    {"draft": round(correction.draft, 3), "verify": round(correction.verify, 3),
-                     "round_overhead_ms": round(1000 * correction.overhead, 2)}}
+                    "draft_step_ms": [round(1000 * t, 2) for t in profile.draft_step_seconds],
+                    "observed_over_profile": None if correction is None else {
+                        "draft": round(correction.draft, 3), "verify": round(correction.verify, 3),
+                        "round_overhead_ms": round(1000 * correction.overhead, 2)}}
         if self.config.profile is not None:
-            return {f"{d} / {t} (calibration file)": shown((d, t), self.config.profile) for d, t in self._corrections}
-        return {f"{draft} / {target}": shown((draft, target), p) for (draft, target), p in self._profiles.items()}
+            return {"calibration file": shown(self.config.profile, None)}
+        return {f"{draft} / {target}": shown(p, self._corrections.get((draft, target)))
+                for (draft, target), p in self._profiles.items()}
 
     @staticmethod
     def _pair(live: _Live) -> tuple:
@@ -322,28 +318,37 @@ class Scheduler:
         Calls that carry a prompt (a new or re-sent sequence: a prefill) are not a round's steady-state cost
         and are left out.
         """
-        if any(len(call.seq.tokens) > k + 2 for call in calls):
+        if not self._corrects_costs() or any(len(call.seq.tokens) > k + 2 for call in calls):
             return
-        batch = len(calls)
-        profile = self._profile(live) if self.config.adaptive and self.config.profile is None else None
+        profile = self._measured_profile(live)
         if profile is not None and seconds:
             correction = self._correction(live)
-            (correction.observe_draft if kind == "draft" else correction.observe_verify)(profile, batch, k, seconds)
+            (correction.observe_draft if kind == "draft" else correction.observe_verify)(profile, len(calls), k,
+                                                                                         seconds)
 
-    def _profile(self, live: _Live) -> CostProfile | None:
-        """The costs K is chosen by: the calibration file's, else those the leased replicas measured."""
+    def _corrects_costs(self) -> bool:
+        """Whether rounds feed cost corrections: with the adaptive policy on measured costs (a calibration
+        file is taken as given)."""
+        return self.config.adaptive and self.config.profile is None
+
+    def _policy_profile(self, live: _Live) -> CostProfile | None:
+        """The costs a row's K is chosen by: the calibration file's, else the replicas' own as corrected."""
+        if not self.config.adaptive:
+            return None
         if self.config.profile is not None:
             return self.config.profile
+        profile = self._measured_profile(live)
+        return None if profile is None else self._correction(live).apply(profile)
+
+    def _measured_profile(self, live: _Live) -> CostProfile | None:
+        """The costs the leased replicas measured at start (None: none reported)."""
         key = self._pair(live)
         if key not in self._profiles:
             target = live.target.costs
             draft = live.draft.costs if live.draft is not None else None
             profile = None
             if target is not None and (draft is not None or self.config.draft_mode != "model"):
-                steps = draft["draft_step_seconds"] if draft else [0.0] * len(target["batch_sizes"])
-                if draft is None or draft["batch_sizes"] == target["batch_sizes"]:
-                    profile = profile_from(target["batch_sizes"], target["verify_seconds"], steps,
-                                           draft.get("draft_prefill_seconds_per_token", 0.0) if draft else 0.0)
+                profile = profile_from_costs(target, draft)
             if profile is None:
                 logger.warning("no measured costs for replicas %s; K follows max_batch_for_speculation", key)
             self._profiles[key] = profile
@@ -384,7 +389,7 @@ class Scheduler:
         # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
         orchestration = (t2 - t0) - draft_compute - result.get("seconds", 0.0)
         self.stats.orchestration_seconds += orchestration
-        if self.config.adaptive:
+        if self._corrects_costs():
             self._correction(rows[0]).observe_overhead(orchestration)
         observe(self.metrics.round, [len(d) for d in drafts], accepted, t1 - t0, t2 - t1, orchestration)
         self.stats.draft_compute_seconds += draft_compute

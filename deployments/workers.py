@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.calibrate import BATCH_SIZES, measure_draft_step, measure_prefill, measure_verify
+from engine.calibrate import measure_draft_costs, measure_target_costs
 from engine.factory import EngineConfig, build_target
 from engine.loading import load_causal_lm, load_tokenizer, resolve
 from engine.model_runner import ModelRunner
@@ -146,10 +146,8 @@ class DraftWorkerCore:
         self.calls = 0
         self.rows = 0
         self.cancelled_drafts = 0
-        # seconds of one draft step by batch size, for the router's K policy (engine/policy.py)
-        runner = self.proposer.runner
-        self.costs = ({"batch_sizes": list(BATCH_SIZES), "draft_step_seconds": measure_draft_step(runner),
-                       "draft_prefill_seconds_per_token": measure_prefill(runner)} if calibrate else None)
+        # draft step and prefill seconds by batch size, for the router's K policy (engine/policy.py)
+        self.costs = measure_draft_costs(self.proposer.runner) if calibrate else None
 
     def cancel(self, ahead_id: int) -> None:
         with self._cancel_lock:
@@ -253,7 +251,7 @@ class TargetWorkerCore:
         """Verify costs by batch size and draft count (every rank must run it at once: collectives)."""
         # with several ranks only rank 0 takes the node's turn: the others must not block its collectives
         with cpu_startup_turn(self.config) if self.rank == 0 else contextlib.nullcontext():
-            self.costs = {"batch_sizes": list(BATCH_SIZES), "verify_seconds": measure_verify(self.runner, max_k)}
+            self.costs = measure_target_costs(self.runner, max_k)
         return self.costs
 
     # ---- the round ------------------------------------------------------------------------------------------

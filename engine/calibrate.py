@@ -75,6 +75,27 @@ def measure_draft_step(runner: ModelRunner, batch_sizes: Sequence[int] = BATCH_S
     return [row[0] for row in measure_forward(runner, batch_sizes, [1], reps)]
 
 
+def measure_target_costs(runner: ModelRunner, max_k: int, reps: int = 3) -> dict:
+    """A target's side of a cost profile (what a Target replica reports with its leases)."""
+    return {"batch_sizes": list(BATCH_SIZES), "verify_seconds": measure_verify(runner, max_k, BATCH_SIZES, reps)}
+
+
+def measure_draft_costs(runner: ModelRunner, reps: int = 3) -> dict:
+    """A draft model's side of a cost profile (what a Draft replica reports with its leases)."""
+    return {"batch_sizes": list(BATCH_SIZES), "draft_step_seconds": measure_draft_step(runner, BATCH_SIZES, reps),
+            "draft_prefill_seconds_per_token": measure_prefill(runner, reps=reps)}
+
+
+def profile_from_costs(target: dict, draft: dict | None) -> CostProfile | None:
+    """The profile from a target's and a draft's measured costs (`draft` None: a proposer without a model);
+    None when the two were measured at different batch sizes."""
+    if draft is not None and draft["batch_sizes"] != target["batch_sizes"]:
+        return None
+    return profile_from(target["batch_sizes"], target["verify_seconds"],
+                        draft["draft_step_seconds"] if draft else None,
+                        draft.get("draft_prefill_seconds_per_token", 0.0) if draft else 0.0)
+
+
 def monotone(table: list[list[float]]) -> list[list[float]]:
     """[batch][width] costs where a pass over fewer sequences or tokens never costs more than a bigger one: each
     entry becomes the minimum over the entries at least as large. A timing inflated by the machine's other work
