@@ -26,7 +26,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import yaml
 
 from bench.load_bench import load_prompts
 
@@ -34,12 +33,10 @@ REFUSED = (429, 503)
 
 
 def limited_config(base: Path, capacity: int, out: Path) -> Path:
-    doc = yaml.safe_load(base.read_text())
-    args = doc["applications"][0]["args"]
-    args.setdefault("limits", {})["max_live_sequences_per_router"] = capacity
-    args["router"] = {**args.get("router", {}), "min_replicas": 1, "max_replicas": 1, "initial_replicas": 1}
-    out.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return out
+    from tests.deployments.serve_cluster import config_variant
+
+    return config_variant(base, {"limits": {"max_live_sequences_per_router": capacity},
+                                 "router": {"min_replicas": 1, "max_replicas": 1, "initial_replicas": 1}}, out)
 
 
 async def one(client: httpx.AsyncClient, model: str, messages: list[dict], max_tokens: int, stream: bool,

@@ -36,11 +36,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import httpx
-import yaml
 from tqdm import tqdm
 
 from bench.load_bench import load_prompts, one_request, run_concurrency, summarize
-from tests.deployments.serve_cluster import BASE, ROOT, serve_app
+from tests.deployments.serve_cluster import BASE, ROOT, config_variant, serve_app
 
 K = 3
 
@@ -54,14 +53,6 @@ def modes_for(server: str) -> dict[str, dict]:
 
 
 SERVERS = {"default": {}, "overlap": {"overlap": True}}
-
-
-def server_config(base: Path, speculation: dict, out: Path) -> Path:
-    doc = yaml.safe_load(base.read_text())
-    app = doc["applications"][0]
-    app["args"]["speculation"] = {**app["args"].get("speculation", {}), **speculation}
-    out.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return out
 
 
 def tokens_per_s(results) -> float:
@@ -170,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     with tempfile.TemporaryDirectory() as tmp:
         for server in args.servers:
-            config = server_config(ROOT / args.config, SERVERS[server], Path(tmp) / f"{server}.yaml")
+            config = config_variant(ROOT / args.config, {"speculation": SERVERS[server]}, Path(tmp) / f"{server}.yaml")
             with serve_app(Path(tmp), config=str(config)):
                 results[server] = asyncio.run(measure_server(args, prompts, server))
             for load, modes in results[server].items():

@@ -5,6 +5,8 @@ import argparse
 import asyncio
 import json
 
+import yaml
+
 from bench import overload_bench
 from deployments.router import Router
 from tests.deployments.conftest import TINY_CHAT_TEMPLATE, LocalBroker, http_server, tiny_config
@@ -38,7 +40,7 @@ def test_bursts_are_answered_in_full_and_refusals_counted(tiny_model_dirs, tmp_p
 
 def test_limited_config_sets_the_limit_and_one_router(tmp_path):
     out = overload_bench.limited_config(overload_bench.Path("serve_config.yaml"), 3, tmp_path / "c.yaml")
-    args = overload_bench.yaml.safe_load(out.read_text())["applications"][0]["args"]
+    args = yaml.safe_load(out.read_text())["applications"][0]["args"]
     assert args["limits"]["max_live_sequences_per_router"] == 3
     assert args["router"]["min_replicas"] == args["router"]["max_replicas"] == 1
     from deployments.config import SpecServeConfig

@@ -14,17 +14,20 @@ from deployments.workers import DraftWorkerCore, TargetWorkerCore
 from tests.conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
+def save_model_pair(root, target, draft):
+    """Save a target and a draft (safetensors, the tiny tokenizer, EOS id 1) as model dirs; returns their paths."""
     tokenizer = make_tiny_tokenizer()
-    target = make_tiny_model("llama", seed=0)
-    draft = perturbed_copy(target, 0.02)
     for name, model in [("target", target), ("draft", draft)]:
         model.generation_config.eos_token_id = 1
         model.save_pretrained(root / name, safe_serialization=True)
         tokenizer.save_pretrained(root / name)
     return root / "target", root / "draft"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    target = make_tiny_model("llama", seed=0)
+    return save_model_pair(tmp_path_factory.mktemp("models"), target, perturbed_copy(target, 0.02))
 
 
 # the tiny WordLevel tokenizer has no chat template; this one maps any conversation to known words

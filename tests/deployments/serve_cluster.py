@@ -32,6 +32,19 @@ def wait_until(predicate, timeout, what, interval=1.0):
     raise TimeoutError(f"timed out waiting for {what} (last error: {last!r})")
 
 
+def config_variant(base: Path, overrides: dict, out: Path) -> Path:
+    """`base` (a serve config file) with `overrides` deep-merged into its application's args, written to `out`."""
+    import yaml
+
+    from deployments.manifests import deep_merge
+
+    doc = yaml.safe_load(Path(base).read_text())
+    app = doc["applications"][0]
+    app["args"] = deep_merge(app.get("args") or {}, overrides)
+    out.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

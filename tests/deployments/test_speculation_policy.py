@@ -8,27 +8,17 @@ import torch
 from deployments.router import Router
 from engine import SamplingParams
 from engine.policy import PROBE_EVERY
-from tests.conftest import (make_tiny_model, make_tiny_tokenizer, perturbed_copy, third_token_marginals,
-                            total_variation_bound)
-from tests.deployments.conftest import LocalBroker, tiny_config, write_profile
+from tests.conftest import make_tiny_model, perturbed_copy, third_token_marginals, total_variation_bound
+from tests.deployments.conftest import LocalBroker, save_model_pair, tiny_config, write_profile
 from tests.deployments.test_router import plain_reference
 
 PROMPTS = [[5, 6, 7, 8], [9, 8, 7, 6, 5], [20, 21, 22, 20, 21], [30, 31, 32, 33, 34, 35]]
 
 
-def save_pair(root, target, draft):
-    tokenizer = make_tiny_tokenizer()
-    for name, model in [("target", target), ("draft", draft)]:
-        model.generation_config.eos_token_id = 1
-        model.save_pretrained(root / name, safe_serialization=True)
-        tokenizer.save_pretrained(root / name)
-    return root / "target", root / "draft"
-
-
 @pytest.fixture(scope="module")
 def unrelated_draft_dirs(tmp_path_factory):
     """A draft that shares the tokenizer but not the weights: it almost never agrees with the target."""
-    return save_pair(tmp_path_factory.mktemp("unrelated"), make_tiny_model("llama", seed=0),
+    return save_model_pair(tmp_path_factory.mktemp("unrelated"), make_tiny_model("llama", seed=0),
                      make_tiny_model("llama", seed=99))
 
 
@@ -90,7 +80,7 @@ def test_overlap_keeps_the_target_distribution_when_sampling(tmp_path):
     vocab = 8
     target = make_tiny_model("llama", vocab=vocab, seed=3)
     draft = perturbed_copy(target, 0.08, seed=4)
-    dirs = save_pair(tmp_path, target, draft)
+    dirs = save_model_pair(tmp_path, target, draft)
     # top-k 2 makes the draft's guess of the bonus token right often, so many 3rd tokens take the ahead path
     exact, draft_marginal = third_token_marginals(target, draft, [2, 3, 4], vocab, top_k=2)
     router, _ = router_for(dirs, overlap=True, num_speculative_tokens=1, max_batch_for_speculation=64)
