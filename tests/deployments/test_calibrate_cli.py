@@ -1,0 +1,20 @@
+"""`specserve-calibrate` on tiny models: it writes a profile the config accepts as `speculation.calibration`."""
+
+import yaml
+
+from deployments.calibrate import main
+from engine.policy import CostProfile
+from tests.deployments.conftest import tiny_config
+
+
+def test_calibrate_writes_a_profile_the_config_accepts(tiny_model_dirs, tmp_path, capsys):
+    args = tiny_config(tiny_model_dirs).model_dump(mode="json")
+    config = tmp_path / "serve_config.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{"name": "specserve", "args": args}]}))
+    out = tmp_path / "calibration.json"
+    assert main(["--config", str(config), "--out", str(out), "--reps", "1"]) == 0
+    profile = CostProfile.from_json(out)
+    assert profile.batch_sizes == (1, 2, 4, 8, 16) and profile.max_k == args["speculation"]["num_speculative_tokens"]
+    assert all(t > 0 for t in profile.draft_step_seconds) and profile.draft_prefill_seconds_per_token > 0
+    assert "knee" in capsys.readouterr().out
+    tiny_config(tiny_model_dirs, speculation={"calibration": str(out)})  # validates as a profile
