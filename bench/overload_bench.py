@@ -10,6 +10,10 @@ the first token when streaming). Every request must be answered within `--timeou
     python -m bench.overload_bench                         # capacity 4, 5 bursts of 40 requests
     python -m bench.overload_bench --url http://127.0.0.1:8000 --capacity 64   # a server already running
 
+After each burst's refusals are back, and while its admitted requests decode, two reference bursts of the same size
+measure the floor under the same load: GET /health (the cheapest request through the proxy and the Router replica,
+the path a refusal takes) and GET /-/healthz (answered by Serve's proxy alone).
+
 Issue 6's target: refusals (503/429 with Retry-After) within 100 ms. Prints the figures and writes JSON
 (bench/results/overload_bench.json).
 """
@@ -30,6 +34,8 @@ import numpy as np
 from bench.load_bench import load_prompts
 
 REFUSED = (429, 503)
+# the cheapest requests through the proxy and the Router replica, and through the proxy alone (Serve's own route)
+REFERENCE_ROUTES = ("/health", "/-/healthz")
 
 
 def limited_config(base: Path, capacity: int, out: Path) -> Path:
@@ -79,17 +85,45 @@ async def bursts(args, base: str) -> tuple[list[dict], list[dict]]:
             raise RuntimeError(f"the server does not answer a plain request: {warm}")
         for b in range(args.bursts):
             started = time.perf_counter()
-            burst = await asyncio.gather(*[
-                one(client, args.model, prompts[(b * size + i) % len(prompts)], args.max_tokens, i % 2 == 0,
-                    args.timeout) for i in range(size)])
+            tasks = [asyncio.create_task(one(client, args.model, prompts[(b * size + i) % len(prompts)],
+                                             args.max_tokens, i % 2 == 0, args.timeout)) for i in range(size)]
+            reference = {}
+            if args.reference:
+                # once the refusals are back and the admitted requests decode: as many of the cheapest requests
+                # through the same path at once, the floor a refusal's latency can be compared with
+                await _until_done(tasks, size - args.capacity, args.timeout)
+                for path in REFERENCE_ROUTES:
+                    reference[path] = await reference_burst(client, path, size - args.capacity, args.timeout)
+            burst = await asyncio.gather(*tasks)
             for r in burst:
                 r["burst"] = b
             results += burst
             counts = Counter(str(r["status"]) for r in burst)
-            per_burst.append({"burst": b, "seconds": time.perf_counter() - started, "counts": dict(counts)})
+            per_burst.append({"burst": b, "seconds": time.perf_counter() - started, "counts": dict(counts),
+                              "reference": reference})
             print(f"burst {b}: {size} requests in {per_burst[-1]['seconds']:.1f} s: {dict(counts)}")
             await asyncio.sleep(args.pause)
     return results, per_burst
+
+
+async def _until_done(tasks: list[asyncio.Task], count: int, timeout: float) -> None:
+    deadline = time.perf_counter() + timeout
+    while sum(t.done() for t in tasks) < count and time.perf_counter() < deadline:
+        await asyncio.sleep(0.01)
+
+
+async def reference_burst(client: httpx.AsyncClient, path: str, size: int, timeout: float) -> list[float]:
+    """Seconds to the response headers of `size` concurrent GETs of `path`."""
+    async def get() -> float:
+        start = time.perf_counter()
+        async with client.stream("GET", path, timeout=timeout) as r:
+            seconds = time.perf_counter() - start
+            await r.aread()
+            if r.status_code != 200:
+                raise RuntimeError(f"GET {path} answered {r.status_code}")
+            return seconds
+
+    return list(await asyncio.gather(*[get() for _ in range(size)]))
 
 
 def percentiles(values: list[float]) -> dict:
@@ -100,10 +134,13 @@ def percentiles(values: list[float]) -> dict:
             "p99_ms": float(np.percentile(a, 99)), "max_ms": float(a.max()), "n": len(values)}
 
 
-def summarize(results: list[dict], target_ms: float) -> dict:
+def summarize(results: list[dict], target_ms: float, per_burst: list[dict] | None = None) -> dict:
     refused = [r for r in results if r["status"] in REFUSED]
     admitted = [r for r in results if r["status"] == 200]
+    reference = {path: percentiles([s for b in per_burst or [] for s in b.get("reference", {}).get(path, [])])
+                 for path in REFERENCE_ROUTES}
     return {
+        "reference_latency": {path: p for path, p in reference.items() if p},
         "requests": len(results),
         "counts": dict(Counter(str(r["status"]) for r in results)),
         "hung": sum(r["status"] == "hung" for r in results),
@@ -129,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=300.0, help="a request unanswered this long counts as hung")
     ap.add_argument("--target-ms", type=float, default=100.0, help="the refusal latency target (issue 6)")
+    ap.add_argument("--no-reference", dest="reference", action="store_false",
+                    help="skip the reference bursts (GET /health, GET /-/healthz) after each burst's refusals")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--prompts", default="bench/prompts.jsonl")
     ap.add_argument("--out", default="bench/results/overload_bench.json")
@@ -143,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             config = limited_config(ROOT / args.config, args.capacity, Path(tmp) / "overload.yaml")
             with serve_app(Path(tmp), config=str(config)):
                 results, per_burst = asyncio.run(bursts(args, BASE))
-    summary = summarize(results, args.target_ms)
+    summary = summarize(results, args.target_ms, per_burst)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "summary": summary, "bursts": per_burst, "requests": results},
@@ -160,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
             s = summary[f"refusal_latency_{kind}"]
             if s:
                 print(f"  {kind:14s} p50 {s['p50_ms']:.1f}  p99 {s['p99_ms']:.1f}  max {s['max_ms']:.1f} (n={s['n']})")
+    for path, ref in summary["reference_latency"].items():
+        print(f"reference: bursts of GET {path}, same size and load: p50 {ref['p50_ms']:.1f}  p99 {ref['p99_ms']:.1f}  "
+              f"max {ref['max_ms']:.1f}")
     adm = summary["admitted_total"]
     if adm:
         print(f"admitted: {adm['n']}, answer complete p50 {adm['p50_ms']:.0f} ms, max {adm['max_ms']:.0f} ms")

@@ -10,7 +10,7 @@ from ray import serve
 
 from .config import ScalingSection, SpecServeConfig
 from .model_deployments import DraftServer, TargetServer
-from .router import build_router_server
+from .router import RETRY_AFTER_S, build_router_server
 
 REPLICA_CPUS = 0.05  # the replica actor itself only relays; the model work runs in its worker actors
 
@@ -32,6 +32,8 @@ def _autoscaling(s: ScalingSection) -> dict:
     }
 
 
+
+
 def worker_spec(cfg: SpecServeConfig, role: str) -> dict:
     """What a Draft or Target replica needs to start its worker actors."""
     s = cfg.draft if role == "draft" else cfg.target
@@ -48,7 +50,10 @@ def worker_spec(cfg: SpecServeConfig, role: str) -> dict:
 def deployment_options(cfg: SpecServeConfig) -> dict[str, dict]:
     """Serve options per deployment name."""
     common = lambda s: {"autoscaling_config": _autoscaling(s), "max_ongoing_requests": s.max_ongoing_requests,
-                        "max_queued_requests": s.max_queued_requests, "health_check_period_s": 5,
+                        "max_queued_requests": s.max_queued_requests,
+                        # a request Serve sheds at its queue limit is refused by the proxy itself, with Retry-After
+                        "backpressure_config": {"status_code": 503, "retry_after_s": RETRY_AFTER_S},
+                        "health_check_period_s": 5,
                         "health_check_timeout_s": 30, "graceful_shutdown_timeout_s": 20}
     options = {
         "Router": {**common(cfg.router), "ray_actor_options": {"num_cpus": cfg.router.num_cpus}},

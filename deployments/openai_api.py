@@ -128,10 +128,16 @@ def create_app(router) -> FastAPI:
     async def _guard(request: Request, call_next):
         try:
             router.check_http(request)
+            slot = router.admit(request)
         except APIError as exc:
             router.metrics.http(_route_label(request.url.path), exc.status)
             return exc.response()
-        response = await call_next(request)
+        request.state.admission_slot = slot
+        try:
+            response = await call_next(request)
+        finally:
+            if slot is not None:
+                slot.release()  # the request ended before reaching the scheduler (a 4xx, say); else a no-op
         router.metrics.http(_route_label(request.url.path), response.status_code)
         return response
 
@@ -171,7 +177,7 @@ def create_app(router) -> FastAPI:
         created = int(time.time())
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
-        outputs = router.run(prepared, rid)
+        outputs = router.run(prepared, rid, getattr(request.state, "admission_slot", None))
         if not body.stream:
             text, last = "", None
             async for out in outputs:

@@ -20,7 +20,7 @@ from engine.sequence import EmptyPromptError, PromptTooLongError
 from .config import SpecServeConfig
 from .metrics import NullMetrics, observe
 from .openai_api import APIError, ChatCompletionRequest, CompletionRequest, create_app
-from .scheduler import Overloaded, ReplicaGone, Scheduler, SchedulerConfig
+from .scheduler import AdmissionSlot, Overloaded, ReplicaGone, Scheduler, SchedulerConfig
 
 logger = logging.getLogger("ray.serve")
 
@@ -33,6 +33,15 @@ class Prepared:
     adaptive: bool | None  # None: the server's K policy; False: exactly k every round
     overlap: bool | None  # None: the server's setting; False: no drafting ahead for this request
     arrival: float  # time.perf_counter() when the request was read
+
+
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+RETRY_AFTER_S = 1  # what every overload refusal tells clients: the router's own, and Serve's backpressure (app.py)
+
+
+def overloaded_error(exc: Overloaded) -> APIError:
+    return APIError(503, f"server overloaded: {exc}", type_="server_overloaded", code="overloaded",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def eos_ids_of(model_dir) -> frozenset[int]:
@@ -107,6 +116,16 @@ class Router:
             if not ctype.startswith("application/json"):
                 raise APIError(415, "Content-Type must be application/json", code="unsupported_media_type")
 
+    def admit(self, request) -> AdmissionSlot | None:
+        """At the door, before the body is read: a place under the admission limit for a generation request, or a
+        503 at once (no parsing, no tokenization: a refusal stays cheap under a burst)."""
+        if request.method != "POST" or request.url.path not in GENERATION_ROUTES:
+            return None
+        try:
+            return self.scheduler.admit()
+        except Overloaded as exc:
+            raise overloaded_error(exc) from exc
+
     # ---- request preparation --------------------------------------------------------------------------------
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
         arrival = time.perf_counter()
@@ -170,10 +189,10 @@ class Router:
             logger.info("prompt: %r", self.tokenizer.decode(prompt_ids))
         return Prepared(prompt_ids, params, k, adaptive, overlap, arrival)
 
-    async def run(self, prepared: Prepared, request_id: str):
+    async def run(self, prepared: Prepared, request_id: str, slot: AdmissionSlot | None = None):
         """The request's per-round outputs; scheduler errors become API errors."""
         stream = self.scheduler.generate(prepared.prompt_ids, prepared.params, prepared.k, request_id,
-                                         adaptive=prepared.adaptive, overlap=prepared.overlap)
+                                         adaptive=prepared.adaptive, overlap=prepared.overlap, slot=slot)
         last_t, last = None, None
         try:
             async for out in stream:
@@ -190,12 +209,11 @@ class Router:
                             out.finish_reason, now - prepared.arrival)
                 yield out
         except Overloaded as exc:
-            raise APIError(503, f"server overloaded: {exc}", type_="server_overloaded", code="overloaded",
-                           headers={"Retry-After": "1"}) from exc
+            raise overloaded_error(exc) from exc
         except (EmptyPromptError, PromptTooLongError) as exc:
             raise APIError(400, str(exc), param="prompt") from exc
         except ReplicaGone as exc:
-            raise APIError(503, str(exc), type_="server_error", headers={"Retry-After": "1"}) from exc
+            raise APIError(503, str(exc), type_="server_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
         finally:
             if last is not None and not last.finished:  # client gone or error: counted as aborted
                 observe(self.metrics.finished, last.num_prompt_tokens, last.num_output_tokens, "abort",

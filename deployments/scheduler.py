@@ -59,6 +59,21 @@ class Overloaded(RuntimeError):
     """Admission refused: too many live sequences, or the model deployments' queues are full."""
 
 
+class AdmissionSlot:
+    """A place under the router's admission limit, taken at the HTTP door before the body is parsed or tokenized,
+    so that a refusal costs no parsing; the request's `generate` consumes it. Released (idempotently) when the
+    request ends before reaching the scheduler (a 4xx, a dropped connection)."""
+
+    def __init__(self, scheduler: "Scheduler") -> None:
+        self._scheduler = scheduler
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self._scheduler._reserved -= 1
+
+
 class DraftLease(Protocol):
     key: str
     costs: dict | None  # {"batch_sizes": [...], "draft_step_seconds": [...]} measured by the replica, or None
@@ -158,6 +173,7 @@ class Scheduler:
         self.metrics = NullMetrics()  # the Serve router replaces it with deployments.metrics.ServingMetrics
         self._live: dict[str, _Live] = {}
         self._waiting = 0  # admitted, waiting for leases
+        self._reserved = 0  # admission slots taken at the door, not yet in `generate`
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -178,18 +194,31 @@ class Scheduler:
         return self.last_mean_k if self._live else 0.0
 
     # ---- requests -------------------------------------------------------------------------------------------
+    def _check_admission(self) -> None:
+        if len(self._live) + self._waiting + self._reserved >= self.config.max_live_sequences:
+            raise Overloaded(f"{len(self._live)} live and {self._waiting + self._reserved} starting sequences: at "
+                             "the router's admission limit")
+
+    def admit(self) -> AdmissionSlot:
+        """Take a place under the admission limit now (raises Overloaded when there is none)."""
+        self._check_admission()
+        self._reserved += 1
+        return AdmissionSlot(self)
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams, k: int | None = None,
-                       request_id: str | None = None, adaptive: bool | None = None, overlap: bool | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, adaptive: bool | None = None, overlap: bool | None = None,
+                       slot: AdmissionSlot | None = None) -> AsyncIterator[RequestOutput]:
         """Admit a request and yield its per-round outputs; closing the iterator aborts it.
 
         `adaptive=False` pins the request to exactly `k` drafts per round (no acceptance or load adaptation);
-        `overlap=False` turns drafting ahead off for it (on a server that overlaps).
+        `overlap=False` turns drafting ahead off for it (on a server that overlaps). A held `slot` (from `admit`)
+        is the request's admission; without one it is admitted here.
         """
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
-        if len(self._live) + self._waiting >= self.config.max_live_sequences:
-            raise Overloaded(f"{len(self._live)} live and {self._waiting} starting sequences: at the router's "
-                             "admission limit")
+        if slot is not None and slot.held:
+            slot.release()  # becomes a waiting sequence below, with no await in between
+        else:
+            self._check_admission()
         k = self.config.num_speculative_tokens if k is None else k
         seq = SequenceState.create(request_id, prompt_ids, params, k, self.config.max_model_len,
                                    self.config.eos_token_ids, self.tokenizer)

@@ -20,7 +20,7 @@ def test_bursts_are_answered_in_full_and_refusals_counted(tiny_model_dirs, tmp_p
     router = Router(config, broker)
     router.tokenizer.chat_template = TINY_CHAT_TEMPLATE
     args = argparse.Namespace(model="tiny", prompts="bench/prompts.jsonl", capacity=capacity, factor=10, bursts=2,
-                              pause=0.0, max_tokens=24, timeout=120.0)
+                              pause=0.0, max_tokens=24, timeout=120.0, reference=False)
     with http_server(router) as base:
         results, per_burst = asyncio.run(overload_bench.bursts(args, base))
     assert len(results) == 2 * 10 * capacity and [b["burst"] for b in per_burst] == [0, 1]
@@ -36,6 +36,23 @@ def test_bursts_are_answered_in_full_and_refusals_counted(tiny_model_dirs, tmp_p
     assert {r["stream"] for r in results} == {True, False}
     json.dumps(summary)  # what the benchmark writes
     assert router.scheduler.num_live == 0
+
+
+def test_reference_bursts_are_timed_and_summarized(tiny_model_dirs):
+    router = Router(tiny_config(tiny_model_dirs), LocalBroker(tiny_config(tiny_model_dirs)))
+
+    async def go(base):
+        import httpx
+
+        async with httpx.AsyncClient(base_url=base) as client:
+            return await overload_bench.reference_burst(client, "/health", 6, 30.0)
+
+    with http_server(router) as base:
+        seconds = asyncio.run(go(base))
+    assert len(seconds) == 6 and all(s > 0 for s in seconds)
+    summary = overload_bench.summarize([], 100.0, [{"reference": {"/health": seconds}}, {"reference": {}}])
+    assert summary["reference_latency"]["/health"]["n"] == 6
+    assert "/-/healthz" not in summary["reference_latency"]
 
 
 def test_limited_config_sets_the_limit_and_one_router(tmp_path):

@@ -229,6 +229,53 @@ def test_admission_limit_answers_503_with_retry_after(tiny_model_dirs):
             assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"
 
 
+def test_refusal_comes_at_the_door_before_parsing_or_tokenizing(tiny_model_dirs):
+    config = tiny_config(tiny_model_dirs, limits={"max_live_sequences_per_router": 1})
+    broker = LocalBroker(config)
+    broker.verify_delay = 0.01
+    router = Router(config, broker)
+    calls = []
+    tokenize = router.tokenizer.__class__.__call__
+    router.tokenizer.__class__.__call__ = lambda self, *a, **kw: (calls.append(a), tokenize(self, *a, **kw))[1]
+
+    async def go():
+        async with client(router) as c:
+            running = asyncio.create_task(complete(c, max_tokens=60))
+            while router.scheduler.num_live == 0:
+                await asyncio.sleep(0.005)
+            refused_text = await c.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
+            refused_junk = await c.post("/v1/completions", content=b"{not json",
+                                        headers={"Content-Type": "application/json"})
+            return await running, refused_text, refused_junk
+
+    try:
+        ok, refused_text, refused_junk = asyncio.run(go())
+    finally:
+        router.tokenizer.__class__.__call__ = tokenize
+    assert ok.status_code == 200
+    for r in (refused_text, refused_junk):
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"
+    assert calls == [], "a refused request was never tokenized"
+    assert router.scheduler._reserved == 0
+
+
+def test_requests_rejected_after_the_door_give_their_place_back(tiny_model_dirs):
+    config = tiny_config(tiny_model_dirs, limits={"max_live_sequences_per_router": 1})
+    router = Router(config, LocalBroker(config))
+
+    async def go():
+        async with client(router) as c:
+            bad = [await complete(c, temperature=-1), await complete(c, model="other"),
+                   await c.post("/v1/completions", content=b"{", headers={"Content-Type": "application/json"}),
+                   await complete(c, prompt=[])]
+            return bad, await complete(c, max_tokens=4)
+
+    bad, good = asyncio.run(go())
+    assert [r.status_code for r in bad] == [400, 404, 400, 400]
+    assert good.status_code == 200, good.text
+    assert router.scheduler._reserved == 0 and router.scheduler.num_live == 0
+
+
 def test_worker_threads_default_to_the_cores_shared_by_concurrent_ranks():
     import os
 
