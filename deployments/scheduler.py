@@ -9,16 +9,9 @@ the output does not either.
 
 Each request's K comes from engine/policy.py: with `adaptive`, from its observed acceptance and the measured cost
 of a round at the group's batch size (the replicas measure their costs at start, or a calibration file gives
-them); otherwise the fixed `max_batch_for_speculation` threshold.
+them: deployments/round_costs.py); otherwise the fixed `max_batch_for_speculation` threshold.
 
-With `overlap`, the draft worker drafts round r+1 while the target verifies round r, from the committed tokens
-plus round r's drafts, i.e. assuming they are all accepted; it drafts one token more than K, the first being its
-guess for the bonus token. When round r accepts every draft and its bonus token equals the guess, the rest is
-round r+1's draft and round r+1 skips the draft call; otherwise it is discarded (cancelled as soon as a
-rejection makes it hopeless) and the draft worker's cache rolls back on its next call. The ahead draft never
-changes what round r emits, and when it is used it is a draft from the draft model for exactly the committed
-prefix, with its probabilities: the rejection sampler's guarantee (output distributed as the target's) holds
-unchanged.
+With `overlap`, the draft worker drafts round r+1 while the target verifies round r (deployments/ahead.py).
 """
 
 from __future__ import annotations
@@ -34,29 +27,23 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine.calibrate import profile_from_costs
-from engine.policy import AcceptanceTracker, CostCorrection, CostProfile, load_adjusted_k, worth_starting
+from engine.policy import AcceptanceTracker, CostProfile, load_adjusted_k, worth_starting
 from engine.proposers import DraftRequest, NgramProposer
 from engine.rejection import greedy_accept, rejection_sample
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput, SequenceState
 from engine.stats import EngineTimings, SpecStats
 
+from .ahead import AheadDrafts
+from .errors import Overloaded, ReplicaGone
 from .metrics import NullMetrics, observe
+from .round_costs import RoundCosts, pair_key
 from .workers import DraftCall, SeqDelta, VerifyCall
 
 logger = logging.getLogger("ray.serve")
 
 MAX_REPLICA_FAILURES = 3  # per request, before it is answered with an error
 GAUGE_REFRESH_S = 1.0  # while idle, the load gauges are set again this often
-
-
-class ReplicaGone(RuntimeError):
-    """The leased replica (or one of its workers) died; lease another one."""
-
-
-class Overloaded(RuntimeError):
-    """Admission refused: too many live sequences, or the model deployments' queues are full."""
 
 
 class AdmissionSlot:
@@ -177,10 +164,9 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
-        self._ahead_ids = itertools.count()
+        self.ahead = AheadDrafts(self.stats, self._replace_live_drafts)
         self._relets: set[asyncio.Task] = set()
-        self._profiles: dict[tuple, CostProfile | None] = {}
-        self._corrections: dict[tuple, CostCorrection] = {}
+        self.costs = RoundCosts(config.adaptive, config.draft_mode, config.profile)
         # acceptance over all requests: a new request's prior, so it starts where its predecessors ended
         self.population = AcceptanceTracker()
         self.last_mean_k = 0.0  # mean K over the last round's rows (the `spec_decode_k` gauge)
@@ -301,7 +287,7 @@ class Scheduler:
 
     def _ks(self, rows: list[_Live]) -> list[int]:
         """Each row's draft length this round (engine/policy.py)."""
-        profile = self._policy_profile(rows[0])
+        profile = self.costs.policy_profile(rows[0].draft, rows[0].target)
         ks = []
         for live in rows:
             cap = live.seq.k if (self.config.draft_mode != "model" or live.draft is not None) else 0
@@ -318,70 +304,12 @@ class Scheduler:
         return ks
 
     def cost_profiles(self) -> dict[str, dict | None]:
-        """The costs K is chosen by (for /stats), in milliseconds: the calibration file's, or per Draft/Target
-        replica pair the measured ones with what steady rounds observed against them."""
-        def shown(profile: CostProfile | None, correction: CostCorrection | None) -> dict | None:
-            if profile is None:
-                return None
-            return {"batch_sizes": list(profile.batch_sizes),
-                    "verify_ms": [[round(1000 * t, 2) for t in row] for row in profile.verify_seconds],
-                    "draft_step_ms": [round(1000 * t, 2) for t in profile.draft_step_seconds],
-                    "observed_over_profile": None if correction is None else {
-                        "draft": round(correction.draft, 3), "verify": round(correction.verify, 3),
-                        "round_overhead_ms": round(1000 * correction.overhead, 2)}}
-        if self.config.profile is not None:
-            return {"calibration file": shown(self.config.profile, None)}
-        return {f"{draft} / {target}": shown(p, self._corrections.get((draft, target)))
-                for (draft, target), p in self._profiles.items()}
+        """The costs K is chosen by, for /stats (round_costs.RoundCosts.shown)."""
+        return self.costs.shown()
 
     @staticmethod
     def _pair(live: _Live) -> tuple:
-        return (live.draft.key if live.draft else None, live.target.key)
-
-    def _correction(self, live: _Live) -> CostCorrection:
-        return self._corrections.setdefault(self._pair(live), CostCorrection())
-
-    def _observe_costs(self, live: _Live, kind: str, calls: list, k: int, seconds: float) -> None:
-        """Feed a round's measured draft or verify seconds to the pair's cost correction.
-
-        Calls that carry a prompt (a new or re-sent sequence: a prefill) are not a round's steady-state cost
-        and are left out.
-        """
-        if not self._corrects_costs() or any(len(call.seq.tokens) > k + 2 for call in calls):
-            return
-        profile = self._measured_profile(live)
-        if profile is not None and seconds:
-            correction = self._correction(live)
-            (correction.observe_draft if kind == "draft" else correction.observe_verify)(profile, len(calls), k,
-                                                                                         seconds)
-
-    def _corrects_costs(self) -> bool:
-        """Whether rounds feed cost corrections: with the adaptive policy on measured costs (a calibration
-        file is taken as given)."""
-        return self.config.adaptive and self.config.profile is None
-
-    def _policy_profile(self, live: _Live) -> CostProfile | None:
-        """The costs a row's K is chosen by: the calibration file's, else the replicas' own as corrected."""
-        if not self.config.adaptive:
-            return None
-        if self.config.profile is not None:
-            return self.config.profile
-        profile = self._measured_profile(live)
-        return None if profile is None else self._correction(live).apply(profile)
-
-    def _measured_profile(self, live: _Live) -> CostProfile | None:
-        """The costs the leased replicas measured at start (None: none reported)."""
-        key = self._pair(live)
-        if key not in self._profiles:
-            target = live.target.costs
-            draft = live.draft.costs if live.draft is not None else None
-            profile = None
-            if target is not None and (draft is not None or self.config.draft_mode != "model"):
-                profile = profile_from_costs(target, draft)
-            if profile is None:
-                logger.warning("no measured costs for replicas %s; K follows max_batch_for_speculation", key)
-            self._profiles[key] = profile
-        return self._profiles[key]
+        return pair_key(live.draft, live.target)
 
     async def _round_group(self, rows: list[_Live], ks: list[int]) -> None:
         t0 = time.perf_counter()
@@ -389,19 +317,20 @@ class Scheduler:
         t1 = time.perf_counter()
         target = rows[0].target
         calls = [VerifyCall(live.delta(live.target_sent), drafts[b]) for b, live in enumerate(rows)]
-        aheads = self._start_ahead(rows, drafts) if self.config.overlap else []
+        aheads = self.ahead.start(rows, drafts) if self.config.overlap else []
         try:
             result = await target.verify(calls)
         except ReplicaGone:
-            await self._settle_ahead(aheads, rows, drafts, None, None)
+            await self.ahead.settle(aheads, rows, drafts, None, None)
             await self._replace_target(rows)
             return
         except BaseException:
-            await self._settle_ahead(aheads, rows, drafts, None, None)
+            await self.ahead.settle(aheads, rows, drafts, None, None)
             raise
         for live in rows:
             live.target_sent = live.seq.num_tokens
-        self._observe_costs(rows[0], "verify", calls, max(len(d) for d in drafts), result.get("seconds", 0.0))
+        self.costs.observe(rows[0].draft, target, "verify", calls, max(len(d) for d in drafts),
+                           result.get("seconds", 0.0))
         t2 = time.perf_counter()
         outputs, accepted = self._accept(rows, drafts, draft_probs, result)
         finished = []
@@ -412,14 +341,13 @@ class Scheduler:
                     finished.append(live.seq.request_id)
         for request_id in finished:  # leave now, not when the consumer next runs: no round for a finished request
             await self._finish(request_id)
-        await self._settle_ahead(aheads, rows, drafts, accepted, [out.finished for out in outputs])
+        await self.ahead.settle(aheads, rows, drafts, accepted, [out.finished for out in outputs])
         t3 = time.perf_counter()
         self.stats.timings.record(len(rows), t1 - t0, t2 - t1, t3 - t2)
         # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
         orchestration = (t2 - t0) - draft_compute - result.get("seconds", 0.0)
         self.stats.orchestration_seconds += orchestration
-        if self._corrects_costs():
-            self._correction(rows[0]).observe_overhead(orchestration)
+        self.costs.observe_overhead(rows[0].draft, target, orchestration)
         observe(self.metrics.round, [len(d) for d in drafts], accepted, t1 - t0, t2 - t1, orchestration)
         self.stats.draft_compute_seconds += draft_compute
         self.stats.verify_compute_seconds += result.get("seconds", 0.0)
@@ -460,60 +388,13 @@ class Scheduler:
                 await self._replace_draft([rows[b] for b in members])
                 continue  # these rows verify without drafts this round: output unchanged
             compute += result.get("seconds", 0.0)
-            self._observe_costs(rows[members[0]], "draft", calls, max(ks[b] for b in members),
-                                result.get("seconds", 0.0))
+            self.costs.observe(lease, rows[members[0]].target, "draft", calls, max(ks[b] for b in members),
+                               result.get("seconds", 0.0))
             for i, b in enumerate(members):
                 drafts[b] = result["drafts"][i]
                 if i in result["probs"]:
                     probs[b] = result["probs"][i]
         return drafts, probs, compute
-
-    def _start_ahead(self, rows: list[_Live], drafts: list[list[int]]) -> list[tuple]:
-        """Draft the next round now, for rows whose round may accept everything: one call per draft lease."""
-        by_lease: dict[str, list[int]] = {}
-        for b, live in enumerate(rows):
-            # a row that ends this round even if all is accepted needs no next round
-            if (live.overlap and drafts[b] and live.draft is not None
-                    and live.seq.remaining() > len(drafts[b]) + 1):
-                by_lease.setdefault(live.draft.key, []).append(b)
-        aheads = []
-        for members in by_lease.values():
-            lease, ahead_id = rows[members[0]].draft, next(self._ahead_ids)
-            calls = [DraftCall(rows[b].draft_delta(drafts[b]), len(drafts[b]) + 1) for b in members]
-            self.stats.ahead_drafts += len(members)
-            aheads.append((lease, ahead_id, members, asyncio.ensure_future(lease.propose(calls, ahead_id))))
-        return aheads
-
-    async def _settle_ahead(self, aheads: list[tuple], rows: list[_Live], drafts: list[list[int]],
-                            accepted: list[int] | None, finished: list[bool] | None) -> None:
-        """Keep the ahead drafts whose guess came true as the rows' next drafts; stop hopeless ones early.
-
-        `accepted` and `finished` are None when the round failed: every ahead draft is then hopeless.
-        """
-        def usable(b: int) -> bool:  # all drafts accepted, so the last committed token is the bonus token
-            return accepted is not None and not finished[b] and accepted[b] == len(drafts[b]) > 0
-
-        for lease, ahead_id, members, task in aheads:
-            if not any(usable(b) for b in members) and not task.done():
-                lease.cancel(ahead_id)
-            try:
-                result = await task
-            except ReplicaGone:
-                if accepted is not None:
-                    await self._replace_draft([rows[b] for b in members if rows[b].seq.request_id in self._live])
-                continue
-            except Exception:
-                if accepted is None:
-                    continue  # the round is failing anyway
-                raise
-            if result.get("cancelled"):
-                self.stats.ahead_cancelled += 1
-                continue
-            for i, b in enumerate(members):
-                guess = result["drafts"][i]
-                if usable(b) and guess and rows[b].seq.text.token_ids[-1] == guess[0]:
-                    probs = result["probs"].get(i)
-                    rows[b].ready = (guess[1:], None if probs is None else probs[1:])
 
     def _accept(self, rows: list[_Live], drafts: list[list[int]], draft_probs: dict[int, np.ndarray],
                 result: dict) -> tuple[list[RequestOutput], list[int]]:
@@ -585,6 +466,10 @@ class Scheduler:
         live.queue.put_nowait(exc)
         if live.draft is not None:
             await live.draft.close()
+
+    async def _replace_live_drafts(self, rows: list[_Live]) -> None:
+        """A draft worker died under an ahead draft: new draft leases for those of `rows` still live."""
+        await self._replace_draft([live for live in rows if live.seq.request_id in self._live])
 
     async def _replace_draft(self, rows: list[_Live]) -> None:
         self.stats.replica_failures += 1

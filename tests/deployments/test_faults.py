@@ -3,7 +3,6 @@ a Router replica killed under load. Nothing here waits on a timing threshold; th
 
 import concurrent.futures
 import json
-import os
 import threading
 import time
 

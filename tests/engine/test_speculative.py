@@ -1,6 +1,5 @@
 """The speculative loop on tiny random-weight models: greedy exactness, losslessness, stops, edge cases."""
 
-import math
 
 import pytest
 import torch
