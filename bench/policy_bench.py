@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import tempfile
 import time
 from dataclasses import asdict
@@ -80,9 +81,9 @@ async def paired_c1(client, args, prompts, modes: dict[str, dict]) -> dict:
 async def alternating_c16(client, args, prompts, modes: dict[str, dict], clients: int) -> dict:
     runs: dict[str, list] = {m: [] for m in modes}
     total = 2 * clients
-    for cycle in range(2):
+    for cycle in range(args.cycles):
         for name, options in modes.items():
-            with tqdm(total=total, desc=f"c={clients} {name} ({cycle + 1}/2)", leave=False) as bar:
+            with tqdm(total=total, desc=f"c={clients} {name} ({cycle + 1}/{args.cycles})", leave=False) as bar:
                 results, duration = await run_concurrency(client, args.model, prompts, clients, total,
                                                           args.max_tokens, 0.0, options, bar, True)
             runs[name].append(summarize(name, "concurrency", clients, results, duration))
@@ -96,9 +97,10 @@ async def measure_server(args, prompts, server: str) -> dict:
     async with httpx.AsyncClient(base_url=BASE, timeout=600, limits=limits) as client:
         for options in modes.values():  # warm-up, not measured (first requests wait for replicas' start)
             await one_request(client, args.model, prompts[0], 8, 0.0, options, True)
-        out = {"c1": await paired_c1(client, args, prompts, modes)}
+        out = {"c1": await paired_c1(client, args, prompts, modes)} if args.c1 else {}
         if server == "default" and args.clients:
-            out[f"c{args.clients}"] = await alternating_c16(client, args, prompts, modes, args.clients)
+            high = {m: o for m, o in modes.items() if m in args.high_modes} if args.high_modes else modes
+            out[f"c{args.clients}"] = await alternating_c16(client, args, prompts, high, args.clients)
         out["router_stats"] = (await client.get("/stats")).json()
     return out
 
@@ -112,9 +114,16 @@ def ratios(results: dict, clients: int) -> dict:
         out["default_c1_adaptive_speedup_over_fixed_speedup"] = d["adaptive"]["tokens_per_s"] / d["fixed"][
             "tokens_per_s"]
     high = results.get("default", {}).get(f"c{clients}")
-    if high:
-        out[f"default_c{clients}_adaptive_vs_plain"] = high["adaptive"]["tokens_per_s"] / high["plain"]["tokens_per_s"]
-        out[f"default_c{clients}_fixed_vs_plain"] = high["fixed"]["tokens_per_s"] / high["plain"]["tokens_per_s"]
+    for mode in ("adaptive", "fixed"):
+        if high and mode in high and "plain" in high:
+            out[f"default_c{clients}_{mode}_vs_plain"] = high[mode]["tokens_per_s"] / high["plain"]["tokens_per_s"]
+            cycles = [a["output_tokens_per_s"] / p["output_tokens_per_s"]
+                      for a, p in zip(high[mode]["runs"], high["plain"]["runs"])]
+            if len(cycles) > 1:  # each cycle runs the modes back to back: its ratio is one paired observation
+                mean, sem = statistics.fmean(cycles), statistics.stdev(cycles) / len(cycles) ** 0.5
+                out[f"default_c{clients}_{mode}_vs_plain_per_cycle_mean"] = mean
+                out[f"default_c{clients}_{mode}_vs_plain_per_cycle_95ci_low"] = mean - 1.96 * sem
+                out[f"default_c{clients}_{mode}_vs_plain_per_cycle_95ci_high"] = mean + 1.96 * sem
     if o:
         out["overlap_c1_fixed+overlap_vs_fixed"] = o["fixed+overlap"]["tokens_per_s"] / o["fixed"]["tokens_per_s"]
         out["overlap_c1_fixed+overlap_vs_plain"] = o["fixed+overlap"]["tokens_per_s"] / o["plain"]["tokens_per_s"]
@@ -148,6 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--servers", nargs="*", default=list(SERVERS), choices=list(SERVERS))
     ap.add_argument("--clients", type=int, default=16, help="the high-concurrency point (default server); 0: none")
     ap.add_argument("--prompts-limit", type=int, default=8, help="prompts for the paired concurrency-1 runs")
+    ap.add_argument("--no-c1", dest="c1", action="store_false", help="skip the paired concurrency-1 runs")
+    ap.add_argument("--cycles", type=int, default=2, help="alternating cycles of the modes at high concurrency")
+    ap.add_argument("--high-modes", nargs="*", default=None,
+                    help="modes at high concurrency (default: all of the default server's)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--prompts", default="bench/prompts.jsonl")
