@@ -22,6 +22,10 @@ from engine.factory import EngineConfig
 from .workers import ray_actor_classes
 
 HEALTH_PING_TIMEOUT_S = 20.0  # a worker not answering a ping this long fails the health check (Serve's own: 30 s)
+# A model call running longer than this is taken as hung. Pings are answered on the workers' "control" thread, so
+# a long call (a batched prefill under load) does not fail the check; past this bound the worker is replaced.
+# Above the collectives' own timeout (workers.init_distributed, 120 s).
+STUCK_CALL_S = 180.0
 
 def _in_my_bundle(index: int) -> dict:
     pg = get_current_placement_group()
@@ -65,12 +69,13 @@ class _LeasedReplica:
                 w.release.remote([seq_id])
 
     async def _check(self, workers: list) -> None:
-        """Serve's health check: raises at once if a worker died, or if one does not answer within 30 s.
+        """Serve's health check: raises at once if a worker died, if one does not answer a ping within
+        HEALTH_PING_TIMEOUT_S, or if one has been in a single model call for over STUCK_CALL_S.
 
         Async, so a worker busy in a long call never blocks the replica's event loop (its leases); a dead worker's
         error arrives immediately, even while a surviving rank is still blocked in a collective with it.
         """
-        pings = [asyncio.ensure_future(w.ping.remote()) for w in workers]
+        pings = [asyncio.ensure_future(w.ping.options(concurrency_group="control").remote()) for w in workers]
         done, pending = await asyncio.wait(pings, timeout=HEALTH_PING_TIMEOUT_S,
                                            return_when=asyncio.FIRST_EXCEPTION)
         for task in pending:
@@ -78,6 +83,9 @@ class _LeasedReplica:
         for task in done:
             if task.exception() is not None:
                 raise RuntimeError(f"a model worker of replica {self.replica_id} died: {task.exception()}")
+            if task.result() > STUCK_CALL_S:
+                raise TimeoutError(f"a model worker of replica {self.replica_id} has been in one call for "
+                                   f"{task.result():.0f} s (over {STUCK_CALL_S:.0f} s): taken as hung")
         if pending:
             raise TimeoutError(f"{len(pending)} model worker(s) of replica {self.replica_id} did not answer a "
                                f"ping within {HEALTH_PING_TIMEOUT_S:.0f} s")

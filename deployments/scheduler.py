@@ -295,9 +295,11 @@ class Scheduler:
                 k = cap
             elif profile is not None:
                 k = live.tracker.next_k(profile, len(rows), cap)
-                if k and live.draft is not None and live.draft_sent == 0 and not worth_starting(
-                        profile, len(rows), live.tracker.acceptance, k, live.seq.num_tokens, live.seq.remaining()):
-                    k = 0  # the draft would have to read the whole context first, for too few tokens left
+                behind = live.seq.num_tokens - live.draft_sent  # tokens the draft worker has not read yet
+                if (k and live.draft is not None and not live.tracker.probing and behind > live.seq.k + 1
+                        and not worth_starting(profile, len(rows), live.tracker.acceptance, k, behind,
+                                               live.seq.remaining())):
+                    k = 0  # the draft would first read the whole context, or catch up, for too few tokens left
             else:
                 k = load_adjusted_k(cap, len(self._live), self.config.max_batch_for_speculation)
             ks.append(live.seq.draft_len(k))

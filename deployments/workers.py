@@ -81,6 +81,26 @@ class _KnownTokens:
         self.tokens.pop(seq_id, None)
 
 
+class BusyClock:
+    """How long the worker's current model call has been running, readable from another thread (the health check's
+    ping runs on the "control" thread, so it answers while a long call computes instead of queueing behind it)."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+
+    @contextlib.contextmanager
+    def running(self):
+        self._since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
+    def seconds(self) -> float:
+        since = self._since
+        return 0.0 if since is None else time.monotonic() - since
+
+
 def set_torch_threads(threads: int | None, concurrent_workers: int = 1) -> int:
     """Set torch's intra-op threads for this worker process and return the number.
 
@@ -127,6 +147,7 @@ class DraftWorkerCore:
     def __init__(self, config: EngineConfig, torch_threads: int | None = None, calibrate: bool = False,
                  concurrent_workers: int = 1) -> None:
         self.torch_threads = set_torch_threads(torch_threads, concurrent_workers)
+        self.busy = BusyClock()
         with cpu_startup_turn(config):
             self._start(config, calibrate)
 
@@ -160,6 +181,10 @@ class DraftWorkerCore:
             return ahead_id in self._cancelled
 
     def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> dict:
+        with self.busy.running():
+            return self._propose(calls, ahead_id)
+
+    def _propose(self, calls: list[DraftCall], ahead_id: int | None) -> dict:
         start = time.perf_counter()
         requests = []
         for call in calls:
@@ -197,8 +222,9 @@ class DraftWorkerCore:
                 "cancelled_drafts": self.cancelled_drafts, "pid": os.getpid(), "torch_threads": self.torch_threads,
                 "costs": self.costs}
 
-    def ping(self) -> bool:
-        return True
+    def ping(self) -> float:
+        """Seconds the current model call has been running (0: idle); served on the "control" thread."""
+        return self.busy.seconds()
 
 
 class TargetWorkerCore:
@@ -207,6 +233,7 @@ class TargetWorkerCore:
     def __init__(self, config: EngineConfig, rank: int = 0, world: int = 1, torch_threads: int | None = None,
                  concurrent_workers: int | None = None) -> None:
         self.torch_threads = set_torch_threads(torch_threads, concurrent_workers or world)
+        self.busy = BusyClock()
         self.rank, self.world = rank, world
         self.config = config
         self.runner: ModelRunner | None = None
@@ -256,6 +283,10 @@ class TargetWorkerCore:
 
     # ---- the round ------------------------------------------------------------------------------------------
     def verify(self, calls: list[VerifyCall]) -> dict | None:
+        with self.busy.running():
+            return self._verify(calls)
+
+    def _verify(self, calls: list[VerifyCall]) -> dict | None:
         start = time.perf_counter()
         runner = self.runner
         seq_ids, feeds, widths = [], [], []
@@ -297,15 +328,18 @@ class TargetWorkerCore:
                 "calls": self.calls, "rows": self.rows, "parameters": num_parameters(self.runner.model),
                 "full_parameters": self.full_parameters, "pid": os.getpid(), "torch_threads": self.torch_threads}
 
-    def ping(self) -> bool:
-        return True
+    def ping(self) -> float:
+        """Seconds the current model call has been running (0: idle); served on the "control" thread."""
+        return self.busy.seconds()
 
 
 def ray_actor_classes():
     """The Ray actor versions of the cores (imported lazily so the cores stay usable without Ray)."""
     import ray
 
-    # `cancel` runs on its own thread while `propose` computes; every other method stays serial (group size 1)
-    return ray.remote(concurrency_groups={"control": 1})(DraftWorkerCore), ray.remote(TargetWorkerCore)
+    # `cancel` and `ping` run on their own thread while a model call computes; every other method stays serial
+    # (the default group's size is the actor's max_concurrency, 1)
+    return (ray.remote(concurrency_groups={"control": 1})(DraftWorkerCore),
+            ray.remote(concurrency_groups={"control": 1})(TargetWorkerCore))
 
 

@@ -119,8 +119,10 @@ class CostProfile:
 
 def worth_starting(profile: CostProfile, batch: int, acceptance: float, k: int, context: int,
                    remaining: int) -> bool:
-    """Whether a request that has not drafted yet should start: the draft must first read its whole context
-    (a prefill), which pays only if the rest of the request saves more than that at the expected rate."""
+    """Whether a request whose draft model is `context` tokens behind should start (or resume) drafting: the draft
+    must first read those tokens (a prefill: the whole context for a request that has not drafted yet, or what
+    was generated while it drafted nothing), which pays only if the rest of the request saves more than that at
+    the expected rate."""
     if k <= 0:
         return False
     plain = profile.round_seconds(batch, 0)
@@ -191,6 +193,7 @@ class AcceptanceTracker:
         self.accepted = prior * PRIOR_WEIGHT
         self.rejected = (1.0 - prior) * PRIOR_WEIGHT
         self.rounds_without_drafts = 0
+        self.probing = False  # the last next_k was a probe (K=1 although the acceptance alone says 0)
 
     @property
     def acceptance(self) -> float:
@@ -206,9 +209,11 @@ class AcceptanceTracker:
 
     def next_k(self, profile: CostProfile, batch: int, k_max: int) -> int:
         """K for this request's next round: the best for its acceptance at this load, or a probe."""
+        self.probing = False
         if k_max <= 0:
             return 0
         k = choose_k(profile, batch, self.acceptance, k_max)
         if k == 0 and self.rounds_without_drafts >= PROBE_EVERY and choose_k(profile, batch, 1.0, k_max) > 0:
+            self.probing = True
             return 1  # off because of this request's acceptance, not the load: look again
         return k

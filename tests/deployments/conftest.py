@@ -150,11 +150,11 @@ def http_server(router):
         thread.join(10)
 
 
-def write_profile(path, knee_batch: int) -> str:
+def write_profile(path, knee_batch: int, prefill_per_token: float = 0.0) -> str:
     """A cost profile where drafting pays up to `knee_batch` sequences and extra verify tokens are ruinous above."""
     from engine.policy import CostProfile
 
     sizes = (1, 2, 4, 8)
     verify = tuple(tuple(0.01 * (1 + (w * 10 if b > knee_batch else w * 0.05)) for w in range(4)) for b in sizes)
-    CostProfile(sizes, verify, (0.001,) * len(sizes)).to_json(path)
+    CostProfile(sizes, verify, (0.001,) * len(sizes), prefill_per_token).to_json(path)
     return str(path)

@@ -142,3 +142,49 @@ def test_autoscaler_holds_steady_while_speculation_switches_off_and_on(ray_clust
     assert max(counts) == 2, f"4 sequences at 2 per replica: 2 replicas ({counts})"
     assert counts == sorted(counts), f"the replica count went down while the load lasted: {counts}"
     serve.delete("steady")
+
+
+def test_health_check_answers_during_a_long_model_call_and_fails_a_hung_one(ray_cluster, tiny_model_dirs,
+                                                                            monkeypatch):
+    import asyncio
+
+    import ray
+
+    from deployments import model_deployments
+    from deployments.workers import BusyClock, ray_actor_classes
+
+    # the real workers answer pings on their "control" thread (an unknown group would raise here)
+    engine_config = tiny_config(tiny_model_dirs).engine_config()
+    draft_cls, target_cls = ray_actor_classes()
+    workers = [draft_cls.options(num_cpus=0.1).remote(engine_config),
+               target_cls.options(num_cpus=0.1).remote(engine_config)]
+    assert ray.get([w.ping.options(concurrency_group="control").remote() for w in workers]) == [0.0, 0.0]
+    for w in workers:
+        ray.kill(w)
+
+    @ray.remote(concurrency_groups={"control": 1})
+    class LongCall:  # a worker in a model call of `seconds` (the real ones' calls are milliseconds on tiny models)
+        def __init__(self):
+            self.busy = BusyClock()
+
+        def compute(self, seconds):
+            with self.busy.running():
+                time.sleep(seconds)
+
+        def ping(self):
+            return self.busy.seconds()
+
+    worker = LongCall.options(num_cpus=0.1, max_concurrency=1).remote()
+    ray.get(worker.ping.remote())
+    monkeypatch.setattr(model_deployments, "HEALTH_PING_TIMEOUT_S", 2.0)
+    replica = model_deployments._LeasedReplica()
+    call = worker.compute.remote(8.0)
+    time.sleep(1.0)
+    asyncio.run(replica._check([worker]))  # busy 1 s, answered at once: healthy
+    monkeypatch.setattr(model_deployments, "STUCK_CALL_S", 1.5)
+    time.sleep(1.0)
+    with pytest.raises(TimeoutError, match="taken as hung"):
+        asyncio.run(replica._check([worker]))
+    ray.get(call)
+    asyncio.run(replica._check([worker]))  # the call ended: healthy again
+    ray.kill(worker)

@@ -168,3 +168,31 @@ def test_a_new_request_starts_from_the_acceptance_its_predecessors_saw(unrelated
     assert router.scheduler.population.acceptance == pytest.approx(0.7)
     run_all(router, [PROMPTS[1]], [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)])
     assert router.scheduler.population.acceptance < 0.3
+
+
+def test_a_request_far_behind_resumes_drafting_only_if_the_rest_repays_the_catch_up(tiny_model_dirs, tmp_path):
+    from types import SimpleNamespace
+
+    from deployments.scheduler import _Live
+    from engine.policy import AcceptanceTracker
+    from engine.sequence import SequenceState
+
+    # 1 s per 100 tokens of draft prefill; drafting saves about 4.3 ms per token at one row and the prior acceptance
+    router, _ = router_for(tiny_model_dirs, adaptive=True,
+                           calibration=write_profile(tmp_path / "c.json", 8, prefill_per_token=0.01))
+    lease = SimpleNamespace(key="x", costs=None)
+
+    def row(max_tokens, generated, draft_sent, tracker=None):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        seq = SequenceState.create("r", [5, 6, 7, 8], params, 3, 512, frozenset(), router.tokenizer)
+        seq.commit([9] * generated, 0, 0)
+        return _Live(seq=seq, queue=None, target=lease, draft=lease, draft_sent=draft_sent,
+                     tracker=tracker or AcceptanceTracker())
+
+    ks = router.scheduler._ks
+    assert ks([row(200, 40, 44)]) == [3], "in step with its draft: drafts"
+    assert ks([row(200, 40, 4)]) == [3], "40 tokens to catch up, 160 left to repay them"
+    assert ks([row(50, 40, 4)]) == [0], "40 tokens to catch up, 10 left: not worth it"
+    failing = AcceptanceTracker(prior=0.01)
+    failing.rounds_without_drafts = PROBE_EVERY
+    assert ks([row(50, 40, 4, failing)]) == [1], "a probe looks again whatever the catch-up costs"
