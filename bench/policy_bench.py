@@ -15,7 +15,8 @@ Server 1 is serve_config.yaml as it is (adaptive, no overlap); server 2 the same
 the way the README does (a local Ray head, then `serve run`).
 - Concurrency 1: every prompt runs once in every mode, back to back, the order rotating from prompt to prompt;
   tokens/s of a mode = its output tokens / the sum of its requests' durations.
-- Concurrency 16 (server 1): each mode runs 2 x 16 requests with 16 clients, modes alternating, twice over.
+- Concurrency 16 (server 1): each mode runs 2 x 16 requests with 16 clients, modes alternating (the mode that
+  goes first rotating from cycle to cycle), `--cycles` times over (default 2).
 
     python -m bench.policy_bench                  # both servers
     python -m bench.policy_bench --servers default --prompts-limit 4
@@ -81,8 +82,10 @@ async def paired_c1(client, args, prompts, modes: dict[str, dict]) -> dict:
 async def alternating_c16(client, args, prompts, modes: dict[str, dict], clients: int) -> dict:
     runs: dict[str, list] = {m: [] for m in modes}
     total = 2 * clients
+    names = list(modes)
     for cycle in range(args.cycles):
-        for name, options in modes.items():
+        for name in names[cycle % len(names):] + names[: cycle % len(names)]:  # the first mode rotates
+            options = modes[name]
             with tqdm(total=total, desc=f"c={clients} {name} ({cycle + 1}/{args.cycles})", leave=False) as bar:
                 results, duration = await run_concurrency(client, args.model, prompts, clients, total,
                                                           args.max_tokens, 0.0, options, bar, True)
