@@ -286,22 +286,27 @@ class Scheduler:
         await asyncio.gather(*(self._round_group(rows, ks) for rows, ks in plans))
 
     def _ks(self, rows: list[_Live]) -> list[int]:
-        """Each row's draft length this round (engine/policy.py)."""
+        """Each row's draft length this round (engine/policy.py).
+
+        The load K is chosen for counts the requests already admitted and waiting for their leases: they join the
+        next round, and a draft started now (its prefill first) would pay only at the batch size they make.
+        """
         profile = self.costs.policy_profile(rows[0].draft, rows[0].target)
+        batch = len(rows) + self._waiting
         ks = []
         for live in rows:
             cap = live.seq.k if (self.config.draft_mode != "model" or live.draft is not None) else 0
             if live.fixed_k:
                 k = cap
             elif profile is not None:
-                k = live.tracker.next_k(profile, len(rows), cap)
+                k = live.tracker.next_k(profile, batch, cap)
                 behind = live.seq.num_tokens - live.draft_sent  # tokens the draft worker has not read yet
                 if (k and live.draft is not None and not live.tracker.probing and behind > live.seq.k + 1
-                        and not worth_starting(profile, len(rows), live.tracker.acceptance, k, behind,
+                        and not worth_starting(profile, batch, live.tracker.acceptance, k, behind,
                                                live.seq.remaining())):
                     k = 0  # the draft would first read the whole context, or catch up, for too few tokens left
             else:
-                k = load_adjusted_k(cap, len(self._live), self.config.max_batch_for_speculation)
+                k = load_adjusted_k(cap, len(self._live) + self._waiting, self.config.max_batch_for_speculation)
             ks.append(live.seq.draft_len(k))
         return ks
 
