@@ -50,6 +50,8 @@ class ModelRunner:
         # Llama-family models on CPU run a lean forward over the same weights (engine/llama_fast.py)
         self._fast = FastLlamaForward(model) if fast_path and supports(model) else None
         self._lm_head = model.get_output_embeddings()
+        self._tensor_parallel = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1
         self.cache = SlotKVCache(num_layers=config.num_hidden_layers if hasattr(config, "num_hidden_layers")
                                  else config.n_layer)
         self._seqs: dict[str, _SeqState] = {}
@@ -129,7 +131,10 @@ class ModelRunner:
         self, seq_ids: list[str], new_tokens: list[Sequence[int]], num_logits: list[int]
     ) -> torch.Tensor:  # [B, max(num_logits), V]
         states = [self._seqs[s] for s in seq_ids]
-        order = sorted(range(len(states)), key=lambda i: states[i].slot)  # slot order makes contiguous views
+        # slot order makes contiguous views, but slots depend on this process's add/release history; under tensor
+        # parallelism rows must be in an order every rank agrees on (the collectives pair rows by position)
+        order = (sorted(range(len(states)), key=lambda i: states[i].slot) if not self._tensor_parallel
+                 else list(range(len(states))))
         states = [states[i] for i in order]
         new_tokens = [new_tokens[i] for i in order]
         num_logits = [num_logits[i] for i in order]

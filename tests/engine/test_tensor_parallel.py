@@ -63,6 +63,50 @@ def test_two_ranks_match_the_unsharded_model(family):
         assert params < 0.52 * full, (params, full)
 
 
+def _worker_with_diverging_slots(rank, world, port, results):
+    """Ranks that took and freed cache slots in different orders (a release reaching one rank before a forward and
+    the other after it) must still compute the same rows."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = make_tiny_model("llama", seed=0)
+        shard_model(model, rank, world)
+        runner = ModelRunner(model, vocab_size=model.config.vocab_size)
+        for seq_id in ("a", "b", "c"):
+            runner.add(seq_id)
+        runner.forward(["a", "b", "c"], [[2, 3, 4], [5, 6], [7, 8, 9, 10]], [1, 1, 1])
+        if rank == 0:
+            runner.release("b")
+            runner.add("d")  # takes b's slot here
+        else:
+            runner.add("d")  # takes a new slot here
+            runner.release("b")
+        results[rank] = runner.forward(["c", "d"], [[11], [12, 13]], [1, 1])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_whose_cache_slots_differ_still_agree():
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        port = _free_port()
+        procs = [ctx.Process(target=_worker_with_diverging_slots, args=(r, 2, port, results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+            assert p.exitcode == 0
+        results = dict(results)
+    reference = ModelRunner(make_tiny_model("llama", seed=0))
+    for seq_id in ("a", "b", "c", "d"):
+        reference.add(seq_id)
+    reference.forward(["a", "b", "c"], [[2, 3, 4], [5, 6], [7, 8, 9, 10]], [1, 1, 1])
+    expected = reference.forward(["c", "d"], [[11], [12, 13]], [1, 1])
+    for rank in range(2):
+        torch.testing.assert_close(results[rank], expected, atol=1e-4, rtol=1e-4)
+
+
 def test_indivisible_sizes_are_refused():
     model = make_tiny_model("llama")  # 4 heads, 2 kv heads
     with pytest.raises(TensorParallelError, match="tp_size 3 must divide"):
