@@ -34,7 +34,5 @@ RUN set -eux; \
     python -c "import deployments.app, engine; print('specserve installed')"
 
 # never download weights at run time; the dequantized-GGUF cache goes to a writable volume (emptyDir in k8s/)
-# RAY_*: Ray settings of every Ray process in the pod (deployments/app.py RAY_ENV says why)
 ENV HF_HUB_OFFLINE=1 \
-    SPECSERVE_CACHE=/cache/specserve \
-    RAY_max_direct_call_object_size=8388608
+    SPECSERVE_CACHE=/cache/specserve

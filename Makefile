@@ -8,8 +8,6 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# Ray settings of every Ray process started from here (deployments/app.py RAY_ENV says why)
-export RAY_max_direct_call_object_size := 8388608
 
 # Test-only system package: a real Prometheus for tests/deployments/test_observability.py (Debian's package).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

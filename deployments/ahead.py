@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from .errors import ReplicaGone
 from .workers import DraftCall
+
+logger = logging.getLogger("ray.serve")
 
 
 @dataclass
@@ -74,10 +77,12 @@ class AheadDrafts:
                 if accepted is not None:
                     await self._replace_drafts([rows[b] for b in ahead.members])
                 continue
-            except Exception:
-                if accepted is None:
-                    continue  # the round is failing anyway
-                raise
+            except Exception as exc:
+                # an ahead draft is optional: its rows draft normally next round. (One for a request that ended
+                # this round can race the lease's release of its draft caches and find the sequence gone.)
+                if accepted is not None:
+                    logger.warning("an ahead draft failed and was discarded: %r", exc)
+                continue
             if result.get("cancelled"):
                 self.stats.ahead_cancelled += 1
                 continue

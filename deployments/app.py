@@ -32,17 +32,6 @@ def _autoscaling(s: ScalingSection) -> dict:
     }
 
 
-
-
-# Ray settings the app is meant to run with, as environment variables of every Ray process (the Makefile exports
-# them, the Dockerfile sets them, tests/deployments/serve_cluster.py passes them to `ray start`; a test checks all
-# agree). A sampled row's verify returns [K+1, V] float32 target probabilities (0.8 MB for a 49k vocabulary at
-# K=3) and its draft [K, V]: past Ray's default of 100 KB these travel through the object store; up to 8 MiB they
-# travel inline in the actor's reply, which cut orchestration from 11-12.5 to 8-8.4 ms per round for one sampled
-# stream here (bench/RESULTS.md).
-RAY_ENV = {"RAY_max_direct_call_object_size": str(8 * 1024 * 1024)}
-
-
 def worker_spec(cfg: SpecServeConfig, role: str) -> dict:
     """What a Draft or Target replica needs to start its worker actors."""
     s = cfg.draft if role == "draft" else cfg.target

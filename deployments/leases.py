@@ -1,9 +1,12 @@
-"""Leases on Draft/Target replicas through Ray Serve handles; rounds call the leased workers directly.
+"""Leases on Draft/Target replicas through Ray Serve handles; rounds call the leased workers' channels directly.
 
-A worker the router has seen die is remembered. Until Serve's health check replaces its Target replica, a new target
-lease that lands there is given back and tried again (with a short pause), so a request re-leasing after a crash
-waits for a healthy replica instead of burning its retries on the broken one; past LEASE_RETRY_TIMEOUT_S it is
-answered 503. Draft leases are not retried: a request whose draft is gone goes on with plain decoding.
+A lease's first item names the replica, its workers' actor handles (cancels go there, on the "control" thread)
+and the endpoint of the direct channel every round's call travels (deployments/channel.py; for a target, rank 0's,
+which passes each call on to the other ranks). A replica the router has seen fail (its channel closed, or its
+tensor-parallel group broken) is remembered. Until Serve's health check replaces it, a new target lease that lands
+there is given back and tried again (with a short pause), so a request re-leasing after a crash waits for a healthy
+replica instead of burning its retries on the broken one; past LEASE_RETRY_TIMEOUT_S it is answered 503. Draft
+leases are not retried: a request whose draft is gone goes on with plain decoding.
 """
 
 from __future__ import annotations
@@ -14,89 +17,63 @@ import time
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
+from .channel import AsyncChannels, ChannelClosed
 from .scheduler import Overloaded, ReplicaGone
-from .workers import DraftCall, VerifyCall
+from .workers import DraftCall, TensorParallelBroken, VerifyCall
 
 _DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
-# How long a lease waits for a replica without dead workers (Serve's health check every 5 s, then a new replica
+# How long a lease waits for a replica that has not failed (Serve's health check every 5 s, then a new replica
 # starts) before the request is answered 503; and the pause between tries.
 LEASE_RETRY_TIMEOUT_S = 90.0
 LEASE_RETRY_PAUSE_S = 0.25
 
 
 class _RayLease:
-    def __init__(self, stream, first: dict, dead: set) -> None:
+    def __init__(self, stream, first: dict, channels: AsyncChannels, dead: set) -> None:
         self._stream = stream
         self.key: str = first["replica"]
         self.workers = first["workers"]
+        self.endpoint = first["endpoint"]
         self.costs: dict | None = first.get("costs")  # measured by the replica at start, for the K policy
-        self._dead = dead  # the broker's set of worker handles seen dead
+        self._channels = channels
+        self._dead = dead  # the broker's keys of replicas seen failing
 
     async def close(self) -> None:
         self._stream.cancel()
 
-    def _gone(self, worker, exc: BaseException) -> ReplicaGone:
-        self._dead.add(worker)
-        return ReplicaGone(f"a worker of replica {self.key} died: {exc}")
+    async def _call(self, method: str, *args):
+        try:
+            return await self._channels.call(self.endpoint, method, *args)
+        except (ChannelClosed, TensorParallelBroken) as exc:
+            self._dead.add(self.key)
+            raise ReplicaGone(f"replica {self.key} failed: {exc}") from exc
 
 
 class RayDraftLease(_RayLease):
     async def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> dict:
-        try:
-            if ahead_id is None:
-                return await self.workers[0].propose.remote(calls)
-            return await self.workers[0].propose.remote(calls, ahead_id)
-        except _DEAD as exc:
-            raise self._gone(self.workers[0], exc) from exc
+        return await self._call("propose", calls, ahead_id)
 
     def cancel(self, ahead_id: int) -> None:
         # served on the worker's "control" thread while `propose` computes (workers.ray_actor_classes)
         self.workers[0].cancel.options(concurrency_group="control").remote(ahead_id)
 
 
-def _consume(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved: a rank's late error after the round was given up is not logged as lost
-
-
 class RayTargetLease(_RayLease):
     async def verify(self, calls: list[VerifyCall]) -> dict:
-        """Every rank runs the forward in lockstep; rank 0 answers.
+        """Rank 0 runs the verify with every rank in lockstep and answers.
 
-        A dead rank ends the call at once (ReplicaGone), without waiting for the surviving ranks, which may be
-        blocked in a collective with the dead one until their process group notices.
+        A dead rank 0 closes the channel; a dead peer fails rank 0's collectives (gloo: at once; NCCL: when Serve's
+        health check tears the replica down). Either way the call ends with ReplicaGone.
         """
-        if len(self.workers) == 1:
-            try:
-                return await self.workers[0].verify.remote(calls)
-            except _DEAD as exc:
-                raise self._gone(self.workers[0], exc) from exc
-        tasks = {asyncio.ensure_future(w.verify.remote(calls)): w for w in self.workers}
-        pending = set(tasks)
-        first_error = None
-        try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-                for task in done:
-                    exc = task.exception()
-                    if isinstance(exc, _DEAD):
-                        raise self._gone(tasks[task], exc) from exc
-                    if exc is not None and first_error is None:
-                        # maybe a survivor's collective failing because a peer died: wait for the others
-                        first_error = exc
-        finally:
-            for task in tasks:
-                task.add_done_callback(_consume)
-        if first_error is not None:
-            raise first_error
-        return next(iter(tasks)).result()
+        return await self._call("verify", calls)
 
 
 class RayLeaseBroker:
     def __init__(self, draft_handle, target_handle) -> None:
         self.draft_handle = draft_handle
         self.target_handle = target_handle
-        self.dead_workers: set = set()  # actor handles (hashed by actor id) seen dead by a round
+        self.channels = AsyncChannels()  # this router's connections to the workers' channels
+        self.dead_replicas: set[str] = set()  # keys of replicas a round saw fail
 
     async def _lease(self, handle, seq_id: str, cls, wait_for_healthy: bool):
         deadline = time.monotonic() + LEASE_RETRY_TIMEOUT_S
@@ -111,10 +88,10 @@ class RayLeaseBroker:
                     raise ReplicaGone(str(exc)) from exc
                 error: BaseException = exc
             else:
-                if not wait_for_healthy or not any(w in self.dead_workers for w in first["workers"]):
-                    return cls(stream, first, self.dead_workers)
+                if not wait_for_healthy or first["replica"] not in self.dead_replicas:
+                    return cls(stream, first, self.channels, self.dead_replicas)
                 stream.cancel()
-                error = RuntimeError(f"replica {first['replica']} has a dead worker and awaits replacement")
+                error = RuntimeError(f"replica {first['replica']} failed and awaits replacement")
             if time.monotonic() >= deadline:
                 raise ReplicaGone(f"no healthy replica within {LEASE_RETRY_TIMEOUT_S:.0f} s: {error}") from error
             await asyncio.sleep(LEASE_RETRY_PAUSE_S)

@@ -58,15 +58,14 @@ class _LeasedReplica:
                 self._replica_id = f"local-{id(self)}"
         return self._replica_id
 
-    async def _hold(self, seq_id: str, workers: list):
+    async def _hold(self, seq_id: str, workers: list, endpoint):
         self.leases += 1
         try:
-            yield {"replica": self.replica_id, "workers": workers, "costs": self.costs}
+            yield {"replica": self.replica_id, "workers": workers, "endpoint": endpoint, "costs": self.costs}
             await asyncio.Event().wait()  # until the router cancels the lease
         finally:
             self.leases -= 1
-            for w in workers:
-                w.release.remote([seq_id])
+            workers[0].release.remote([seq_id])  # a target's rank 0 passes it on to the other ranks, in order
 
     async def _check(self, workers: list) -> None:
         """Serve's health check: raises at once if a worker died, if one does not answer a ping within
@@ -114,9 +113,10 @@ class DraftServer(_LeasedReplica):
                                                           worker["concurrent_workers"])
         # fail fast (missing model file, bad tokenizer) at start-up
         self.costs = ray.get(self.worker.stats.remote())["costs"]
+        self.endpoint = ray.get(self.worker.start_channel.remote())
 
     async def lease(self, seq_id: str):
-        async for item in self._hold(seq_id, [self.worker]):
+        async for item in self._hold(seq_id, [self.worker], self.endpoint):
             yield item
 
     async def stats(self) -> dict:
@@ -148,9 +148,13 @@ class TargetServer(_LeasedReplica):
         if worker["calibrate"]:
             self.costs = ray.get([w.calibrate.remote(max(engine_config.num_speculative_tokens, 1))
                                   for w in self.workers])[0]
+        endpoints = ray.get([w.start_channel.remote() for w in self.workers])
+        if tp_size > 1:  # from now on ranks 1.. take their calls from rank 0 alone
+            ray.get(self.workers[0].connect_peers.remote(endpoints[1:]))
+        self.endpoint = endpoints[0]
 
     async def lease(self, seq_id: str):
-        async for item in self._hold(seq_id, self.workers):
+        async for item in self._hold(seq_id, self.workers, self.endpoint):
             yield item
 
     async def stats(self) -> dict:

@@ -4,6 +4,14 @@ A round sends only token deltas: each call names a sequence, the position `start
 committed tokens are new to this worker, and those tokens. The worker keeps the committed tokens it knows and its
 KV cache; `ModelRunner.sync` rolls the cache back to the common prefix, so rejected drafts disappear without
 bookkeeping. Replies carry token ids (greedy rows) or processed probabilities (sampled rows) only.
+
+The round's calls reach a worker through its direct channel (deployments/channel.py), Ray methods serve set-up,
+statistics, health pings and cancels. Every call that touches a model or its caches holds the worker's lock.
+
+Tensor parallelism: rank 0 is the target's only entry point. It forwards each verify and release to the other
+ranks over one ordered channel connection each, then runs its own share, so every rank applies the same calls in
+the same order (rows are paired by position in the collectives) however many routers call the replica at once.
+A collective that fails (a peer died) marks the rank broken: its calls and health pings fail from then on.
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ from engine.model_runner import ModelRunner
 from engine.proposers import DraftModelProposer, DraftRequest, check_tokenizers_compatible
 from engine.sampling import BatchSampling, SamplingParams, logits_to_probs
 from engine.sequence import draft_generator
-from engine.tensor_parallel import num_parameters, shard_model
+from engine.tensor_parallel import CollectiveError, num_parameters, shard_model
+
+from .channel import ChannelClosed, ChannelSender, ChannelServer, Endpoint
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,22 @@ class VerifyCall:
 
 class UnknownSequenceError(KeyError):
     """A call continued a sequence this worker does not hold (the router must re-send it from 0)."""
+
+
+class TensorParallelBroken(RuntimeError):
+    """This target rank's tensor-parallel group cannot compute any more (a peer died): the replica must go."""
+
+
+def node_address() -> str:
+    """The address other nodes reach this worker at: Ray's node IP inside a Ray worker, else the host name's."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
 
 
 class _KnownTokens:
@@ -148,8 +174,16 @@ class DraftWorkerCore:
                  concurrent_workers: int = 1) -> None:
         self.torch_threads = set_torch_threads(torch_threads, concurrent_workers)
         self.busy = BusyClock()
+        self._lock = threading.RLock()  # model calls: channel threads and Ray methods take turns
+        self._channel: ChannelServer | None = None
         with cpu_startup_turn(config):
             self._start(config, calibrate)
+
+    def start_channel(self) -> Endpoint:
+        """Serve `propose` and `release` on a direct channel (deployments/channel.py); returns its endpoint."""
+        if self._channel is None:
+            self._channel = ChannelServer({"propose": self.propose, "release": self.release}, node_address())
+        return self._channel.endpoint
 
     def _start(self, config: EngineConfig, calibrate: bool) -> None:
         target = resolve(config.target)
@@ -181,7 +215,7 @@ class DraftWorkerCore:
             return ahead_id in self._cancelled
 
     def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> dict:
-        with self.busy.running():
+        with self._lock, self.busy.running():
             return self._propose(calls, ahead_id)
 
     def _propose(self, calls: list[DraftCall], ahead_id: int | None) -> dict:
@@ -212,10 +246,11 @@ class DraftWorkerCore:
         }
 
     def release(self, seq_ids: list[str]) -> None:
-        for seq_id in seq_ids:
-            self._known.pop(seq_id)
-            self._generators.pop(seq_id, None)
-            self.proposer.release(seq_id)
+        with self._lock:
+            for seq_id in seq_ids:
+                self._known.pop(seq_id)
+                self._generators.pop(seq_id, None)
+                self.proposer.release(seq_id)
 
     def stats(self) -> dict:
         return {"live_sequences": self.proposer.runner.num_live, "calls": self.calls, "rows": self.rows,
@@ -234,6 +269,10 @@ class TargetWorkerCore:
                  concurrent_workers: int | None = None) -> None:
         self.torch_threads = set_torch_threads(torch_threads, concurrent_workers or world)
         self.busy = BusyClock()
+        self._lock = threading.RLock()  # model calls: channel threads and Ray methods take turns
+        self._channel: ChannelServer | None = None
+        self._peers: list[ChannelSender] = []  # rank 0 only: the other ranks, in rank order
+        self.broken: str | None = None  # why this rank's group can no longer compute
         self.rank, self.world = rank, world
         self.config = config
         self.runner: ModelRunner | None = None
@@ -274,15 +313,44 @@ class TargetWorkerCore:
         shard_model(model, self.rank, self.world)
         self.runner = ModelRunner(model, max_model_len=self.config.max_model_len, vocab_size=vocab)
 
+    def start_channel(self) -> Endpoint:
+        """Serve `verify` and `release` on a direct channel (deployments/channel.py); returns its endpoint. Routers
+        call rank 0's; the other ranks' serve rank 0 alone."""
+        if self._channel is None:
+            self._channel = ChannelServer({"verify": self.verify, "release": self.release}, node_address())
+        return self._channel.endpoint
+
+    def connect_peers(self, endpoints: list[Endpoint]) -> None:
+        """Rank 0: connect to ranks 1.. (in order), which from then on take their calls from rank 0 alone."""
+        assert self.rank == 0 and len(endpoints) == self.world - 1
+        self._peers = [ChannelSender(e) for e in endpoints]
+
     def calibrate(self, max_k: int) -> dict:
-        """Verify costs by batch size and draft count (every rank must run it at once: collectives)."""
+        """Verify costs by batch size and draft count (every rank must run it at once: collectives; at start-up,
+        before any router calls)."""
         # with several ranks only rank 0 takes the node's turn: the others must not block its collectives
-        with cpu_startup_turn(self.config) if self.rank == 0 else contextlib.nullcontext():
+        with self._lock, cpu_startup_turn(self.config) if self.rank == 0 else contextlib.nullcontext():
             self.costs = measure_target_costs(self.runner, max_k)
         return self.costs
 
+    def _in_group(self, method: str, args: tuple, run):
+        """Run a call on this rank; rank 0 first forwards it to the other ranks (the one ordering source)."""
+        with self._lock:
+            if self.broken is not None:
+                raise TensorParallelBroken(self.broken)
+            try:
+                for peer in self._peers:
+                    peer.send(method, *args)
+                return run(*args)
+            except (CollectiveError, ChannelClosed) as exc:
+                self.broken = f"tensor-parallel rank {self.rank} of {self.world}: {exc}"
+                raise TensorParallelBroken(self.broken) from exc
+
     # ---- the round ------------------------------------------------------------------------------------------
     def verify(self, calls: list[VerifyCall]) -> dict | None:
+        return self._in_group("verify", (calls,), self._timed_verify)
+
+    def _timed_verify(self, calls: list[VerifyCall]) -> dict | None:
         with self.busy.running():
             return self._verify(calls)
 
@@ -318,6 +386,9 @@ class TargetWorkerCore:
         return out
 
     def release(self, seq_ids: list[str]) -> None:
+        self._in_group("release", (seq_ids,), self._release)
+
+    def _release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
             self._known.pop(seq_id)
             if self.runner is not None:
@@ -329,7 +400,10 @@ class TargetWorkerCore:
                 "full_parameters": self.full_parameters, "pid": os.getpid(), "torch_threads": self.torch_threads}
 
     def ping(self) -> float:
-        """Seconds the current model call has been running (0: idle); served on the "control" thread."""
+        """Seconds the current model call has been running (0: idle); served on the "control" thread. A rank
+        whose group broke fails its health check at once."""
+        if self.broken is not None:
+            raise TensorParallelBroken(self.broken)
         return self.busy.seconds()
 
 

@@ -21,6 +21,24 @@ class TensorParallelError(ValueError):
     """The model cannot be split this way (unsupported family or sizes not divisible by the world size)."""
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed (a peer rank died, or timed out): this process group can no longer compute."""
+
+
+def _all_reduce(t: torch.Tensor, group) -> None:
+    try:
+        dist.all_reduce(t, group=group)
+    except RuntimeError as exc:
+        raise CollectiveError(f"all_reduce failed: {exc}") from exc
+
+
+def _all_gather(parts: list[torch.Tensor], t: torch.Tensor, group) -> None:
+    try:
+        dist.all_gather(parts, t, group=group)
+    except RuntimeError as exc:
+        raise CollectiveError(f"all_gather failed: {exc}") from exc
+
+
 def _slice_rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     size = t.shape[0] // world
     return t[rank * size : (rank + 1) * size].clone()
@@ -51,7 +69,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in/world] -> [..., out]
         out = linear(x, self.weight)
-        dist.all_reduce(out, group=self.group)
+        _all_reduce(out, self.group)
         return out if self.bias is None else out + self.bias
 
 
@@ -68,7 +86,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])
         out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[..., None]
-        dist.all_reduce(out, group=self.group)
+        _all_reduce(out, self.group)
         return out
 
 
@@ -83,7 +101,7 @@ class VocabParallelLMHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V]
         local = linear(x, self.weight).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.world)]
-        dist.all_gather(parts, local, group=self.group)
+        _all_gather(parts, local, self.group)
         return torch.cat(parts, dim=-1)
 
 

@@ -57,9 +57,7 @@ def serve_app(log_dir: Path, metrics_port: int | None = None, config: str = "ser
 
     With `metrics_port`, Ray's Prometheus endpoint listens there and application metrics are reported every second.
     """
-    from deployments.app import RAY_ENV
-
-    env = {**RAY_ENV, **os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
     start = [BIN / "ray", "start", "--head", "--num-cpus", "8", "--disable-usage-stats", "--include-dashboard",
              "false"]
     if metrics_port is not None:

@@ -1,11 +1,8 @@
 """deployments/app.py: the one builder of Serve options, checked against Ray's own deployment config (no cluster)."""
 
-import re
-from pathlib import Path
-
 from ray import serve
 
-from deployments.app import RAY_ENV, deployment_options
+from deployments.app import deployment_options
 from deployments.config import SpecServeConfig
 from deployments.router import RETRY_AFTER_S
 
@@ -25,11 +22,3 @@ def test_every_deployment_sheds_with_503_and_retry_after_and_ray_accepts_the_opt
         assert config.backpressure_config.retry_after_s == RETRY_AFTER_S
     router = serve.deployment(_Stand, name="Router").options(**options["Router"])._deployment_config
     assert router.max_queued_requests == 3 and router.max_ongoing_requests == cfg.router.max_ongoing_requests
-
-
-def test_the_ray_settings_are_the_same_wherever_ray_processes_start():
-    root = Path(__file__).resolve().parents[2]
-    makefile, dockerfile = (root / "Makefile").read_text(), (root / "Dockerfile").read_text()
-    for name, value in RAY_ENV.items():
-        assert re.search(rf"^export {name} := {value}$", makefile, re.M), f"Makefile lacks {name}={value}"
-        assert re.search(rf"^\s*{name}={value}\s*$", dockerfile, re.M), f"Dockerfile lacks {name}={value}"

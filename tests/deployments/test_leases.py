@@ -1,4 +1,4 @@
-"""The Ray lease broker's fault handling, with stand-in worker handles and Serve handles (no cluster)."""
+"""The Ray lease broker's fault handling, with worker channels served in-process and stand-in Serve handles."""
 
 import asyncio
 
@@ -7,34 +7,22 @@ from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
 from deployments import leases
+from deployments.channel import AsyncChannels, ChannelServer, Endpoint
 from deployments.leases import RayLeaseBroker, RayTargetLease
 from deployments.scheduler import Overloaded, ReplicaGone
+from deployments.workers import TensorParallelBroken
 
 
-class _Method:
-    def __init__(self, fn) -> None:
-        self.fn = fn
+def _rank0(behaviour: str = "ok") -> ChannelServer:
+    """Rank 0's channel: `verify` answers, fails like a broken tensor-parallel group, or fails plainly."""
+    def verify(calls):
+        if behaviour == "broken":
+            raise TensorParallelBroken("tensor-parallel rank 0 of 2: all_reduce failed: connection closed by peer")
+        if behaviour == "error":
+            raise ValueError("a bad call")
+        return {"rank": 0, "rows": len(calls)}
 
-    def remote(self, *args):
-        return asyncio.ensure_future(self.fn(*args))
-
-
-class FakeWorker:
-    """A worker actor handle: `verify` answers, hangs (a rank blocked in a collective), fails, or dies."""
-
-    def __init__(self, rank: int, behaviour: str = "ok") -> None:
-        self.rank, self.behaviour = rank, behaviour
-        self.verify = _Method(self._verify)
-
-    async def _verify(self, calls):
-        await asyncio.sleep(0.01)
-        if self.behaviour == "hang":
-            await asyncio.Event().wait()
-        if self.behaviour == "dead":
-            raise ActorDiedError()
-        if self.behaviour == "error":
-            raise RuntimeError("gloo: connection closed by peer")
-        return {"rank": self.rank} if self.rank == 0 else None
+    return ChannelServer({"verify": verify}, "127.0.0.1", bind_host="127.0.0.1")
 
 
 class FakeStream:
@@ -73,67 +61,58 @@ class _Lease:
         return h.streams[-1]
 
 
-def _lease(workers, dead=None) -> RayTargetLease:
-    return RayTargetLease(FakeStream(None), {"replica": "r", "workers": workers}, set() if dead is None else dead)
+def _lease(endpoint, dead=None) -> RayTargetLease:
+    first = {"replica": "r", "workers": [], "endpoint": endpoint}
+    return RayTargetLease(FakeStream(None), first, AsyncChannels(), set() if dead is None else dead)
 
 
-def test_a_dead_rank_ends_the_verify_while_the_survivor_is_still_blocked():
+def test_rank_zero_answers_through_its_channel_and_a_plain_error_stays_an_error():
+    server, failing = _rank0(), _rank0("error")
     dead = set()
-    workers = [FakeWorker(0, "hang"), FakeWorker(1, "dead")]
-
-    async def run():
-        with pytest.raises(ReplicaGone, match="died"):
-            await asyncio.wait_for(_lease(workers, dead).verify([]), 30)  # bounded: a hang fails the test
-
-    asyncio.run(run())
-    assert dead == {workers[1]}, "the broker remembers the dead worker"
+    assert asyncio.run(_lease(server.endpoint, dead).verify([1, 2])) == {"rank": 0, "rows": 2}
+    with pytest.raises(ValueError, match="a bad call"):  # the replica is fine: the caller's problem, not a failure
+        asyncio.run(_lease(failing.endpoint, dead).verify([]))
+    assert dead == set()
 
 
-def test_a_survivor_failing_its_collective_first_still_reads_as_a_dead_replica():
-    workers = [FakeWorker(0, "error"), FakeWorker(1, "dead")]
-    workers[1].verify = _Method(lambda calls: _later(ActorDiedError(), 0.1))  # the death is heard after the error
-    with pytest.raises(ReplicaGone):
-        asyncio.run(_lease(workers).verify([]))
+@pytest.mark.parametrize("how", ["broken group", "rank 0 gone"])
+def test_a_failed_replica_ends_the_verify_with_replica_gone_and_is_remembered(how):
+    server = _rank0("broken")
+    endpoint = server.endpoint
+    if how == "rank 0 gone":
+        server.close()  # nothing listens there any more
+        endpoint = Endpoint("127.0.0.1", endpoint.port, endpoint.secret)
+    dead = set()
+    with pytest.raises(ReplicaGone, match="replica r failed"):
+        asyncio.run(asyncio.wait_for(_lease(endpoint, dead).verify([]), 30))
+    assert dead == {"r"}, "the broker remembers the failed replica"
 
 
-async def _later(exc, seconds):
-    await asyncio.sleep(seconds)
-    raise exc
-
-
-def test_rank_zero_answers_and_a_plain_error_stays_an_error():
-    assert asyncio.run(_lease([FakeWorker(0), FakeWorker(1)]).verify([])) == {"rank": 0}
-    with pytest.raises(RuntimeError, match="gloo"):  # every rank alive: a bug, not a dead replica
-        asyncio.run(_lease([FakeWorker(0, "error"), FakeWorker(1)]).verify([]))
-
-
-def test_a_target_lease_skips_a_replica_with_a_dead_worker_until_a_healthy_one_answers(monkeypatch):
+def test_a_target_lease_skips_a_failed_replica_until_a_healthy_one_answers(monkeypatch):
     monkeypatch.setattr(leases, "LEASE_RETRY_PAUSE_S", 0.001)
-    dead_worker, new_workers = FakeWorker(1), [FakeWorker(0), FakeWorker(1)]
-    broken = {"replica": "old", "workers": [FakeWorker(0), dead_worker]}
-    handle = FakeHandle([broken, broken, ActorDiedError(), {"replica": "new", "workers": new_workers}])
+    broken = {"replica": "old", "workers": [], "endpoint": None}
+    healthy = {"replica": "new", "workers": [], "endpoint": _rank0().endpoint}
+    handle = FakeHandle([broken, broken, ActorDiedError(), healthy])
     broker = RayLeaseBroker(None, handle)
-    broker.dead_workers.add(dead_worker)
+    broker.dead_replicas.add("old")
     lease = asyncio.run(broker.target("seq"))
-    assert lease.key == "new" and lease.workers == new_workers
+    assert lease.key == "new" and lease.endpoint == healthy["endpoint"]
     assert [s.cancelled for s in handle.streams] == [True, True, False, False], "broken leases were given back"
 
 
 def test_a_target_lease_gives_up_with_replica_gone_after_the_deadline(monkeypatch):
     monkeypatch.setattr(leases, "LEASE_RETRY_PAUSE_S", 0.001)
     monkeypatch.setattr(leases, "LEASE_RETRY_TIMEOUT_S", 0.05)
-    dead_worker = FakeWorker(0)
-    broker = RayLeaseBroker(None, FakeHandle([{"replica": "old", "workers": [dead_worker]}]))
-    broker.dead_workers.add(dead_worker)
+    broker = RayLeaseBroker(None, FakeHandle([{"replica": "old", "workers": [], "endpoint": None}]))
+    broker.dead_replicas.add("old")
     with pytest.raises(ReplicaGone, match="no healthy replica"):
         asyncio.run(broker.target("seq"))
 
 
 def test_draft_leases_are_not_retried_and_back_pressure_is_overload():
-    dead_worker = FakeWorker(0)
-    broker = RayLeaseBroker(FakeHandle([{"replica": "d", "workers": [dead_worker]}]),
+    broker = RayLeaseBroker(FakeHandle([{"replica": "d", "workers": [], "endpoint": None}]),
                             FakeHandle([BackPressureError(num_queued_requests=3, max_queued_requests=2)]))
-    broker.dead_workers.add(dead_worker)
+    broker.dead_replicas.add("d")
     assert asyncio.run(broker.draft("seq")).key == "d"  # the round finds it dead and decodes plainly
     with pytest.raises(Overloaded):
         asyncio.run(broker.target("seq"))

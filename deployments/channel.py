@@ -1,0 +1,231 @@
+"""A direct, authenticated request/reply channel to a model worker: the round's hot path.
+
+Ray places, owns, health-checks and kills the model workers; the per-round calls (draft, verify, release) travel
+here instead of as Ray actor calls. Measured on this project's 2-core VM (bench/RESULTS.md): while a worker's torch
+threads hold both cores, a Ray actor call costs ~2.5 ms beyond the worker's compute, and a blocking socket read
+by a worker thread ~0.35 ms; a speculative round makes two such calls.
+
+Wire format: after the handshake, frames of an 8-byte big-endian length and a pickle (protocol 5). A request is
+(method, args, wants_reply); a reply is (ok, value), value being the result or the exception the method raised.
+Handshake: the server sends a 32-byte random challenge and the client answers HMAC-SHA256(secret, challenge); a
+wrong answer closes the connection before any pickle is read. Each worker makes its own secret, which reaches the
+router only through Ray (the lease). The channel is authenticated, not encrypted (like Ray's own traffic without
+TLS): token ids and probabilities cross the network in the clear.
+
+One thread serves each connection, in order; a worker's model calls hold its lock (workers.py), so calls from
+several routers and from Ray methods never interleave inside a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import pickle
+import secrets
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct("!Q")
+_CHALLENGE_BYTES = 32
+
+
+class ChannelClosed(ConnectionError):
+    """The worker at the other end is gone (or refused us): the connection closed before a reply came."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a worker's channel listens and the secret its clients prove they know."""
+
+    host: str
+    port: int
+    secret: bytes
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"Endpoint({self.host}:{self.port})"
+
+
+def _digest(secret: bytes, challenge: bytes) -> bytes:
+    return hmac.new(secret, challenge, hashlib.sha256).digest()
+
+
+def _frame(obj) -> bytes:
+    data = pickle.dumps(obj, protocol=5)
+    return _LENGTH.pack(len(data)) + data
+
+
+def _reply_frame(ok: bool, value) -> bytes:
+    try:
+        return _frame((ok, value))
+    except Exception:  # an exception that does not pickle still reaches the caller, as text
+        return _frame((False, RuntimeError(f"{type(value).__name__}: {value}")))
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise ChannelClosed("connection closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _no_delay(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class ChannelServer:
+    """Serves `handlers` (method name -> callable) to authenticated clients, one thread per connection.
+
+    Binds all interfaces on a free port; `endpoint` advertises `advertise_host` (the worker's node address).
+    """
+
+    def __init__(self, handlers: dict[str, Callable], advertise_host: str, bind_host: str = "0.0.0.0") -> None:
+        self.handlers = dict(handlers)
+        self.secret = secrets.token_bytes(32)
+        self._sock = socket.create_server((bind_host, 0), backlog=64)
+        self.endpoint = Endpoint(advertise_host, self._sock.getsockname()[1], self.secret)
+        self.refused = 0  # connections that failed the handshake
+        self._closed = False
+        threading.Thread(target=self._accept, name="channel-accept", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn,), name="channel-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                _no_delay(conn)
+                challenge = secrets.token_bytes(_CHALLENGE_BYTES)
+                conn.sendall(challenge)
+                conn.settimeout(10.0)  # a peer that never answers the challenge does not hold a thread for long
+                answer = _read_exact(conn, hashlib.sha256().digest_size)
+                if not hmac.compare_digest(answer, _digest(self.secret, challenge)):
+                    self.refused += 1
+                    logger.warning("channel: a connection failed the handshake and was closed")
+                    return
+                conn.settimeout(None)
+                while True:
+                    (length,) = _LENGTH.unpack(_read_exact(conn, _LENGTH.size))
+                    method, args, wants_reply = pickle.loads(_read_exact(conn, length))
+                    try:
+                        handler = self.handlers[method]
+                    except KeyError:
+                        result = (False, AttributeError(f"the channel has no method {method!r}"))
+                    else:
+                        try:
+                            result = (True, handler(*args))
+                        except Exception as exc:
+                            result = (False, exc)
+                    if wants_reply:
+                        conn.sendall(_reply_frame(*result))
+                    elif not result[0]:
+                        logger.error("channel: one-way call %s failed: %r", method, result[1])
+            except (ChannelClosed, OSError):
+                return  # the client went away
+
+
+class ChannelSender:
+    """A blocking client that sends one-way calls in order over one connection (tensor-parallel rank 0 -> its
+    peers: the only sender, so every peer sees rank 0's order)."""
+
+    def __init__(self, endpoint: Endpoint, timeout_s: float = 30.0) -> None:
+        self.endpoint = endpoint
+        self._sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s)
+        _no_delay(self._sock)
+        challenge = _read_exact(self._sock, _CHALLENGE_BYTES)
+        self._sock.sendall(_digest(endpoint.secret, challenge))
+        self._sock.settimeout(None)
+
+    def send(self, method: str, *args) -> None:
+        try:
+            self._sock.sendall(_frame((method, args, False)))
+        except OSError as exc:
+            raise ChannelClosed(f"{self.endpoint}: {exc}") from exc
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class _AsyncConnection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, endpoint: Endpoint) -> "_AsyncConnection":
+        reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            _no_delay(sock)
+        challenge = await reader.readexactly(_CHALLENGE_BYTES)
+        writer.write(_digest(endpoint.secret, challenge))
+        return cls(reader, writer)
+
+    async def request(self, method: str, args: tuple):
+        self.writer.write(_frame((method, args, True)))
+        (length,) = _LENGTH.unpack(await self.reader.readexactly(_LENGTH.size))
+        return pickle.loads(await self.reader.readexactly(length))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class AsyncChannels:
+    """The router's connections to workers' channels: a few per endpoint, reused across calls.
+
+    A call takes an idle connection (or opens one), so concurrent calls to one worker each have their own; a call
+    that fails or is cancelled mid-way closes its connection instead of returning it.
+    """
+
+    def __init__(self) -> None:
+        self._idle: dict[Endpoint, list[_AsyncConnection]] = {}
+
+    async def call(self, endpoint: Endpoint, method: str, *args):
+        idle = self._idle.get(endpoint)
+        conn = idle.pop() if idle else None
+        try:
+            if conn is None:
+                conn = await _AsyncConnection.open(endpoint)
+            ok, value = await conn.request(method, args)
+        except (OSError, EOFError, asyncio.IncompleteReadError) as exc:
+            if conn is not None:
+                conn.close()
+            self.forget(endpoint)  # its other idle connections lead to the same dead worker
+            raise ChannelClosed(f"{endpoint}: {exc!r}") from exc
+        except BaseException:  # cancelled mid-call: the reply may still come, so this connection is done
+            if conn is not None:
+                conn.close()
+            raise
+        self._idle.setdefault(endpoint, []).append(conn)
+        if not ok:
+            raise value
+        return value
+
+    def forget(self, endpoint: Endpoint) -> None:
+        for conn in self._idle.pop(endpoint, []):
+            conn.close()
+
+    def close(self) -> None:
+        for endpoint in list(self._idle):
+            self.forget(endpoint)

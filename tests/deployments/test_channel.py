@@ -1,0 +1,136 @@
+"""The direct worker channel (deployments/channel.py): replies, errors, authentication, concurrency, dead peers."""
+
+import asyncio
+import multiprocessing
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from deployments.channel import AsyncChannels, ChannelClosed, ChannelSender, ChannelServer, Endpoint
+
+
+class Boom(ValueError):
+    pass
+
+
+def _server(**extra):
+    def fail():
+        raise Boom("bad input")
+
+    handlers = {"echo": lambda *a: a, "probs": lambda n: {"probs": np.arange(n, dtype=np.float32)}, "fail": fail}
+    return ChannelServer({**handlers, **extra}, "127.0.0.1", bind_host="127.0.0.1")
+
+
+def test_replies_and_the_methods_own_errors_come_back():
+    server = _server()
+    channels = AsyncChannels()
+
+    async def run():
+        assert await channels.call(server.endpoint, "echo", 1, [2, 3], "x") == (1, [2, 3], "x")
+        out = await channels.call(server.endpoint, "probs", 5)
+        np.testing.assert_array_equal(out["probs"], np.arange(5, dtype=np.float32))
+        with pytest.raises(Boom, match="bad input"):  # the worker's exception, with its type
+            await channels.call(server.endpoint, "fail")
+        with pytest.raises(AttributeError, match="no method"):
+            await channels.call(server.endpoint, "nope")
+        assert await channels.call(server.endpoint, "echo", 4) == (4,)  # the connection survived the errors
+        return len(channels._idle[server.endpoint])
+
+    assert asyncio.run(run()) == 1, "sequential calls reuse one connection"
+    server.close()
+
+
+def test_a_client_without_the_secret_is_refused_before_anything_runs():
+    calls = []
+    server = _server(record=lambda: calls.append(1))
+    impostor = Endpoint(server.endpoint.host, server.endpoint.port, b"x" * 32)
+
+    async def run():
+        with pytest.raises(ChannelClosed):
+            await AsyncChannels().call(impostor, "record")
+
+    asyncio.run(run())
+    assert calls == [] and server.refused == 1
+    server.close()
+
+
+def test_concurrent_calls_to_one_worker_run_on_their_own_connections():
+    both_in = threading.Barrier(2, timeout=10)  # passes only if two calls are inside the worker at once
+    server = _server(meet=lambda i: (both_in.wait(), i)[1])
+    channels = AsyncChannels()
+
+    async def run():
+        return await asyncio.gather(channels.call(server.endpoint, "meet", 1), channels.call(server.endpoint, "meet", 2))
+
+    assert asyncio.run(run()) == [1, 2]
+    server.close()
+
+
+def test_a_call_cancelled_mid_way_never_hands_its_late_reply_to_the_next_call():
+    release = threading.Event()
+    server = _server(slow=lambda: (release.wait(10), "late")[1])
+    channels = AsyncChannels()
+
+    async def run():
+        task = asyncio.ensure_future(channels.call(server.endpoint, "slow"))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        return await channels.call(server.endpoint, "echo", "fresh")
+
+    assert asyncio.run(run()) == ("fresh",)
+    server.close()
+
+
+def test_one_way_sends_arrive_in_order():
+    seen, done = [], threading.Event()
+
+    def record(i):
+        seen.append(i)
+        if i == 199:
+            done.set()
+
+    server = _server(record=record)
+    sender = ChannelSender(server.endpoint)
+    for i in range(200):
+        sender.send("record", i)
+    assert done.wait(10)
+    assert seen == list(range(200))
+    sender.close()
+    server.close()
+
+
+def _serve_in_process(queue, ready_to_die):
+    server = ChannelServer({"hang": lambda: (time.sleep(60), "never")[1], "echo": lambda x: x}, "127.0.0.1",
+                           bind_host="127.0.0.1")
+    queue.put(server.endpoint)
+    ready_to_die.wait(60)
+    os._exit(1)
+
+
+def test_a_worker_dying_mid_call_ends_the_call_at_once():
+    ctx = multiprocessing.get_context("spawn")
+    queue, die = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_serve_in_process, args=(queue, die), daemon=True)
+    proc.start()
+    endpoint = queue.get(timeout=60)
+    channels = AsyncChannels()
+
+    async def run():
+        assert await channels.call(endpoint, "echo", 7) == 7
+        task = asyncio.ensure_future(channels.call(endpoint, "hang"))
+        await asyncio.sleep(0.3)
+        die.set()  # the process exits while the call is inside it
+        start = time.monotonic()
+        with pytest.raises(ChannelClosed):
+            await asyncio.wait_for(task, 20)
+        return time.monotonic() - start
+
+    asyncio.run(run())
+    proc.join(10)
+    assert endpoint not in channels._idle, "connections to a dead worker are dropped"

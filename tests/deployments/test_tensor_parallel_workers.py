@@ -1,0 +1,128 @@
+"""A tensor-parallel target (2 ranks, gloo, their own processes) called by several routers at once.
+
+Rank 0 is the replica's one entry point and passes every verify and release on to rank 1 in its own order, so the
+ranks pair the same rows in their collectives however the routers' calls interleave. Checked against a single-rank
+target given the same calls: the same greedy tokens for every sequence.
+"""
+
+import asyncio
+import multiprocessing
+import random
+import socket
+
+from deployments.channel import AsyncChannels
+from deployments.workers import SeqDelta, TargetWorkerCore, VerifyCall
+from engine.rejection import greedy_accept
+from tests.deployments.conftest import tiny_config
+
+ROUTERS = 2
+SEQUENCES_PER_ROUTER = 3  # one after another per lane: each finished sequence is released and a new one starts
+LANES = 2  # sequences a router has live at once
+ROUNDS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, port, engine_config, endpoints, peers, stop):
+    core = TargetWorkerCore(engine_config, rank, 2, torch_threads=1)
+    core.init_distributed("127.0.0.1", port)
+    endpoint = core.start_channel()
+    if rank == 0:  # like TargetServer: rank 0 is called only once it is connected to the other rank
+        core.connect_peers([peers.get(timeout=120)])
+    endpoints.put((rank, endpoint))
+    stop.wait(300)
+
+
+async def _router(call, router: int) -> dict[str, list[int]]:
+    """Greedy rounds for this router's sequences; drafts are pseudo-random tokens (mostly rejected: rollbacks)."""
+    rng = random.Random(router)
+    out: dict[str, list[int]] = {}
+    queue = [f"r{router}-s{i}" for i in range(SEQUENCES_PER_ROUTER * LANES)]
+    live = {queue.pop(0): [] for _ in range(LANES)}
+    sent = {s: 0 for s in live}
+    for seq in live:
+        live[seq] = [rng.randrange(2, 60) for _ in range(rng.randrange(3, 12))]
+    for round_no in range(ROUNDS):
+        seqs = list(live)
+        drafts = {s: [rng.randrange(2, 60) for _ in range(rng.randrange(0, 4))] for s in seqs}
+        calls = [VerifyCall(SeqDelta(s, sent[s], live[s][sent[s]:], 0.0, 0, 1.0, None), drafts[s]) for s in seqs]
+        result = await call("verify", calls)
+        for b, s in enumerate(seqs):
+            sent[s] = len(live[s])
+            tokens, _ = greedy_accept(drafts[s], result["argmax"][b])
+            live[s].extend(tokens)
+        if round_no % 4 == 3 and queue:  # a sequence ends, its caches are freed, a new one joins
+            done = seqs[round_no % len(seqs)]
+            out[done] = live.pop(done)
+            await call("release", [done])
+            new = queue.pop(0)
+            live[new] = [rng.randrange(2, 60) for _ in range(rng.randrange(3, 12))]
+            sent[new] = 0
+        await asyncio.sleep(rng.random() * 0.01)  # let the other router's calls land in between
+    out.update(live)
+    return out
+
+
+def test_routers_calling_one_tensor_parallel_replica_at_once_get_single_rank_results(tiny_model_dirs):
+    config = tiny_config(tiny_model_dirs).engine_config()
+    ctx = multiprocessing.get_context("spawn")
+    endpoints, peers, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, config, endpoints, peers, stop), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, endpoint = endpoints.get(timeout=180)
+        assert rank == 1
+        peers.put(endpoint)
+        rank, rank0 = endpoints.get(timeout=180)
+        channels = [AsyncChannels() for _ in range(ROUTERS)]  # each router process has its own connections
+
+        async def run_all():
+            return await asyncio.gather(*(
+                _router(lambda method, *args, c=channels[i]: c.call(rank0, method, *args), i)
+                for i in range(ROUTERS)))
+
+        tensor_parallel = asyncio.run(asyncio.wait_for(run_all(), 240))
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+    reference = TargetWorkerCore(config)
+
+    async def local(method, *args):
+        return getattr(reference, method)(*args)
+
+    for i in range(ROUTERS):
+        expected = asyncio.run(_router(local, i))
+        assert tensor_parallel[i] == expected, f"router {i}"
+
+
+def test_a_rank_whose_peer_is_gone_fails_its_calls_and_health_pings_from_then_on(tiny_model_dirs):
+    import pytest
+
+    from deployments.channel import ChannelClosed
+    from deployments.workers import TensorParallelBroken
+
+    class GonePeer:
+        def send(self, *args):
+            raise ChannelClosed("connection reset by peer")
+
+    core = TargetWorkerCore(tiny_config(tiny_model_dirs).engine_config())
+    call = VerifyCall(SeqDelta("a", 0, [5, 6, 7], 0.0, 0, 1.0, None), [])
+    assert core.verify([call])["argmax"][0]  # healthy
+    assert core.ping() == 0.0
+    core._peers = [GonePeer()]
+    for attempt in range(2):  # the first call finds out; later ones fail at once
+        with pytest.raises(TensorParallelBroken, match="connection reset"):
+            core.verify([VerifyCall(SeqDelta("a", 3, [8], 0.0, 0, 1.0, None), [])])
+    with pytest.raises(TensorParallelBroken):
+        core.ping()  # Serve's health check fails: the replica is replaced
