@@ -27,7 +27,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine.policy import AcceptanceTracker, CostProfile, load_adjusted_k, worth_starting
+from engine.policy import AcceptanceTracker, CostProfile, load_adjusted_k
+from engine.round_plan import RowOutlook, plan_round
 from engine.proposers import DraftRequest, NgramProposer
 from engine.rejection import greedy_accept, rejection_sample
 from engine.sampling import SamplingParams
@@ -286,29 +287,27 @@ class Scheduler:
         await asyncio.gather(*(self._round_group(rows, ks) for rows, ks in plans))
 
     def _ks(self, rows: list[_Live]) -> list[int]:
-        """Each row's draft length this round (engine/policy.py).
+        """Each row's draft length this round: with a cost profile, planned for the group as a whole
+        (engine/round_plan.py), else the fixed `max_batch_for_speculation` threshold.
 
-        The load K is chosen for counts the requests already admitted and waiting for their leases: they join the
-        next round, and a draft started now (its prefill first) would pay only at the batch size they make.
+        The batch the costs are taken at counts the requests already admitted and waiting for their leases: they join
+        the next round, and a draft started now (its prefill first) would pay only at the batch size they make.
         """
         profile = self.costs.policy_profile(rows[0].draft, rows[0].target)
-        batch = len(rows) + self._waiting
-        ks = []
-        for live in rows:
-            cap = live.seq.k if (self.config.draft_mode != "model" or live.draft is not None) else 0
-            if live.fixed_k:
-                k = cap
-            elif profile is not None:
-                k = live.tracker.next_k(profile, batch, cap)
-                behind = live.seq.num_tokens - live.draft_sent  # tokens the draft worker has not read yet
-                if (k and live.draft is not None and not live.tracker.probing and behind > live.seq.k + 1
-                        and not worth_starting(profile, batch, live.tracker.acceptance, k, behind,
-                                               live.seq.remaining())):
-                    k = 0  # the draft would first read the whole context, or catch up, for too few tokens left
-            else:
-                k = load_adjusted_k(cap, len(self._live) + self._waiting, self.config.max_batch_for_speculation)
-            ks.append(live.seq.draft_len(k))
-        return ks
+        caps = [live.seq.k if (self.config.draft_mode != "model" or live.draft is not None) else 0 for live in rows]
+        if profile is not None:
+            outlooks = [RowOutlook(acceptance=live.tracker.acceptance, cap=cap,
+                                   # tokens the draft worker has not read yet (n-gram lookup reads nothing)
+                                   behind=live.seq.num_tokens - live.draft_sent if live.draft is not None else 0,
+                                   remaining=live.seq.remaining(), fixed=live.fixed_k,
+                                   wants_probe=live.tracker.wants_probe)
+                        for live, cap in zip(rows, caps)]
+            ks = plan_round(profile, outlooks, len(rows) + self._waiting)
+        else:
+            load_k = lambda cap: load_adjusted_k(cap, len(self._live) + self._waiting,  # noqa: E731
+                                                 self.config.max_batch_for_speculation)
+            ks = [cap if live.fixed_k else load_k(cap) for live, cap in zip(rows, caps)]
+        return [live.seq.draft_len(k) for live, k in zip(rows, ks)]
 
     def cost_profiles(self) -> dict[str, dict | None]:
         """The costs K is chosen by, for /stats (round_costs.RoundCosts.shown)."""

@@ -12,7 +12,7 @@ live sequences than the knee, every request's K is 0 and rounds are plain batche
 `CostCorrection` pulls the profile toward the costs the rounds really see. `AcceptanceTracker` estimates a per
 request from recent rounds; a request whose drafts keep failing drops to
 K = 0 and probes with K = 1 every `PROBE_EVERY` rounds, so a request whose text turns predictable gets its
-drafts back. Without a profile, `load_adjusted_k`'s fixed threshold is the (uncalibrated) fallback.
+drafts back. engine/round_plan.py turns these per-request estimates into a round's K for the batch as a whole. Without a profile, `load_adjusted_k`'s fixed threshold is the (uncalibrated) fallback.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 PRIOR_ACCEPTANCE = 0.7  # a new request's assumed per-token acceptance (pulls the estimate for a few rounds)
 PRIOR_WEIGHT = 2.0  # in draft tokens: how quickly observations outweigh the prior
 DECAY = 0.8  # per round: the weight of older rounds (about the last 5 rounds count)
-PROBE_EVERY = 8  # rounds at K = 0 (because of acceptance, not load) before one probing round with K = 1
+PROBE_EVERY = 8  # rounds at K = 0 before a request asks for a probing round with K = 1 (round_plan.py decides)
 CORRECTION_WEIGHT = 0.1  # weight of one round's observed/predicted cost ratio once a few rounds are in
 
 
@@ -182,7 +182,7 @@ class CostCorrection:
 
 
 class AcceptanceTracker:
-    """One request's per-token acceptance estimate and its K decisions (Leviathan et al.'s a, per request).
+    """One request's per-token acceptance estimate (Leviathan et al.'s a, per request) and whether it wants a probe.
 
     Each round contributes its accepted drafts and whether it ended in a rejection: a = accepted / (accepted +
     rejections) is the maximum-likelihood estimate for the truncated geometric run lengths speculation produces.
@@ -193,7 +193,6 @@ class AcceptanceTracker:
         self.accepted = prior * PRIOR_WEIGHT
         self.rejected = (1.0 - prior) * PRIOR_WEIGHT
         self.rounds_without_drafts = 0
-        self.probing = False  # the last next_k was a probe (K=1 although the acceptance alone says 0)
 
     @property
     def acceptance(self) -> float:
@@ -207,13 +206,7 @@ class AcceptanceTracker:
         self.accepted = DECAY * self.accepted + num_accepted
         self.rejected = DECAY * self.rejected + (1 if num_accepted < num_draft else 0)
 
-    def next_k(self, profile: CostProfile, batch: int, k_max: int) -> int:
-        """K for this request's next round: the best for its acceptance at this load, or a probe."""
-        self.probing = False
-        if k_max <= 0:
-            return 0
-        k = choose_k(profile, batch, self.acceptance, k_max)
-        if k == 0 and self.rounds_without_drafts >= PROBE_EVERY and choose_k(profile, batch, 1.0, k_max) > 0:
-            self.probing = True
-            return 1  # off because of this request's acceptance, not the load: look again
-        return k
+    @property
+    def wants_probe(self) -> bool:
+        """Drafted nothing for PROBE_EVERY rounds: worth a look with K = 1 where that is cheap (round_plan.py)."""
+        return self.rounds_without_drafts >= PROBE_EVERY

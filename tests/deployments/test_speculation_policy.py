@@ -195,7 +195,8 @@ def test_a_request_far_behind_resumes_drafting_only_if_the_rest_repays_the_catch
     assert ks([row(50, 40, 4)]) == [0], "40 tokens to catch up, 10 left: not worth it"
     failing = AcceptanceTracker(prior=0.01)
     failing.rounds_without_drafts = PROBE_EVERY
-    assert ks([row(50, 40, 4, failing)]) == [1], "a probe looks again whatever the catch-up costs"
+    assert ks([row(50, 40, 4, failing)]) == [0], "a probe would stall 0.4 s for at most 10 tokens"
+    assert ks([row(400, 40, 4, failing)]) == [1], "with 360 tokens left, a probe is worth its catch-up"
 
 
 def test_k_is_chosen_for_the_batch_that_requests_waiting_for_leases_are_about_to_make(tiny_model_dirs, tmp_path):

@@ -6,6 +6,7 @@ from engine import ModelRunner
 from engine.calibrate import measure_draft_step, measure_verify, monotone, profile_from
 from engine.policy import (PROBE_EVERY, AcceptanceTracker, CostCorrection, CostProfile, choose_k, expected_tokens,
                            load_adjusted_k, worth_starting)
+from engine.round_plan import RowOutlook, plan_round
 from tests.conftest import make_tiny_model
 
 
@@ -61,29 +62,35 @@ def test_profile_interpolates_extrapolates_and_round_trips(tmp_path):
         CostProfile((4, 1), profile.verify_seconds[:2], profile.draft_step_seconds[:2])
 
 
+def _next_k(profile, tracker, batch, k_max):
+    """One request's K from its tracker, as the round plan gives it to a row alone (engine/round_plan.py)."""
+    row = RowOutlook(tracker.acceptance, k_max, wants_probe=tracker.wants_probe)
+    return plan_round(profile, [row], batch)[0]
+
+
 def test_tracker_drops_a_failing_request_to_zero_then_probes():
     profile = cpu_like_profile()
     tracker = AcceptanceTracker()
-    assert tracker.next_k(profile, 1, 4) > 0  # the prior lets a new request speculate
+    assert _next_k(profile, tracker, 1, 4) > 0  # the prior lets a new request speculate
     for _ in range(6):
         tracker.record(3, 0)
     assert tracker.acceptance < 0.1
     ks = []
     for _ in range(2 * PROBE_EVERY + 2):
-        k = tracker.next_k(profile, 1, 4)
+        k = _next_k(profile, tracker, 1, 4)
         ks.append(k)
         tracker.record(k, 0)
     assert ks.count(1) == 2 and set(ks) == {0, 1}, ks  # one probe per PROBE_EVERY rounds at K = 0
     for _ in range(8):
         tracker.record(1, 1)
-    assert tracker.next_k(profile, 1, 4) >= 2, "a request whose drafts start agreeing gets K back"
+    assert _next_k(profile, tracker, 1, 4) >= 2, "a request whose drafts start agreeing gets K back"
 
 
 def test_no_probe_when_the_load_alone_keeps_k_at_zero():
     profile = cpu_like_profile()
     tracker = AcceptanceTracker()
     for _ in range(3 * PROBE_EVERY):
-        assert tracker.next_k(profile, 64, 4) == 0
+        assert _next_k(profile, tracker, 64, 4) == 0
         tracker.record(0, 0)
 
 
