@@ -12,8 +12,9 @@ wrong answer closes the connection before any pickle is read. Each worker makes 
 router only through Ray (the lease). The channel is authenticated, not encrypted (like Ray's own traffic without
 TLS): token ids and probabilities cross the network in the clear.
 
-One thread serves each connection, in order; a worker's model calls hold its lock (workers.py), so calls from
-several routers and from Ray methods never interleave inside a model.
+The server side is the worker's one model thread (`ChannelServer`): it serves every connection, and runs the
+worker's other model work (from Ray methods) in turn, so calls from several routers and from Ray methods never
+interleave inside a model.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ import hashlib
 import hmac
 import logging
 import pickle
+import queue
 import secrets
+import selectors
 import socket
 import struct
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -84,10 +88,19 @@ def _no_delay(sock: socket.socket) -> None:
 
 
 class ChannelServer:
-    """Serves `handlers` (method name -> callable) to authenticated clients, one thread per connection.
+    """Serves `handlers` (method name -> callable) to authenticated clients, and is the worker's model thread.
 
-    Binds all interfaces on a free port; `endpoint` advertises `advertise_host` (the worker's node address).
+    One thread, "model", waits on all client connections at once and runs each request where it lands; `call(fn,
+    ...)` from any other thread (Ray methods: set-up, releases, cost measurement) queues `fn` to run there too. So
+    everything that touches the model runs on one thread, in turn: no lock, and one team of OpenMP compute threads
+    per process (a thread that hands requests to another costs two more wake-ups per call; threads that each run
+    torch's CPU kernels start parallel regions of their own, measured slower here: bench/RESULTS.md).
+
+    Binds all interfaces on a free port; `endpoint` advertises `advertise_host` (the worker's node address). A
+    handshake runs on an accept thread; a client stalling mid-frame for `FRAME_TIMEOUT_S` loses its connection.
     """
+
+    FRAME_TIMEOUT_S = 30.0
 
     def __init__(self, handlers: dict[str, Callable], advertise_host: str, bind_host: str = "0.0.0.0") -> None:
         self.handlers = dict(handlers)
@@ -96,13 +109,40 @@ class ChannelServer:
         self.endpoint = Endpoint(advertise_host, self._sock.getsockname()[1], self.secret)
         self.refused = 0  # connections that failed the handshake
         self._closed = False
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (fn, args, future or None)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
+        self._thread.start()
         threading.Thread(target=self._accept, name="channel-accept", daemon=True).start()
+
+    def call(self, fn: Callable, *args):
+        """Run `fn(*args)` on the model thread and return its result (at once when already there)."""
+        if threading.get_ident() == self._thread.ident:
+            return fn(*args)
+        future: Future = Future()
+        self._submit(fn, args, future)
+        return future.result()
 
     def close(self) -> None:
         self._closed = True
+        self._submit(lambda: None, (), None)  # wakes the loop, which then ends
         try:
-            self._sock.close()
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread; new connections are refused
         except OSError:
+            pass
+        for sock in (self._sock, self._wake_w):
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _submit(self, fn: Callable, args: tuple, future: Future | None) -> None:
+        self._jobs.put((fn, args, future))
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # closed
             pass
 
     def _accept(self) -> None:
@@ -111,39 +151,85 @@ class ChannelServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._serve, args=(conn,), name="channel-conn", daemon=True).start()
+            threading.Thread(target=self._handshake, args=(conn,), name="channel-handshake", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
+    def _handshake(self, conn: socket.socket) -> None:
+        try:
+            _no_delay(conn)
+            challenge = secrets.token_bytes(_CHALLENGE_BYTES)
+            conn.sendall(challenge)
+            conn.settimeout(10.0)  # a peer that never answers the challenge does not hold a thread for long
+            answer = _read_exact(conn, hashlib.sha256().digest_size)
+        except (ChannelClosed, OSError):
+            conn.close()
+            return
+        if not hmac.compare_digest(answer, _digest(self.secret, challenge)):
+            self.refused += 1
+            logger.warning("channel: a connection failed the handshake and was closed")
+            conn.close()
+            return
+        conn.settimeout(self.FRAME_TIMEOUT_S)  # bounds a frame's read once it has started arriving
+        self._submit(self._selector.register, (conn, selectors.EVENT_READ), None)
+
+    def _loop(self) -> None:
+        while not self._closed:
+            for key, _ in self._selector.select():
+                if key.fileobj is self._wake_r:
+                    self._run_jobs()
+                else:
+                    self._serve_frame(key.fileobj)
+
+    def _run_jobs(self) -> None:
+        try:
+            self._wake_r.recv(4096)
+        except OSError:
+            pass
+        while True:
             try:
-                _no_delay(conn)
-                challenge = secrets.token_bytes(_CHALLENGE_BYTES)
-                conn.sendall(challenge)
-                conn.settimeout(10.0)  # a peer that never answers the challenge does not hold a thread for long
-                answer = _read_exact(conn, hashlib.sha256().digest_size)
-                if not hmac.compare_digest(answer, _digest(self.secret, challenge)):
-                    self.refused += 1
-                    logger.warning("channel: a connection failed the handshake and was closed")
-                    return
-                conn.settimeout(None)
-                while True:
-                    (length,) = _LENGTH.unpack(_read_exact(conn, _LENGTH.size))
-                    method, args, wants_reply = pickle.loads(_read_exact(conn, length))
-                    try:
-                        handler = self.handlers[method]
-                    except KeyError:
-                        result = (False, AttributeError(f"the channel has no method {method!r}"))
-                    else:
-                        try:
-                            result = (True, handler(*args))
-                        except Exception as exc:
-                            result = (False, exc)
-                    if wants_reply:
-                        conn.sendall(_reply_frame(*result))
-                    elif not result[0]:
-                        logger.error("channel: one-way call %s failed: %r", method, result[1])
-            except (ChannelClosed, OSError):
-                return  # the client went away
+                fn, args, future = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn(*args)
+            except BaseException as exc:
+                if future is None:
+                    logger.exception("channel: a queued job failed")
+                else:
+                    future.set_exception(exc)
+            else:
+                if future is not None:
+                    future.set_result(result)
+
+    def _serve_frame(self, conn: socket.socket) -> None:
+        try:
+            (length,) = _LENGTH.unpack(_read_exact(conn, _LENGTH.size))
+            method, args, wants_reply = pickle.loads(_read_exact(conn, length))
+        except (ChannelClosed, OSError, pickle.UnpicklingError, ValueError, EOFError):
+            self._drop(conn)  # the client went away (or stalled mid-frame)
+            return
+        try:
+            handler = self.handlers[method]
+        except KeyError:
+            result = (False, AttributeError(f"the channel has no method {method!r}"))
+        else:
+            try:
+                result = (True, handler(*args))
+            except Exception as exc:
+                result = (False, exc)
+        if wants_reply:
+            try:
+                conn.sendall(_reply_frame(*result))
+            except OSError:
+                self._drop(conn)
+        elif not result[0]:
+            logger.error("channel: one-way call %s failed: %r", method, result[1])
+
+    def _drop(self, conn: socket.socket) -> None:
+        try:
+            self._selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
 
 
 class ChannelSender:

@@ -6,7 +6,8 @@ KV cache; `ModelRunner.sync` rolls the cache back to the common prefix, so rejec
 bookkeeping. Replies carry token ids (greedy rows) or processed probabilities (sampled rows) only.
 
 The round's calls reach a worker through its direct channel (deployments/channel.py), Ray methods serve set-up,
-statistics, health pings and cancels. Every call that touches a model or its caches holds the worker's lock.
+statistics, health pings and cancels. Everything that touches a model or its caches runs on the worker's one model
+thread, the one that serves its channel (`ChannelServer.call`), so calls take turns.
 
 Tensor parallelism: rank 0 is the target's only entry point. It forwards each verify and release to the other
 ranks over one ordered channel connection each, then runs its own share, so every rank applies the same calls in
@@ -172,18 +173,15 @@ class DraftWorkerCore:
 
     def __init__(self, config: EngineConfig, torch_threads: int | None = None, calibrate: bool = False,
                  concurrent_workers: int = 1) -> None:
-        self.torch_threads = set_torch_threads(torch_threads, concurrent_workers)
+        self._model = ChannelServer({"propose": self.propose, "release": self.release}, node_address())
+        self.torch_threads = self._model.call(set_torch_threads, torch_threads, concurrent_workers)
         self.busy = BusyClock()
-        self._lock = threading.RLock()  # model calls: channel threads and Ray methods take turns
-        self._channel: ChannelServer | None = None
         with cpu_startup_turn(config):
-            self._start(config, calibrate)
+            self._model.call(self._start, config, calibrate)
 
     def start_channel(self) -> Endpoint:
-        """Serve `propose` and `release` on a direct channel (deployments/channel.py); returns its endpoint."""
-        if self._channel is None:
-            self._channel = ChannelServer({"propose": self.propose, "release": self.release}, node_address())
-        return self._channel.endpoint
+        """The endpoint of this worker's channel (`propose`, `release`; deployments/channel.py)."""
+        return self._model.endpoint
 
     def _start(self, config: EngineConfig, calibrate: bool) -> None:
         target = resolve(config.target)
@@ -215,7 +213,10 @@ class DraftWorkerCore:
             return ahead_id in self._cancelled
 
     def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> dict:
-        with self._lock, self.busy.running():
+        return self._model.call(self._timed_propose, calls, ahead_id)
+
+    def _timed_propose(self, calls: list[DraftCall], ahead_id: int | None) -> dict:
+        with self.busy.running():
             return self._propose(calls, ahead_id)
 
     def _propose(self, calls: list[DraftCall], ahead_id: int | None) -> dict:
@@ -246,11 +247,13 @@ class DraftWorkerCore:
         }
 
     def release(self, seq_ids: list[str]) -> None:
-        with self._lock:
-            for seq_id in seq_ids:
-                self._known.pop(seq_id)
-                self._generators.pop(seq_id, None)
-                self.proposer.release(seq_id)
+        self._model.call(self._release, seq_ids)
+
+    def _release(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            self._known.pop(seq_id)
+            self._generators.pop(seq_id, None)
+            self.proposer.release(seq_id)
 
     def stats(self) -> dict:
         return {"live_sequences": self.proposer.runner.num_live, "calls": self.calls, "rows": self.rows,
@@ -267,10 +270,9 @@ class TargetWorkerCore:
 
     def __init__(self, config: EngineConfig, rank: int = 0, world: int = 1, torch_threads: int | None = None,
                  concurrent_workers: int | None = None) -> None:
-        self.torch_threads = set_torch_threads(torch_threads, concurrent_workers or world)
+        self._model = ChannelServer({"verify": self.verify, "release": self.release}, node_address())
+        self.torch_threads = self._model.call(set_torch_threads, torch_threads, concurrent_workers or world)
         self.busy = BusyClock()
-        self._lock = threading.RLock()  # model calls: channel threads and Ray methods take turns
-        self._channel: ChannelServer | None = None
         self._peers: list[ChannelSender] = []  # rank 0 only: the other ranks, in rank order
         self.broken: str | None = None  # why this rank's group can no longer compute
         self.rank, self.world = rank, world
@@ -282,7 +284,7 @@ class TargetWorkerCore:
         self.rows = 0
         if world == 1:
             with cpu_startup_turn(config):
-                self.load()
+                self._model.call(self.load)
 
     # ---- tensor-parallel set-up (world > 1) -------------------------------------------------------------------
     @staticmethod
@@ -303,7 +305,7 @@ class TargetWorkerCore:
         backend = "nccl" if self.config.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
                                 world_size=self.world, timeout=datetime.timedelta(seconds=timeout_s))
-        self.load()
+        self._model.call(self.load)
 
     def load(self) -> None:
         runner, _ = build_target(self.config)
@@ -314,11 +316,9 @@ class TargetWorkerCore:
         self.runner = ModelRunner(model, max_model_len=self.config.max_model_len, vocab_size=vocab)
 
     def start_channel(self) -> Endpoint:
-        """Serve `verify` and `release` on a direct channel (deployments/channel.py); returns its endpoint. Routers
-        call rank 0's; the other ranks' serve rank 0 alone."""
-        if self._channel is None:
-            self._channel = ChannelServer({"verify": self.verify, "release": self.release}, node_address())
-        return self._channel.endpoint
+        """The endpoint of this rank's channel (`verify`, `release`; deployments/channel.py). Routers call rank 0's;
+        the other ranks' serve rank 0 alone."""
+        return self._model.endpoint
 
     def connect_peers(self, endpoints: list[Endpoint]) -> None:
         """Rank 0: connect to ranks 1.. (in order), which from then on take their calls from rank 0 alone."""
@@ -329,22 +329,25 @@ class TargetWorkerCore:
         """Verify costs by batch size and draft count (every rank must run it at once: collectives; at start-up,
         before any router calls)."""
         # with several ranks only rank 0 takes the node's turn: the others must not block its collectives
-        with self._lock, cpu_startup_turn(self.config) if self.rank == 0 else contextlib.nullcontext():
-            self.costs = measure_target_costs(self.runner, max_k)
+        with cpu_startup_turn(self.config) if self.rank == 0 else contextlib.nullcontext():
+            self.costs = self._model.call(measure_target_costs, self.runner, max_k)
         return self.costs
 
     def _in_group(self, method: str, args: tuple, run):
-        """Run a call on this rank; rank 0 first forwards it to the other ranks (the one ordering source)."""
-        with self._lock:
-            if self.broken is not None:
-                raise TensorParallelBroken(self.broken)
-            try:
-                for peer in self._peers:
-                    peer.send(method, *args)
-                return run(*args)
-            except (CollectiveError, ChannelClosed) as exc:
-                self.broken = f"tensor-parallel rank {self.rank} of {self.world}: {exc}"
-                raise TensorParallelBroken(self.broken) from exc
+        """Run a call on this rank's model thread; rank 0 first forwards it to the other ranks (the one ordering
+        source), in the same turn."""
+        return self._model.call(self._forward_and_run, method, args, run)
+
+    def _forward_and_run(self, method: str, args: tuple, run):
+        if self.broken is not None:
+            raise TensorParallelBroken(self.broken)
+        try:
+            for peer in self._peers:
+                peer.send(method, *args)
+            return run(*args)
+        except (CollectiveError, ChannelClosed) as exc:
+            self.broken = f"tensor-parallel rank {self.rank} of {self.world}: {exc}"
+            raise TensorParallelBroken(self.broken) from exc
 
     # ---- the round ------------------------------------------------------------------------------------------
     def verify(self, calls: list[VerifyCall]) -> dict | None:

@@ -57,15 +57,31 @@ def test_a_client_without_the_secret_is_refused_before_anything_runs():
     server.close()
 
 
-def test_concurrent_calls_to_one_worker_run_on_their_own_connections():
-    both_in = threading.Barrier(2, timeout=10)  # passes only if two calls are inside the worker at once
-    server = _server(meet=lambda i: (both_in.wait(), i)[1])
+def test_calls_from_connections_and_other_threads_all_run_on_the_model_thread_in_turn():
+    inside, overlaps, threads = [0], [0], set()
+
+    def work(i):
+        threads.add(threading.get_ident())
+        inside[0] += 1
+        overlaps[0] = max(overlaps[0], inside[0])
+        time.sleep(0.05)
+        inside[0] -= 1
+        return i
+
+    server = _server(work=work)
     channels = AsyncChannels()
 
-    async def run():
-        return await asyncio.gather(channels.call(server.endpoint, "meet", 1), channels.call(server.endpoint, "meet", 2))
+    async def over_the_channel():
+        return await asyncio.gather(*(channels.call(server.endpoint, "work", i) for i in range(3)))
 
-    assert asyncio.run(run()) == [1, 2]
+    from_ray_method = threading.Thread(target=lambda: server.call(work, 99))  # as a Ray method would
+    from_ray_method.start()
+    assert asyncio.run(over_the_channel()) == [0, 1, 2]
+    from_ray_method.join(10)
+    assert len(channels._idle[server.endpoint]) == 3, "concurrent calls each had a connection"
+    assert overlaps[0] == 1, "one at a time"
+    assert threads == {server._thread.ident}, "all on the model thread"
+    assert server.call(lambda: threading.get_ident()) == server._thread.ident
     server.close()
 
 
