@@ -121,6 +121,8 @@ class ChannelServer:
         """Run `fn(*args)` on the model thread and return its result (at once when already there)."""
         if threading.get_ident() == self._thread.ident:
             return fn(*args)
+        if self._closed:
+            raise ChannelClosed("the worker's model thread has stopped")
         future: Future = Future()
         self._submit(fn, args, future)
         return future.result()

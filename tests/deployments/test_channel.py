@@ -83,6 +83,8 @@ def test_calls_from_connections_and_other_threads_all_run_on_the_model_thread_in
     assert threads == {server._thread.ident}, "all on the model thread"
     assert server.call(lambda: threading.get_ident()) == server._thread.ident
     server.close()
+    with pytest.raises(ChannelClosed):  # not a wait for a thread that has stopped
+        server.call(lambda: None)
 
 
 def test_a_call_cancelled_mid_way_never_hands_its_late_reply_to_the_next_call():
