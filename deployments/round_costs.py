@@ -45,7 +45,9 @@ class RoundCosts:
         return None if profile is None else self._correction(draft, target).apply(profile)
 
     def measured(self, draft, target) -> CostProfile | None:
-        """The costs the leased replicas measured at start (None: none reported)."""
+        """The costs the leased replicas measured at start (None: none reported, or no Draft lease taken yet)."""
+        if draft is None and self.draft_mode == "model":
+            return None  # the router has not leased a Draft replica yet: nothing known of the draft's costs
         key = pair_key(draft, target)
         if key not in self._measured:
             draft_costs = draft.costs if draft is not None else None

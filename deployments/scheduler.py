@@ -1,8 +1,10 @@
 """The router's round loop: batches live requests into speculative rounds over their leased Draft/Target workers.
 
-One asyncio task per router replica. Each round groups the live sequences by the replicas they are pinned to and,
-per group, makes one batched draft call and one batched verify call (the requests' rounds are batched inside the
-workers); the rejection sampler (engine/, pure) runs here. Requests join between rounds and leave when finished
+One asyncio task per router replica. Each round groups the live sequences by the Target replica they are pinned to
+and, per group, makes one batched draft call per Draft replica and one batched verify call (the requests' rounds are
+batched inside the workers); the rejection sampler (engine/, pure) runs here. A request leases its Target replica
+when it starts and its Draft replica on the first round its plan gives it drafts: one that never drafts (under load
+the plan keeps K at 0) never holds a Draft lease. Requests join between rounds and leave when finished
 or cancelled, closing their leases, which frees their caches at once. A replica that dies mid-request is
 replaced by a new lease and the sequence is re-sent from token 0 (re-prefill); committed tokens never change, so
 the output does not either.
@@ -38,12 +40,13 @@ from engine.stats import EngineTimings, SpecStats
 from .ahead import AheadDrafts
 from .errors import Overloaded, ReplicaGone
 from .metrics import NullMetrics, observe
-from .round_costs import RoundCosts, pair_key
+from .round_costs import RoundCosts
 from .workers import DraftCall, SeqDelta, VerifyCall
 
 logger = logging.getLogger("ray.serve")
 
 MAX_REPLICA_FAILURES = 3  # per request, before it is answered with an error
+DRAFT_LEASE_RETRY_S = 5.0  # after a failed Draft lease, the request decodes plainly this long before trying again
 GAUGE_REFRESH_S = 1.0  # while idle, the load gauges are set again this often
 
 
@@ -103,6 +106,7 @@ class _Live:
     reletting: bool = False  # its Target replica died; a new lease is being taken (it sits out the rounds)
     overlap: bool = False  # draft its next round during this round's verify
     ready: tuple[list[int], np.ndarray | None] | None = None  # next round's draft (tokens, [K, V] probs), made ahead
+    draft_retry_at: float = 0.0  # time.monotonic() before which no Draft lease is tried (the last one failed)
 
     def delta(self, sent: int) -> SeqDelta:
         p = self.seq.params
@@ -171,6 +175,7 @@ class Scheduler:
         # acceptance over all requests: a new request's prior, so it starts where its predecessors ended
         self.population = AcceptanceTracker()
         self.last_mean_k = 0.0  # mean K over the last round's rows (the `spec_decode_k` gauge)
+        self._last_draft: DraftLease | None = None  # the latest Draft lease taken (its replica's measured costs)
 
     @property
     def num_live(self) -> int:
@@ -231,15 +236,9 @@ class Scheduler:
             await self._finish(request_id)
 
     async def _open(self, seq: SequenceState) -> _Live:
+        """A request's Target lease; its Draft lease comes with its first drafting round (`_lease_drafts`)."""
         target = await self.broker.target(seq.request_id)
-        draft = None
-        if self.config.draft_mode == "model" and seq.k > 0:
-            try:
-                draft = await self.broker.draft(seq.request_id)
-            except BaseException:
-                await target.close()
-                raise
-        return _Live(seq=seq, queue=asyncio.Queue(), target=target, draft=draft,
+        return _Live(seq=seq, queue=asyncio.Queue(), target=target,
                      tracker=AcceptanceTracker(prior=self.population.acceptance))
 
     async def _finish(self, request_id: str) -> None:
@@ -276,10 +275,10 @@ class Scheduler:
                     await self._finish(live.seq.request_id)
 
     async def _round(self) -> None:
-        groups: dict[tuple, list[_Live]] = {}
+        groups: dict[str, list[_Live]] = {}
         for live in self._live.values():
             if not live.reletting:
-                groups.setdefault(self._pair(live), []).append(live)
+                groups.setdefault(live.target.key, []).append(live)
         plans = [(rows, self._ks(rows)) for rows in groups.values()]
         all_ks = [k for _, ks in plans for k in ks]
         self.last_mean_k = sum(all_ks) / len(all_ks)
@@ -293,12 +292,14 @@ class Scheduler:
         The batch the costs are taken at counts the requests already admitted and waiting for their leases: they join
         the next round, and a draft started now (its prefill first) would pay only at the batch size they make.
         """
-        profile = self.costs.policy_profile(rows[0].draft, rows[0].target)
-        caps = [live.seq.k if (self.config.draft_mode != "model" or live.draft is not None) else 0 for live in rows]
+        profile = self.costs.policy_profile(self._group_draft(rows), rows[0].target)
+        caps = [live.seq.k if self._may_draft(live) else 0 for live in rows]
+        model = self.config.draft_mode == "model"
         if profile is not None:
             outlooks = [RowOutlook(acceptance=live.tracker.acceptance, cap=cap,
-                                   # tokens the draft worker has not read yet (n-gram lookup reads nothing)
-                                   behind=live.seq.num_tokens - live.draft_sent if live.draft is not None else 0,
+                                   # tokens the draft worker has not read yet (all, before the first Draft lease;
+                                   # n-gram lookup reads nothing)
+                                   behind=live.seq.num_tokens - live.draft_sent if model else 0,
                                    remaining=live.seq.remaining(), fixed=live.fixed_k,
                                    wants_probe=live.tracker.wants_probe)
                         for live, cap in zip(rows, caps)]
@@ -313,9 +314,15 @@ class Scheduler:
         """The costs K is chosen by, for /stats (round_costs.RoundCosts.shown)."""
         return self.costs.shown()
 
-    @staticmethod
-    def _pair(live: _Live) -> tuple:
-        return pair_key(live.draft, live.target)
+    def _may_draft(self, live: _Live) -> bool:
+        if self.config.draft_mode != "model" or live.draft is not None:
+            return True
+        return time.monotonic() >= live.draft_retry_at  # a Draft lease can be taken when the plan wants drafts
+
+    def _group_draft(self, rows: list[_Live]) -> DraftLease | None:
+        """The Draft lease a group's costs are planned with: one of its rows', else the last one this router took
+        (Draft replicas of one deployment measure alike); None before any."""
+        return next((live.draft for live in rows if live.draft is not None), self._last_draft)
 
     async def _round_group(self, rows: list[_Live], ks: list[int]) -> None:
         t0 = time.perf_counter()
@@ -335,7 +342,7 @@ class Scheduler:
             raise
         for live in rows:
             live.target_sent = live.seq.num_tokens
-        self.costs.observe(rows[0].draft, target, "verify", calls, max(len(d) for d in drafts),
+        self.costs.observe(self._group_draft(rows), target, "verify", calls, max(len(d) for d in drafts),
                            result.get("seconds", 0.0))
         t2 = time.perf_counter()
         outputs, accepted = self._accept(rows, drafts, draft_probs, result)
@@ -353,7 +360,7 @@ class Scheduler:
         # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
         orchestration = (t2 - t0) - draft_compute - result.get("seconds", 0.0)
         self.stats.orchestration_seconds += orchestration
-        self.costs.observe_overhead(rows[0].draft, target, orchestration)
+        self.costs.observe_overhead(self._group_draft(rows), target, orchestration)
         observe(self.metrics.round, [len(d) for d in drafts], accepted, t1 - t0, t2 - t1, orchestration)
         self.stats.draft_compute_seconds += draft_compute
         self.stats.verify_compute_seconds += result.get("seconds", 0.0)
@@ -375,6 +382,8 @@ class Scheduler:
             for i, b in enumerate(asked):
                 drafts[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
             return drafts, probs, 0.0
+        await self._lease_drafts([live for b, (live, k) in enumerate(zip(rows, ks))
+                                  if k > 0 and ready[b] is None and live.draft is None])
         by_lease: dict[str, list[int]] = {}
         for b, (live, k) in enumerate(zip(rows, ks)):
             if k > 0 and ready[b] is not None:
@@ -477,14 +486,29 @@ class Scheduler:
         """A draft worker died under an ahead draft: new draft leases for those of `rows` still live."""
         await self._replace_draft([live for live in rows if live.seq.request_id in self._live])
 
+    async def _lease_drafts(self, rows: list[_Live]) -> None:
+        """Draft leases for rows about to draft for the first time (or again after losing theirs). A row that gets
+        none decodes plainly this round and for DRAFT_LEASE_RETRY_S."""
+        async def lease(live: _Live) -> None:
+            request_id = live.seq.request_id
+            try:
+                draft = await self.broker.draft(request_id)
+            except Exception as exc:  # no Draft replica right now (overloaded, restarting): decode plainly meanwhile
+                logger.warning("no draft lease (%s); the request decodes plainly for %.0f s", exc, DRAFT_LEASE_RETRY_S)
+                live.draft_retry_at = time.monotonic() + DRAFT_LEASE_RETRY_S
+                return
+            if self._live.get(request_id) is not live:
+                await draft.close()  # the request ended while the lease was being taken
+                return
+            live.draft, live.draft_sent, live.draft_extra = draft, 0, []
+            self._last_draft = draft
+
+        await asyncio.gather(*(lease(live) for live in rows))
+
     async def _replace_draft(self, rows: list[_Live]) -> None:
+        """The rows' Draft worker died: they verify without drafts this round and take a new Draft lease the next
+        time their plan gives them drafts (reading their whole context again: the plan weighs that catch-up)."""
         self.stats.replica_failures += 1
         for live in rows:
             await live.draft.close()
-            live.ready, live.draft_extra = None, []
-            try:
-                live.draft = await self.broker.draft(live.seq.request_id)
-                live.draft_sent = 0
-            except Exception:  # no draft replica right now: decode plainly until one is back
-                logger.warning("no draft replica available; request continues with plain decoding")
-                live.draft = None
+            live.draft, live.ready, live.draft_extra, live.draft_sent = None, None, [], 0

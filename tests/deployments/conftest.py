@@ -96,6 +96,8 @@ class LocalBroker:
         self.verify_delay = 0.0
         self.calls = {"draft": 0, "target": 0}
         self.open_leases = {"draft": 0, "target": 0}
+        self.leases_taken = {"draft": 0, "target": 0}
+        self.refuse_draft_leases = 0  # the next n draft leases fail (no Draft replica available)
         self.cancels = 0
         self.held_target_leases: set[str] = set()
         self.leased_targets: set[str] = set()
@@ -114,7 +116,11 @@ class LocalBroker:
         self.keys[kind] = f"{kind}-{next(self.counter) + 1}"
 
     async def _lease(self, kind: str, seq_id: str):
+        if kind == "draft" and self.refuse_draft_leases:
+            self.refuse_draft_leases -= 1
+            raise ReplicaGone("no draft replica available")
         self.open_leases[kind] += 1
+        self.leases_taken[kind] += 1
         return _Lease(self, kind, self.cores[kind], self.keys[kind], seq_id)
 
     async def draft(self, seq_id):

@@ -213,3 +213,34 @@ def test_k_is_chosen_for_the_batch_that_requests_waiting_for_leases_are_about_to
     assert router.scheduler._ks([row]) == [3], "alone: drafting pays"
     router.scheduler._waiting = 3  # admitted, taking leases: next round has 4 rows, past the knee (2)
     assert router.scheduler._ks([row]) == [0]
+
+
+def test_a_request_the_plan_never_gives_drafts_never_holds_a_draft_lease(tiny_model_dirs, tmp_path):
+    # drafting never pays in this profile (verifying extra tokens is ruinous at every batch size)
+    router, broker = router_for(tiny_model_dirs, adaptive=True, calibration=write_profile(tmp_path / "c.json", 0))
+    outputs = run_all(router, PROMPTS, [GREEDY] * len(PROMPTS))
+    for prompt, out in zip(PROMPTS, outputs):
+        assert text(router, out) == plain_reference(tiny_model_dirs, prompt, 24)
+    assert broker.leases_taken == {"draft": 0, "target": len(PROMPTS)}
+    assert router.scheduler.stats.spec.num_draft_tokens == 0
+
+
+def test_a_drafting_request_takes_its_draft_lease_at_its_first_drafting_round(tiny_model_dirs, tmp_path):
+    router, broker = router_for(tiny_model_dirs, adaptive=True, calibration=write_profile(tmp_path / "c.json", 8))
+    tokens = asyncio.run(generate(router, PROMPTS[0], GREEDY))
+    assert text(router, tokens) == plain_reference(tiny_model_dirs, PROMPTS[0], 24)
+    assert broker.leases_taken["draft"] == 1 and router.scheduler.stats.spec.num_draft_tokens > 0
+    assert broker.open_leases == {"draft": 0, "target": 0}, "both closed at the end"
+
+
+def test_without_a_draft_lease_a_request_decodes_plainly_then_tries_again(tiny_model_dirs, monkeypatch):
+    from deployments import scheduler
+
+    monkeypatch.setattr(scheduler, "DRAFT_LEASE_RETRY_S", 0.0)
+    router, broker = router_for(tiny_model_dirs)  # fixed K: every round wants drafts
+    broker.refuse_draft_leases = 2
+    tokens = asyncio.run(generate(router, PROMPTS[1], GREEDY))
+    assert text(router, tokens) == plain_reference(tiny_model_dirs, PROMPTS[1], 24)
+    assert broker.leases_taken["draft"] == 1, "the third try got one"
+    stats = router.scheduler.stats.spec
+    assert stats.num_draft_tokens > 0 and stats.rounds > stats.num_drafts, "plain rounds first, then drafts"
