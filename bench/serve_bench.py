@@ -2,10 +2,11 @@
 
 Start the server first (`make run`, or `serve run serve_config.yaml`), then `python -m bench.serve_bench`.
 Measures, on the same prompts (bench/prompts.jsonl), greedy, streaming:
-- HTTP batch 1: requests one after another; tokens/s = completion tokens / wall time;
+- HTTP batch 1: requests one after another, each pinned to the engine's K (`"speculative": {"k": K, "adaptive":
+  false}`: the same models and K on both sides); tokens/s = completion tokens / wall time;
 - the in-process engine (same target, draft and K as serve_config.yaml) at batch 1, each prompt right after or
   before its HTTP run (paired, so background load on the machine hits both alike);
-- HTTP 8 concurrent streams: aggregate tokens/s;
+- HTTP 8 concurrent streams, with the server's own K policy (what clients get): aggregate tokens/s;
 - the router's orchestration overhead per round (GET /stats: round wall time minus worker compute).
 Prints a table and writes JSON (bench/results/serve_bench.json).
 """
@@ -24,9 +25,11 @@ import yaml
 from bench.load_bench import load_prompts
 
 
-def http_run(base: str, model: str, messages: list[dict], max_tokens: int) -> int:
+def http_run(base: str, model: str, messages: list[dict], max_tokens: int, speculative: dict | None = None) -> int:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    if speculative is not None:
+        body["speculative"] = speculative
     tokens = 0
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
@@ -57,6 +60,7 @@ def main() -> None:
     from engine.sampling import SamplingParams
 
     engine = build_engine(cfg.engine_config())
+    same_k = {"k": cfg.speculation.num_speculative_tokens, "adaptive": False}  # the engine's fixed K
     ids = [engine.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
            ["input_ids"] for p in prompts]
     engine.generate([ids[0]], SamplingParams(max_tokens=8))  # warm-up, both sides
@@ -73,7 +77,7 @@ def main() -> None:
         for side in ((0, 1) if n % 2 == 0 else (1, 0)):
             t = time.perf_counter()
             if side == 0:
-                b1_tokens += http_run(args.base, model, p, args.max_tokens)
+                b1_tokens += http_run(args.base, model, p, args.max_tokens, same_k)
                 b1_s += time.perf_counter() - t
             else:
                 eng_tokens += len(engine.generate([i], SamplingParams(max_tokens=args.max_tokens))[0].token_ids)

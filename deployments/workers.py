@@ -258,7 +258,7 @@ class DraftWorkerCore:
     def stats(self) -> dict:
         return {"live_sequences": self.proposer.runner.num_live, "calls": self.calls, "rows": self.rows,
                 "cancelled_drafts": self.cancelled_drafts, "pid": os.getpid(), "torch_threads": self.torch_threads,
-                "costs": self.costs}
+                "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "costs": self.costs}
 
     def ping(self) -> float:
         """Seconds the current model call has been running (0: idle); served on the "control" thread."""
@@ -400,7 +400,8 @@ class TargetWorkerCore:
     def stats(self) -> dict:
         return {"rank": self.rank, "live_sequences": self.runner.num_live if self.runner else 0,
                 "calls": self.calls, "rows": self.rows, "parameters": num_parameters(self.runner.model),
-                "full_parameters": self.full_parameters, "pid": os.getpid(), "torch_threads": self.torch_threads}
+                "full_parameters": self.full_parameters, "pid": os.getpid(), "torch_threads": self.torch_threads,
+                "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
 
     def ping(self) -> float:
         """Seconds the current model call has been running (0: idle); served on the "control" thread. A rank
