@@ -29,6 +29,7 @@ def _autoscaling(s: ScalingSection) -> dict:
         "target_ongoing_requests": s.target_ongoing_requests,
         "upscale_delay_s": s.upscale_delay_s, "downscale_delay_s": s.downscale_delay_s,
         "look_back_period_s": s.look_back_period_s,
+        **({"metrics_interval_s": s.metrics_interval_s} if s.metrics_interval_s is not None else {}),
     }
 
 

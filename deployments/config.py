@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.factory import DRAFT_NGRAM, DRAFT_NONE, EngineConfig
 from engine.loading import DTYPES
 
+# Ray Serve's AutoscalingConfig.metrics_interval_s default: how often load reports reach the autoscaler
+RAY_METRICS_INTERVAL_S = 10.0
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -87,6 +90,10 @@ class ScalingSection(_Strict):
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(60.0, ge=0)
     look_back_period_s: float = Field(30.0, gt=0, description="window over which ongoing requests are averaged")
+    metrics_interval_s: float | None = Field(
+        None, gt=0, description="how often replicas and handles report their load to the autoscaler. None: Ray's "
+                                f"default ({RAY_METRICS_INTERVAL_S:g} s). Ray 2.60 marks this AutoscalingConfig field "
+                                "deprecated but still pushes at this interval")
     num_cpus: float = Field(0.5, gt=0, description="CPUs per model worker (the router: per replica)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per model worker")
     resources: dict[str, float] = Field(default_factory=dict, description="custom resources per model worker")
@@ -98,6 +105,11 @@ class ScalingSection(_Strict):
     def _bounds(self) -> "ScalingSection":
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
+        interval = self.metrics_interval_s or RAY_METRICS_INTERVAL_S
+        if self.look_back_period_s <= interval:
+            # a window shorter than the reports sees no report at times, reads that as no load, and scales down
+            raise ValueError(f"look_back_period_s ({self.look_back_period_s:g} s) must exceed the autoscaling metrics "
+                             f"interval ({interval:g} s); set metrics_interval_s below it")
         return self
 
 

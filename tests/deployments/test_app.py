@@ -32,3 +32,20 @@ def test_model_workers_spin_briefly_unless_the_operator_says_otherwise(monkeypat
     assert options["runtime_env"]["env_vars"]["GOMP_SPINCOUNT"] == model_deployments.DEFAULT_GOMP_SPINCOUNT
     monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
     assert model_deployments.worker_env()["GOMP_SPINCOUNT"] == "300000"
+
+
+def test_autoscaling_windows_must_outlast_the_load_reports():
+    import pytest
+    from pydantic import ValidationError
+    from ray.serve.config import AutoscalingConfig
+
+    # Ray reports load every 10 s unless told otherwise: a shorter window sometimes holds no report (read as idle)
+    with pytest.raises(ValidationError, match="must exceed the autoscaling metrics interval"):
+        SpecServeConfig.model_validate({"target": {"look_back_period_s": 5}})
+    with pytest.raises(ValidationError, match="must exceed"):
+        SpecServeConfig.model_validate({"target": {"look_back_period_s": 1, "metrics_interval_s": 1}})
+    cfg = SpecServeConfig.model_validate({"target": {"look_back_period_s": 1, "metrics_interval_s": 0.25}})
+    autoscaling = deployment_options(cfg)["Target"]["autoscaling_config"]
+    assert autoscaling["metrics_interval_s"] == 0.25
+    assert AutoscalingConfig(**autoscaling).metrics_interval_s == 0.25  # Ray takes it
+    assert "metrics_interval_s" not in deployment_options(SpecServeConfig())["Target"]["autoscaling_config"]

@@ -1,7 +1,6 @@
 """Tensor parallelism and autoscaling on a real local Ray cluster, with tiny random-weight models (fast)."""
 
 import concurrent.futures
-import os
 import time
 
 import httpx
@@ -18,8 +17,6 @@ def ray_cluster():
     import ray
     from ray import serve
 
-    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
-    os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="specserve-tests")
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     yield
@@ -75,7 +72,8 @@ def test_load_scales_target_replicas_up_and_idleness_down(ray_cluster, tiny_mode
     from ray import serve
 
     scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "max_ongoing_requests": 8,
-               "upscale_delay_s": 0.5, "downscale_delay_s": 3, "look_back_period_s": 2, "num_cpus": 0.25}
+               "upscale_delay_s": 0.5, "downscale_delay_s": 3, "look_back_period_s": 2,
+               "metrics_interval_s": 0.25, "num_cpus": 0.25}
     config = tiny_config(tiny_model_dirs, model={"draft": "ngram"}, target=scaling)
     base = deploy(config, "scale")
 
@@ -115,7 +113,8 @@ def test_autoscaler_holds_steady_while_speculation_switches_off_and_on(ray_clust
     from ray import serve
 
     scaling = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2, "max_ongoing_requests": 8,
-               "upscale_delay_s": 0.5, "downscale_delay_s": 2, "look_back_period_s": 1, "num_cpus": 0.25}
+               "upscale_delay_s": 0.5, "downscale_delay_s": 2, "look_back_period_s": 1,
+               "metrics_interval_s": 0.25, "num_cpus": 0.25}
     config = tiny_config(tiny_model_dirs, target=scaling,
                          speculation={"adaptive": True, "calibration": write_profile(tmp_path / "c.json", 2)})
     base = deploy(config, "steady")
