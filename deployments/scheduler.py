@@ -305,9 +305,9 @@ class Scheduler:
                         for live, cap in zip(rows, caps)]
             ks = plan_round(profile, outlooks, len(rows) + self._waiting)
         else:
-            load_k = lambda cap: load_adjusted_k(cap, len(self._live) + self._waiting,  # noqa: E731
-                                                 self.config.max_batch_for_speculation)
-            ks = [cap if live.fixed_k else load_k(cap) for live, cap in zip(rows, caps)]
+            live_now = len(self._live) + self._waiting
+            ks = [cap if live.fixed_k else load_adjusted_k(cap, live_now, self.config.max_batch_for_speculation)
+                  for live, cap in zip(rows, caps)]
         return [live.seq.draft_len(k) for live, k in zip(rows, ks)]
 
     def cost_profiles(self) -> dict[str, dict | None]:

@@ -12,7 +12,8 @@ live sequences than the knee, every request's K is 0 and rounds are plain batche
 `CostCorrection` pulls the profile toward the costs the rounds really see. `AcceptanceTracker` estimates a per
 request from recent rounds; a request whose drafts keep failing drops to
 K = 0 and probes with K = 1 every `PROBE_EVERY` rounds, so a request whose text turns predictable gets its
-drafts back. engine/round_plan.py turns these per-request estimates into a round's K for the batch as a whole. Without a profile, `load_adjusted_k`'s fixed threshold is the (uncalibrated) fallback.
+drafts back. engine/round_plan.py turns these per-request estimates into a round's K for the batch as a whole.
+Without a profile, `load_adjusted_k`'s fixed threshold is the (uncalibrated) fallback.
 """
 
 from __future__ import annotations
@@ -93,8 +94,11 @@ class CostProfile:
                            tuple(t * draft for t in self.draft_step_seconds),
                            self.draft_prefill_seconds_per_token * draft, overhead)
 
-    def round_seconds(self, batch: int, k: int) -> float:
-        return self.draft(batch, k) + self.verify(batch, k) + self.round_overhead_seconds
+    def round_seconds(self, batch: int, k: int, drafting: int | None = None) -> float:
+        """One round of `batch` sequences verified at width k+1, of which `drafting` (default: all) draft k tokens."""
+        drafting = batch if drafting is None else drafting
+        draft = self.draft(drafting, k) if drafting and k else 0.0
+        return draft + self.verify(batch, k) + self.round_overhead_seconds
 
     def knee(self, acceptance: float, k_max: int) -> int:
         """The largest batch (up to 4x the largest measured) at which `choose_k` still drafts for this acceptance."""

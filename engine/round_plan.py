@@ -40,11 +40,6 @@ class RowOutlook:
     wants_probe: bool = False  # its drafts kept failing and it has drafted nothing for a while
 
 
-def _round_seconds(profile: CostProfile, batch: int, drafting: int, k: int) -> float:
-    draft = profile.draft(drafting, k) if drafting and k else 0.0
-    return draft + profile.verify(batch, k) + profile.round_overhead_seconds
-
-
 def plan_round(profile: CostProfile, rows: Sequence[RowOutlook], batch: int | None = None) -> list[int]:
     """K for every row of a round. `batch` (at least len(rows)) is the batch the costs are taken at: it may count
     requests about to join, since a draft started now pays only at the size they make."""
@@ -64,14 +59,15 @@ def plan_round(profile: CostProfile, rows: Sequence[RowOutlook], batch: int | No
     candidates = sorted((b for b, row in enumerate(rows)
                          if not row.fixed and row.cap > 0 and can_catch_up(row, row.acceptance)),
                         key=lambda b: -rows[b].acceptance)  # best acceptance first
-    best_rate = (fixed_tokens + n - len(fixed_rows)) / _round_seconds(profile, batch, len(fixed_rows), fixed_k)
+    base_tokens = fixed_tokens + n - len(fixed_rows)  # with no candidate drafting: fixed rows' E, 1 per other row
+    best_rate = base_tokens / profile.round_seconds(batch, fixed_k, drafting=len(fixed_rows))
     best_k, best_m = 0, 0
     for k in range(1, max((rows[b].cap for b in candidates), default=0) + 1):
         gained = 0.0  # expected tokens of the first m candidates beyond the one each would emit anyway
         for m, b in enumerate(candidates, start=1):
             gained += expected_tokens(rows[b].acceptance, min(k, rows[b].cap)) - 1.0
-            tokens = fixed_tokens + n - len(fixed_rows) + gained
-            rate = tokens / _round_seconds(profile, batch, len(fixed_rows) + m, max(k, fixed_k))
+            tokens = base_tokens + gained
+            rate = tokens / profile.round_seconds(batch, max(k, fixed_k), drafting=len(fixed_rows) + m)
             if rate > best_rate * TIE:
                 best_rate, best_k, best_m = rate, k, m
     for b in candidates[:best_m]:
@@ -89,5 +85,5 @@ def plan_round(profile: CostProfile, rows: Sequence[RowOutlook], batch: int | No
 
 def _a_perfect_row_pays(profile: CostProfile, batch: int, n: int, cap: int) -> bool:
     """Whether one row whose drafts are all accepted would make this round beat plain decoding."""
-    plain = n / _round_seconds(profile, batch, 0, 0)
-    return any((n + k) / _round_seconds(profile, batch, 1, k) > plain * TIE for k in range(1, cap + 1))
+    plain = n / profile.round_seconds(batch, 0)
+    return any((n + k) / profile.round_seconds(batch, k, drafting=1) > plain * TIE for k in range(1, cap + 1))

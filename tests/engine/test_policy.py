@@ -151,3 +151,12 @@ def test_round_overhead_counts_against_plain_decoding_too():
     # a fixed cost per round favours fewer, longer rounds: speculation pays at a lower acceptance
     lowest = lambda p: min(a / 100 for a in range(1, 100) if choose_k(p, 1, a / 100, 4) > 0)  # noqa: E731
     assert lowest(corrected) < lowest(base)
+
+
+def test_a_round_costs_drafts_only_for_the_rows_that_draft():
+    profile = CostProfile(batch_sizes=(1, 4), verify_seconds=((0.010, 0.012), (0.020, 0.024)),
+                          draft_step_seconds=(0.003, 0.006), round_overhead_seconds=0.001)
+    assert profile.round_seconds(4, 1) == pytest.approx(0.006 + 0.024 + 0.001)  # all four draft
+    assert profile.round_seconds(4, 1, drafting=1) == pytest.approx(0.003 + 0.024 + 0.001)
+    assert profile.round_seconds(4, 1, drafting=0) == pytest.approx(0.024 + 0.001)  # verify only
+    assert profile.round_seconds(4, 0) == pytest.approx(0.020 + 0.001)

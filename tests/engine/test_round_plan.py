@@ -76,12 +76,11 @@ def test_pinned_rows_get_their_k_and_the_plan_accounts_for_their_draft_call():
 @pytest.mark.parametrize("batch", [1, 2, 4, 8, 16, 32])
 def test_the_plan_is_never_expected_to_be_slower_than_plain_decoding(batch):
     from engine.policy import expected_tokens
-    from engine.round_plan import _round_seconds
 
     profile = cpu_like_profile()
     rows = [RowOutlook(a, 4) for a in [0.2, 0.5, 0.7, 0.9, 0.95, 0.99, 0.6, 0.3] * 4][:batch]
     ks = plan_round(profile, rows)
     tokens = sum(expected_tokens(r.acceptance, k) for r, k in zip(rows, ks))
     drafting = sum(1 for k in ks if k)
-    rate = tokens / _round_seconds(profile, batch, drafting, max(ks))
-    assert rate >= batch / _round_seconds(profile, batch, 0, 0)
+    rate = tokens / profile.round_seconds(batch, max(ks), drafting=drafting)
+    assert rate >= batch / profile.round_seconds(batch, 0)
