@@ -39,6 +39,9 @@ def test_autoscaling_windows_must_outlast_the_load_reports():
     from pydantic import ValidationError
     from ray.serve.config import AutoscalingConfig
 
+    from deployments.config import RAY_METRICS_INTERVAL_S
+
+    assert AutoscalingConfig().metrics_interval_s == RAY_METRICS_INTERVAL_S  # the default the check assumes is Ray's
     # Ray reports load every 10 s unless told otherwise: a shorter window sometimes holds no report (read as idle)
     with pytest.raises(ValidationError, match="must exceed the autoscaling metrics interval"):
         SpecServeConfig.model_validate({"target": {"look_back_period_s": 5}})
