@@ -6,9 +6,16 @@ threads hold both cores, a Ray actor call costs ~2.5 ms beyond the worker's comp
 by a worker thread ~0.35 ms; a speculative round makes two such calls.
 
 Wire format: after the handshake, frames of an 8-byte big-endian length and a pickle (protocol 5). A request is
-(method, args, wants_reply); a reply is (ok, value), value being the result or the exception the method raised.
-Handshake: the server sends a 32-byte random challenge and the client answers HMAC-SHA256(secret, challenge); a
-wrong answer closes the connection before any pickle is read. Each worker makes its own secret, which reaches the
+(method, args, reply); a reply is (ok, value), value being the result or the exception the method raised. `reply`
+says where the reply goes: REPLY (back on this connection), ONE_WAY (nowhere), ERRORS_ONLY (back here only if the
+method raised), or a connection id of this server (that connection's client gets it: a chained call, below).
+Handshake: the server sends a 32-byte random challenge, the client answers HMAC-SHA256(secret, challenge), and the
+server sends the connection's id (8 bytes); a wrong answer closes the connection before any pickle is read.
+
+Chained calls (`AsyncChannels.chain`): the router asks the draft worker to draft and hand its drafts straight to
+the target worker, which verifies and answers on the router's own connection to it. A round then wakes three
+processes in turn instead of four (router -> draft -> target -> router, against router -> draft -> router ->
+target -> router), and the router's Python between the two calls is gone: bench/RESULTS.md has the figures. Each worker makes its own secret, which reaches the
 router only through Ray (the lease). The channel is authenticated, not encrypted (like Ray's own traffic without
 TLS): token ids and probabilities cross the network in the clear.
 
@@ -22,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import itertools
 import logging
 import pickle
 import queue
@@ -39,9 +47,20 @@ logger = logging.getLogger(__name__)
 _LENGTH = struct.Struct("!Q")
 _CHALLENGE_BYTES = 32
 
+REPLY, ONE_WAY, ERRORS_ONLY = "reply", "one-way", "errors-only"  # a request's reply modes; an int: a connection id
+
 
 class ChannelClosed(ConnectionError):
-    """The worker at the other end is gone (or refused us): the connection closed before a reply came."""
+    """The worker at the other end is gone (or refused us): the connection closed before a reply came.
+    `endpoint` names it (None where unknown)."""
+
+    def __init__(self, message: str, endpoint: "Endpoint | None" = None) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+
+
+class RelayFailed(ConnectionError):
+    """A worker could not pass a chained call on to the next worker (it is unreachable from here)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +73,14 @@ class Endpoint:
 
     def __repr__(self) -> str:  # never print the secret
         return f"Endpoint({self.host}:{self.port})"
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a chained call's last step replies: `conn_id`, the caller's connection to the worker at `endpoint`."""
+
+    endpoint: Endpoint
+    conn_id: int
 
 
 def _digest(secret: bytes, challenge: bytes) -> bytes:
@@ -109,6 +136,8 @@ class ChannelServer:
         self.endpoint = Endpoint(advertise_host, self._sock.getsockname()[1], self.secret)
         self.refused = 0  # connections that failed the handshake
         self._closed = False
+        self._ids = itertools.count(1)
+        self._conns: dict[int, socket.socket] = {}  # authenticated connections by id (the model thread's)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (fn, args, future or None)
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()
@@ -170,8 +199,18 @@ class ChannelServer:
             logger.warning("channel: a connection failed the handshake and was closed")
             conn.close()
             return
+        conn_id = next(self._ids)
+        try:
+            conn.sendall(_LENGTH.pack(conn_id))
+        except OSError:
+            conn.close()
+            return
         conn.settimeout(self.FRAME_TIMEOUT_S)  # bounds a frame's read once it has started arriving
-        self._submit(self._selector.register, (conn, selectors.EVENT_READ), None)
+        self._submit(self._register, (conn_id, conn), None)
+
+    def _register(self, conn_id: int, conn: socket.socket) -> None:
+        self._conns[conn_id] = conn
+        self._selector.register(conn, selectors.EVENT_READ, conn_id)
 
     def _loop(self) -> None:
         while not self._closed:
@@ -205,7 +244,7 @@ class ChannelServer:
     def _serve_frame(self, conn: socket.socket) -> None:
         try:
             (length,) = _LENGTH.unpack(_read_exact(conn, _LENGTH.size))
-            method, args, wants_reply = pickle.loads(_read_exact(conn, length))
+            method, args, reply = pickle.loads(_read_exact(conn, length))
         except (ChannelClosed, OSError, pickle.UnpicklingError, ValueError, EOFError):
             self._drop(conn)  # the client went away (or stalled mid-frame)
             return
@@ -218,19 +257,27 @@ class ChannelServer:
                 result = (True, handler(*args))
             except Exception as exc:
                 result = (False, exc)
-        if wants_reply:
-            try:
-                conn.sendall(_reply_frame(*result))
-            except OSError:
-                self._drop(conn)
-        elif not result[0]:
-            logger.error("channel: one-way call %s failed: %r", method, result[1])
+        if isinstance(reply, int):  # a chained call's last step: the reply goes to the caller's own connection
+            conn = self._conns.get(reply)
+            if conn is None:  # that caller went away meanwhile
+                logger.info("channel: the connection chained call %s answers on is gone", method)
+                return
+        elif reply == ONE_WAY or (reply == ERRORS_ONLY and result[0]):
+            if not result[0]:
+                logger.error("channel: one-way call %s failed: %r", method, result[1])
+            return
+        try:
+            conn.sendall(_reply_frame(*result))
+        except OSError:
+            self._drop(conn)
 
     def _drop(self, conn: socket.socket) -> None:
         try:
-            self._selector.unregister(conn)
+            key = self._selector.unregister(conn)
         except (KeyError, ValueError):
             pass
+        else:
+            self._conns.pop(key.data, None)
         conn.close()
 
 
@@ -244,71 +291,215 @@ class ChannelSender:
         _no_delay(self._sock)
         challenge = _read_exact(self._sock, _CHALLENGE_BYTES)
         self._sock.sendall(_digest(endpoint.secret, challenge))
+        _read_exact(self._sock, _LENGTH.size)  # the connection's id: the handshake passed
         self._sock.settimeout(None)
 
-    def send(self, method: str, *args) -> None:
+    def send(self, method: str, *args, reply: str | int = ONE_WAY) -> None:
+        """Send a call whose reply, if any, goes elsewhere (`reply`: ONE_WAY, or a connection id at the receiver)."""
         try:
-            self._sock.sendall(_frame((method, args, False)))
+            self._sock.sendall(_frame((method, args, reply)))
         except OSError as exc:
-            raise ChannelClosed(f"{self.endpoint}: {exc}") from exc
+            raise ChannelClosed(f"{self.endpoint}: {exc}", self.endpoint) from exc
 
     def close(self) -> None:
         self._sock.close()
 
 
-class _AsyncConnection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+class ChannelRelay:
+    """A worker's senders to other workers, for the chained calls it passes on (one connection per endpoint, made
+    on first use; used from the model thread only). Any failure to send is RelayFailed, and that connection is
+    dropped (the next call reconnects)."""
 
-    @classmethod
-    async def open(cls, endpoint: Endpoint) -> "_AsyncConnection":
-        reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            _no_delay(sock)
-        challenge = await reader.readexactly(_CHALLENGE_BYTES)
-        writer.write(_digest(endpoint.secret, challenge))
-        return cls(reader, writer)
+    KEPT = 64  # endpoints remembered; replaced replicas' old endpoints age out
 
-    async def request(self, method: str, args: tuple):
-        self.writer.write(_frame((method, args, True)))
-        (length,) = _LENGTH.unpack(await self.reader.readexactly(_LENGTH.size))
-        return pickle.loads(await self.reader.readexactly(length))
+    def __init__(self) -> None:
+        self._senders: dict[Endpoint, ChannelSender] = {}
+
+    def send(self, route: Route, method: str, *args) -> None:
+        sender = self._senders.pop(route.endpoint, None)
+        try:
+            if sender is None:
+                sender = ChannelSender(route.endpoint)
+            sender.send(method, *args, reply=route.conn_id)
+        except (OSError, ChannelClosed) as exc:
+            if sender is not None:
+                sender.close()
+            raise RelayFailed(f"could not pass {method} on to {route.endpoint}: {exc!r}") from exc
+        self._senders[route.endpoint] = sender  # most recently used last
+        while len(self._senders) > self.KEPT:
+            self._senders.pop(next(iter(self._senders))).close()
 
     def close(self) -> None:
-        self.writer.close()
+        for sender in self._senders.values():
+            sender.close()
+        self._senders.clear()
+
+
+class _Connection(asyncio.Protocol):
+    """The router's end of one connection: frames in, at most one call awaiting a reply at a time.
+
+    `expect(future)` makes the next frame (or the connection's loss) the future's result, as (this connection,
+    (ok, value)) or (this connection, None); a chained call hands one future to two connections and learns which
+    answered first.
+    """
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.conn_id: int | None = None  # the server's id for this connection, once the handshake passed
+        self.lost = False
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._answered = False  # the handshake's challenge is answered
+        self._waiter: asyncio.Future | None = None
+
+    @classmethod
+    async def open(cls, endpoint: Endpoint) -> "_Connection":
+        loop = asyncio.get_running_loop()
+        transport, conn = await loop.create_connection(lambda: cls(endpoint), endpoint.host, endpoint.port)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            _no_delay(sock)
+        try:
+            await conn._ready
+        except BaseException:
+            transport.close()
+            raise
+        return conn
+
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        if self.conn_id is None:  # the handshake: a challenge, our answer, then the connection's id
+            if not self._answered and len(buffer) >= _CHALLENGE_BYTES:
+                self._transport.write(_digest(self.endpoint.secret, bytes(buffer[:_CHALLENGE_BYTES])))
+                del buffer[:_CHALLENGE_BYTES]
+                self._answered = True
+            if self._answered and len(buffer) >= _LENGTH.size:
+                (self.conn_id,) = _LENGTH.unpack_from(buffer)
+                del buffer[:_LENGTH.size]
+                self._ready.set_result(None)
+            return
+        while len(buffer) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(buffer)
+            end = _LENGTH.size + length
+            if len(buffer) < end:
+                return
+            frame = pickle.loads(buffer[_LENGTH.size:end])
+            del buffer[:end]
+            waiter, self._waiter = self._waiter, None
+            if waiter is None or waiter.done():  # nobody asked: a protocol error; this connection is done
+                self.close()
+                return
+            waiter.set_result((self, frame))
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+        if not self._ready.done():
+            self._ready.set_exception(ChannelClosed(f"{self.endpoint}: closed during the handshake (refused?)",
+                                                   self.endpoint))
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result((self, None))
+
+    def expect(self, waiter: asyncio.Future | None) -> None:
+        if self.lost and waiter is not None:
+            waiter.set_result((self, None))
+        else:
+            self._waiter = waiter
+
+    def send(self, method: str, args: tuple, reply: str | int) -> None:
+        self._transport.write(_frame((method, args, reply)))
+
+    def close(self) -> None:
+        self._waiter = None
+        if self._transport is not None:
+            self._transport.close()
 
 
 class AsyncChannels:
     """The router's connections to workers' channels: a few per endpoint, reused across calls.
 
     A call takes an idle connection (or opens one), so concurrent calls to one worker each have their own; a call
-    that fails or is cancelled mid-way closes its connection instead of returning it.
+    that fails or is cancelled mid-way closes its connections instead of returning them.
     """
 
     def __init__(self) -> None:
-        self._idle: dict[Endpoint, list[_AsyncConnection]] = {}
+        self._idle: dict[Endpoint, list[_Connection]] = {}
+
+    async def _take(self, endpoint: Endpoint) -> _Connection:
+        idle = self._idle.get(endpoint)
+        while idle:
+            conn = idle.pop()
+            if not conn.lost:
+                return conn
+        try:
+            return await _Connection.open(endpoint)
+        except OSError as exc:
+            self.forget(endpoint)
+            raise ChannelClosed(f"{endpoint}: {exc!r}", endpoint) from exc
+
+    def _give_back(self, *conns: _Connection) -> None:
+        for conn in conns:
+            self._idle.setdefault(conn.endpoint, []).append(conn)
 
     async def call(self, endpoint: Endpoint, method: str, *args):
-        idle = self._idle.get(endpoint)
-        conn = idle.pop() if idle else None
+        """`method(*args)` at the worker; its exception is raised here, and a lost worker is ChannelClosed."""
+        conn = await self._take(endpoint)
+        waiter = asyncio.get_running_loop().create_future()
+        conn.expect(waiter)
         try:
-            if conn is None:
-                conn = await _AsyncConnection.open(endpoint)
-            ok, value = await conn.request(method, args)
-        except (OSError, EOFError, asyncio.IncompleteReadError) as exc:
-            if conn is not None:
-                conn.close()
-            self.forget(endpoint)  # its other idle connections lead to the same dead worker
-            raise ChannelClosed(f"{endpoint}: {exc!r}") from exc
+            conn.send(method, args, REPLY)
+            _, frame = await waiter
         except BaseException:  # cancelled mid-call: the reply may still come, so this connection is done
-            if conn is not None:
-                conn.close()
+            conn.close()
             raise
-        self._idle.setdefault(endpoint, []).append(conn)
+        if frame is None:
+            self.forget(endpoint)  # its other idle connections lead to the same dead worker
+            raise ChannelClosed(f"{endpoint}: connection closed", endpoint)
+        self._give_back(conn)
+        ok, value = frame
         if not ok:
             raise value
         return value
+
+    async def chain(self, first: Endpoint, last: Endpoint, method: str, *args):
+        """A chained call: `method(*args, route)` at `first`, whose handler passes its work on to `last` with
+        `ChannelRelay.send(route, ...)`; the reply (or exception) of that last step is returned.
+
+        The worker at `first` answers only if its handler raised (that exception is raised here). A lost connection
+        to either worker is ChannelClosed naming it; after any failure both connections are closed, since a late
+        frame might still come on either.
+        """
+        to_last = await self._take(last)
+        try:
+            to_first = await self._take(first)
+        except BaseException:
+            self._give_back(to_last)
+            raise
+        waiter = asyncio.get_running_loop().create_future()
+        to_first.expect(waiter)
+        to_last.expect(waiter)
+        try:
+            to_first.send(method, (*args, Route(last, to_last.conn_id)), ERRORS_ONLY)
+            conn, frame = await waiter
+        except BaseException:
+            to_first.close()
+            to_last.close()
+            raise
+        if conn is to_last and frame is not None and frame[0]:
+            to_first.expect(None)  # a frame there now would be a protocol error
+            self._give_back(to_first, to_last)
+            return frame[1]
+        to_first.close()
+        to_last.close()
+        if frame is None:
+            self.forget(conn.endpoint)
+            raise ChannelClosed(f"{conn.endpoint}: connection closed", conn.endpoint)
+        raise frame[1]
 
     def forget(self, endpoint: Endpoint) -> None:
         for conn in self._idle.pop(endpoint, []):

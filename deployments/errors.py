@@ -5,5 +5,14 @@ class ReplicaGone(RuntimeError):
     """The leased replica (or one of its workers) died; lease another one."""
 
 
+class DraftGone(ReplicaGone):
+    """The leased Draft replica died (in a chained round: the call that had to reach the target through it)."""
+
+
+class ChainBroken(RuntimeError):
+    """A chained round did not complete although neither replica is known dead (the draft worker could not reach
+    the target worker): the round verifies without its drafts, by a call of its own."""
+
+
 class Overloaded(RuntimeError):
     """Admission refused: too many live sequences, or the model deployments' queues are full."""

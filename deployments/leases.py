@@ -17,8 +17,8 @@ import time
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from .channel import AsyncChannels, ChannelClosed
-from .scheduler import Overloaded, ReplicaGone
+from .channel import AsyncChannels, ChannelClosed, RelayFailed
+from .errors import ChainBroken, DraftGone, Overloaded, ReplicaGone
 from .workers import DraftCall, TensorParallelBroken, VerifyCall
 
 _DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
@@ -52,6 +52,25 @@ class _RayLease:
 class RayDraftLease(_RayLease):
     async def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> dict:
         return await self._call("propose", calls, ahead_id)
+
+    async def chain(self, calls: list[DraftCall], target: "RayTargetLease", verify_calls: list[VerifyCall],
+                    members: list[int]) -> dict:
+        """One chained round trip (channel.AsyncChannels.chain): this worker drafts and hands the drafts to the target's
+        rank 0, which verifies and answers here."""
+        try:
+            return await self._channels.chain(self.endpoint, target.endpoint, "propose_chained", calls, verify_calls,
+                                              members)
+        except ChannelClosed as exc:
+            if exc.endpoint == target.endpoint:
+                self._dead.add(target.key)
+                raise ReplicaGone(f"replica {target.key} failed: {exc}") from exc
+            self._dead.add(self.key)
+            raise DraftGone(f"replica {self.key} failed: {exc}") from exc
+        except TensorParallelBroken as exc:
+            self._dead.add(target.key)
+            raise ReplicaGone(f"replica {target.key} failed: {exc}") from exc
+        except RelayFailed as exc:
+            raise ChainBroken(str(exc)) from exc
 
     def cancel(self, ahead_id: int) -> None:
         # served on the worker's "control" thread while `propose` computes (workers.ray_actor_classes)

@@ -153,6 +153,7 @@ def create_app(router) -> FastAPI:
                 "rounds": st.timings.rounds, "max_batch": st.timings.max_batch, "mean_batch": st.timings.mean_batch,
                 "replica_failures": st.replica_failures, "speculative": st.spec.as_dict(),
                 "ahead": {"drafts": st.ahead_drafts, "used": st.ahead_used, "cancelled": st.ahead_cancelled},
+                "chained_rounds": st.chained_rounds,
                 "cost_profiles": router.scheduler.cost_profiles(),
                 "orchestration_ms_per_round": ms_per_round(st.orchestration_seconds),
                 "draft_ms_per_round": ms_per_round(st.timings.draft_seconds),

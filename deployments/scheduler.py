@@ -38,7 +38,7 @@ from engine.sequence import RequestOutput, SequenceState
 from engine.stats import EngineTimings, SpecStats
 
 from .ahead import AheadDrafts
-from .errors import Overloaded, ReplicaGone
+from .errors import ChainBroken, DraftGone, Overloaded, ReplicaGone
 from .metrics import NullMetrics, observe
 from .round_costs import RoundCosts
 from .workers import DraftCall, SeqDelta, VerifyCall
@@ -70,6 +70,13 @@ class DraftLease(Protocol):
     costs: dict | None  # {"batch_sizes": [...], "draft_step_seconds": [...]} measured by the replica, or None
 
     async def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> dict: ...
+
+    async def chain(self, calls: list[DraftCall], target: "TargetLease", verify_calls: list[VerifyCall],
+                    members: list[int]) -> dict:
+        """Draft `calls`, then verify `verify_calls` at `target` with call i's drafts for row members[i], the draft
+        worker handing them straight to the target's: the verify result, the draft's under "draft". Raises DraftGone,
+        ReplicaGone (the target) or ChainBroken."""
+        ...
 
     def cancel(self, ahead_id: int) -> None: ...
 
@@ -153,6 +160,7 @@ class SchedulerStats:
     ahead_drafts: int = 0  # rows drafted ahead (overlap)
     ahead_used: int = 0  # of those, rows whose guess was right and whose next round used the draft
     ahead_cancelled: int = 0  # ahead draft calls stopped early because no row could use them
+    chained_rounds: int = 0  # round groups whose draft worker handed its drafts straight to the target worker
 
 
 class Scheduler:
@@ -326,24 +334,40 @@ class Scheduler:
 
     async def _round_group(self, rows: list[_Live], ks: list[int]) -> None:
         t0 = time.perf_counter()
-        drafts, draft_probs, draft_compute = await self._propose(rows, ks)
-        t1 = time.perf_counter()
+        drafts, draft_probs, by_lease = await self._plan_drafts(rows, ks)
         target = rows[0].target
-        calls = [VerifyCall(live.delta(live.target_sent), drafts[b]) for b, live in enumerate(rows)]
-        aheads = self.ahead.start(rows, drafts) if self.config.overlap else []
-        try:
-            result = await target.verify(calls)
-        except ReplicaGone:
-            await self.ahead.settle(aheads, rows, drafts, None, None)
-            await self._replace_target(rows)
-            return
-        except BaseException:
-            await self.ahead.settle(aheads, rows, drafts, None, None)
-            raise
+        result = None
+        if len(by_lease) == 1 and not self.config.overlap:  # one draft worker: it hands its drafts to the target
+            try:
+                result, draft_compute = await self._chained(rows, ks, next(iter(by_lease.values())), drafts,
+                                                            draft_probs)
+            except ReplicaGone:
+                await self._replace_target(rows)
+                return
+            calls = None
+            t1 = t0 + draft_compute  # the router sees no boundary between drafting and verifying: the compute
+        else:
+            draft_compute = await self._draft_calls(rows, ks, by_lease, drafts, draft_probs)
+            t1 = time.perf_counter()
+        if result is None:
+            calls = [VerifyCall(live.delta(live.target_sent), drafts[b]) for b, live in enumerate(rows)]
+            aheads = self.ahead.start(rows, drafts) if self.config.overlap else []
+            try:
+                result = await target.verify(calls)
+            except ReplicaGone:
+                await self.ahead.settle(aheads, rows, drafts, None, None)
+                await self._replace_target(rows)
+                return
+            except BaseException:
+                await self.ahead.settle(aheads, rows, drafts, None, None)
+                raise
+        else:
+            aheads = []
         for live in rows:
             live.target_sent = live.seq.num_tokens
-        self.costs.observe(self._group_draft(rows), target, "verify", calls, max(len(d) for d in drafts),
-                           result.get("seconds", 0.0))
+        if calls is not None:
+            self.costs.observe(self._group_draft(rows), target, "verify", calls, max(len(d) for d in drafts),
+                               result.get("seconds", 0.0))
         t2 = time.perf_counter()
         outputs, accepted = self._accept(rows, drafts, draft_probs, result)
         finished = []
@@ -360,20 +384,24 @@ class Scheduler:
         # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
         orchestration = (t2 - t0) - draft_compute - result.get("seconds", 0.0)
         self.stats.orchestration_seconds += orchestration
+        self.stats.chained_rounds += calls is None
         self.costs.observe_overhead(self._group_draft(rows), target, orchestration)
         observe(self.metrics.round, [len(d) for d in drafts], accepted, t1 - t0, t2 - t1, orchestration)
         self.stats.draft_compute_seconds += draft_compute
         self.stats.verify_compute_seconds += result.get("seconds", 0.0)
 
-    async def _propose(self, rows: list[_Live], ks: list[int]
-                       ) -> tuple[list[list[int]], dict[int, np.ndarray], float]:
+    async def _plan_drafts(self, rows: list[_Live], ks: list[int]
+                           ) -> tuple[list[list[int]], dict[int, np.ndarray], dict[str, list[int]]]:
+        """The round's drafts that need no draft call (made ahead, or n-gram lookup), with their probabilities, and
+        the rows that draft by Draft lease (leases taken now for rows drafting for the first time)."""
         drafts: list[list[int]] = [[] for _ in rows]
         probs: dict[int, np.ndarray] = {}
+        by_lease: dict[str, list[int]] = {}
         ready = [live.ready for live in rows]
         for live in rows:
             live.ready = None  # a draft made ahead serves the round right after it, or nobody
         if not any(ks):
-            return drafts, probs, 0.0
+            return drafts, probs, by_lease
         if self.ngram is not None:
             asked = [b for b, k in enumerate(ks) if k > 0]
             # the generator is unused: lookup is deterministic
@@ -381,10 +409,9 @@ class Scheduler:
                                                         rows[b].seq.params, rows[b].seq.generator) for b in asked])
             for i, b in enumerate(asked):
                 drafts[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
-            return drafts, probs, 0.0
+            return drafts, probs, by_lease
         await self._lease_drafts([live for b, (live, k) in enumerate(zip(rows, ks))
                                   if k > 0 and ready[b] is None and live.draft is None])
-        by_lease: dict[str, list[int]] = {}
         for b, (live, k) in enumerate(zip(rows, ks)):
             if k > 0 and ready[b] is not None:
                 self.stats.ahead_used += 1
@@ -393,23 +420,56 @@ class Scheduler:
                     probs[b] = ready[b][1][:k]
             elif k > 0 and live.draft is not None:
                 by_lease.setdefault(live.draft.key, []).append(b)
+        return drafts, probs, by_lease
+
+    async def _draft_calls(self, rows: list[_Live], ks: list[int], by_lease: dict[str, list[int]],
+                           drafts: list[list[int]], probs: dict[int, np.ndarray]) -> float:
+        """Each Draft lease's rows drafted by a call of their own (filled into `drafts`, `probs`); returns the draft
+        workers' compute seconds."""
         compute = 0.0
         for members in by_lease.values():
-            lease = rows[members[0]].draft
             calls = [DraftCall(rows[b].draft_delta([]), ks[b]) for b in members]
             try:
-                result = await lease.propose(calls)
+                result = await rows[members[0]].draft.propose(calls)
             except ReplicaGone:
                 await self._replace_draft([rows[b] for b in members])
                 continue  # these rows verify without drafts this round: output unchanged
-            compute += result.get("seconds", 0.0)
-            self.costs.observe(lease, rows[members[0]].target, "draft", calls, max(ks[b] for b in members),
-                               result.get("seconds", 0.0))
-            for i, b in enumerate(members):
-                drafts[b] = result["drafts"][i]
-                if i in result["probs"]:
-                    probs[b] = result["probs"][i]
-        return drafts, probs, compute
+            compute += self._take_drafts(rows, ks, members, calls, result, drafts, probs)
+        return compute
+
+    async def _chained(self, rows: list[_Live], ks: list[int], members: list[int], drafts: list[list[int]],
+                       probs: dict[int, np.ndarray]) -> tuple[dict | None, float]:
+        """Draft `members` and verify every row in one chained call (the draft worker hands its drafts straight to
+        the target worker, which answers: channel.AsyncChannels.chain). Returns the verify result and the draft's
+        compute seconds; (None, 0.0) when the draft worker failed, and the round must verify without its drafts.
+        Raises ReplicaGone when the target worker failed."""
+        lease = rows[members[0]].draft
+        calls = [DraftCall(rows[b].draft_delta([]), ks[b]) for b in members]
+        verify_calls = [VerifyCall(live.delta(live.target_sent), []) for live in rows]
+        try:
+            result = await lease.chain(calls, rows[0].target, verify_calls, members)
+        except DraftGone:
+            await self._replace_draft([rows[b] for b in members])
+            return None, 0.0
+        except ChainBroken as exc:  # the draft is fine but cannot reach the target: a verify of its own tells more
+            logger.warning("chained round: %s", exc)
+            return None, 0.0
+        compute = self._take_drafts(rows, ks, members, calls, result["draft"], drafts, probs)
+        self.costs.observe(lease, rows[0].target, "verify", verify_calls, max(len(d) for d in drafts),
+                           result.get("seconds", 0.0))
+        return result, compute
+
+    def _take_drafts(self, rows: list[_Live], ks: list[int], members: list[int], calls: list[DraftCall],
+                     result: dict, drafts: list[list[int]], probs: dict[int, np.ndarray]) -> float:
+        """Fill a draft call's result into the round's `drafts` and `probs`; returns its compute seconds."""
+        seconds = result.get("seconds", 0.0)
+        self.costs.observe(rows[members[0]].draft, rows[members[0]].target, "draft", calls,
+                           max(ks[b] for b in members), seconds)
+        for i, b in enumerate(members):
+            drafts[b] = result["drafts"][i]
+            if i in result["probs"]:
+                probs[b] = result["probs"][i]
+        return seconds
 
     def _accept(self, rows: list[_Live], drafts: list[list[int]], draft_probs: dict[int, np.ndarray],
                 result: dict) -> tuple[list[RequestOutput], list[int]]:

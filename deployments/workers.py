@@ -37,7 +37,7 @@ from engine.sampling import BatchSampling, SamplingParams, logits_to_probs
 from engine.sequence import draft_generator
 from engine.tensor_parallel import CollectiveError, num_parameters, shard_model
 
-from .channel import ChannelClosed, ChannelSender, ChannelServer, Endpoint
+from .channel import ChannelClosed, ChannelRelay, ChannelSender, ChannelServer, Endpoint, Route
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,9 @@ class DraftWorkerCore:
 
     def __init__(self, config: EngineConfig, torch_threads: int | None = None, calibrate: bool = False,
                  concurrent_workers: int = 1) -> None:
-        self._model = ChannelServer({"propose": self.propose, "release": self.release}, node_address())
+        self._model = ChannelServer({"propose": self.propose, "propose_chained": self.propose_chained,
+                                     "release": self.release}, node_address())
+        self._relay = ChannelRelay()  # to target workers, for chained rounds
         self.torch_threads = self._model.call(set_torch_threads, torch_threads, concurrent_workers)
         self.busy = BusyClock()
         with cpu_startup_turn(config):
@@ -246,6 +248,14 @@ class DraftWorkerCore:
             "seconds": time.perf_counter() - start,  # worker compute, so the router can tell RPC overhead apart
         }
 
+    def propose_chained(self, calls: list[DraftCall], verify_calls: list[VerifyCall], members: list[int],
+                        route: Route) -> None:
+        """A chained round's first step (channel.AsyncChannels.chain): draft, then hand the drafts to the target
+        worker at `route`, whose verify (`TargetWorkerCore.verify_chained`) answers the router. Row members[i] of
+        `verify_calls` gets call i's drafts; the draft's whole result travels along for the router."""
+        draft = self.propose(calls)
+        self._model.call(self._relay.send, route, "verify_chained", verify_calls, members, draft)
+
     def release(self, seq_ids: list[str]) -> None:
         self._model.call(self._release, seq_ids)
 
@@ -270,7 +280,8 @@ class TargetWorkerCore:
 
     def __init__(self, config: EngineConfig, rank: int = 0, world: int = 1, torch_threads: int | None = None,
                  concurrent_workers: int | None = None) -> None:
-        self._model = ChannelServer({"verify": self.verify, "release": self.release}, node_address())
+        self._model = ChannelServer({"verify": self.verify, "verify_chained": self.verify_chained,
+                                     "release": self.release}, node_address())
         self.torch_threads = self._model.call(set_torch_threads, torch_threads, concurrent_workers or world)
         self.busy = BusyClock()
         self._peers: list[ChannelSender] = []  # rank 0 only: the other ranks, in rank order
@@ -352,6 +363,16 @@ class TargetWorkerCore:
     # ---- the round ------------------------------------------------------------------------------------------
     def verify(self, calls: list[VerifyCall]) -> dict | None:
         return self._in_group("verify", (calls,), self._timed_verify)
+
+    def verify_chained(self, calls: list[VerifyCall], members: list[int], draft: dict) -> dict | None:
+        """A chained round's last step, from the draft worker (`DraftWorkerCore.propose_chained`): verify `calls`
+        with call i of the draft for row members[i]; the reply (to the router) carries the draft's result too."""
+        calls = list(calls)
+        for i, b in enumerate(members):
+            calls[b] = VerifyCall(calls[b].seq, draft["drafts"][i])
+        out = self.verify(calls)
+        out["draft"] = draft
+        return out
 
     def _timed_verify(self, calls: list[VerifyCall]) -> dict | None:
         with self.busy.running():

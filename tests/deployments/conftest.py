@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from deployments.config import SpecServeConfig
-from deployments.scheduler import ReplicaGone
+from deployments.errors import ChainBroken, DraftGone, ReplicaGone
 from deployments.workers import DraftWorkerCore, TargetWorkerCore
 from tests.conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
@@ -56,22 +56,36 @@ class _Lease:
         self.broker.calls[self.kind] += 1
         if self.broker.calls[self.kind] == self.broker.fail_at_call.get(self.kind):
             self.broker.replace(self.kind)
-            raise ReplicaGone(f"{self.kind} replica killed")
+            raise (DraftGone if self.kind == "draft" else ReplicaGone)(f"{self.kind} replica killed")
 
     async def propose(self, calls, ahead_id=None):
         self._maybe_fail()
         await asyncio.sleep(0)  # like a remote call: the round's verify can start before the draft is done
         return self.core.propose(calls, ahead_id)
 
+    async def chain(self, calls, target, verify_calls, members):
+        """What the channel's chained call does: draft here, then the target verifies with those drafts."""
+        self.broker.chained += 1
+        self._maybe_fail()
+        await asyncio.sleep(0)
+        draft = self.core.propose(calls)
+        if self.broker.break_chains:  # drafted, but could not pass the drafts on to the target
+            self.broker.break_chains -= 1
+            raise ChainBroken("could not pass verify_chained on")
+        return await target._verify(lambda: target.core.verify_chained(verify_calls, members, draft))
+
     def cancel(self, ahead_id) -> None:
         self.broker.cancels += 1
         self.core.cancel(ahead_id)
 
     async def verify(self, calls):
+        return await self._verify(lambda: self.core.verify(calls))
+
+    async def _verify(self, run):
         self._maybe_fail()
         if self.broker.verify_delay:  # a slower "replica", so a test can act while a request is mid-generation
             await asyncio.sleep(self.broker.verify_delay)
-        return self.core.verify(calls)
+        return run()
 
     async def close(self) -> None:
         self.closed = True
@@ -99,6 +113,8 @@ class LocalBroker:
         self.leases_taken = {"draft": 0, "target": 0}
         self.refuse_draft_leases = 0  # the next n draft leases fail (no Draft replica available)
         self.cancels = 0
+        self.chained = 0  # chained rounds (draft hands its drafts to the target)
+        self.break_chains = 0  # the next n chained rounds fail after drafting (the target unreachable from the draft)
         self.held_target_leases: set[str] = set()
         self.leased_targets: set[str] = set()
         self.release_leases = asyncio.Event()

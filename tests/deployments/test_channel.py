@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from deployments.channel import AsyncChannels, ChannelClosed, ChannelSender, ChannelServer, Endpoint
+from deployments.channel import (AsyncChannels, ChannelClosed, ChannelRelay, ChannelSender, ChannelServer, Endpoint,
+                                 RelayFailed, Route)
 
 
 class Boom(ValueError):
@@ -124,7 +125,7 @@ def test_one_way_sends_arrive_in_order():
 
 
 def _serve_in_process(queue, ready_to_die):
-    server = ChannelServer({"hang": lambda: (time.sleep(60), "never")[1], "echo": lambda x: x}, "127.0.0.1",
+    server = ChannelServer({"hang": lambda *a: (time.sleep(60), "never")[1], "echo": lambda x: x}, "127.0.0.1",
                            bind_host="127.0.0.1")
     queue.put(server.endpoint)
     ready_to_die.wait(60)
@@ -152,3 +153,94 @@ def test_a_worker_dying_mid_call_ends_the_call_at_once():
     asyncio.run(run())
     proc.join(10)
     assert endpoint not in channels._idle, "connections to a dead worker are dropped"
+
+
+def _first(relay: ChannelRelay, unreachable: Endpoint | None = None):
+    """A chain's first worker: `double` passes 2x on to the route's `plus_one`; the others fail one way or another
+    (`astray` passes its call to `unreachable` instead of the route's worker)."""
+    def double(x, route):
+        relay.send(route, "plus_one", 2 * x)
+
+    def fail_here(x, route):
+        raise Boom("failed before passing on")
+
+    def pass_on(method):
+        return lambda x, route: relay.send(route, method)
+
+    def astray(x, route):
+        relay.send(Route(unreachable, route.conn_id), "plus_one", x)
+
+    return ChannelServer({"double": double, "fail_here": fail_here, "fail_there": pass_on("fail"),
+                          "hang_there": pass_on("hang"), "astray": astray}, "127.0.0.1", bind_host="127.0.0.1")
+
+
+def test_a_chained_call_is_answered_by_its_last_worker_on_the_callers_own_connection():
+    last = _server(plus_one=lambda y: y + 1)
+    relay = ChannelRelay()
+    first = _first(relay)
+    channels = AsyncChannels()
+
+    async def run():
+        results = [await channels.chain(first.endpoint, last.endpoint, "double", x) for x in range(4)]
+        both = await asyncio.gather(channels.chain(first.endpoint, last.endpoint, "double", 10),
+                                    channels.call(last.endpoint, "plus_one", 100))
+        return results, both, {e: len(c) for e, c in channels._idle.items()}
+
+    results, both, idle = asyncio.run(run())
+    assert results == [1, 3, 5, 7] and both == [21, 101]
+    assert idle == {first.endpoint: 1, last.endpoint: 2}, "sequential chains reuse one connection to each worker"
+    assert len(relay._senders) == 1, "the first worker reuses its connection to the last"
+    for server in (first, last):
+        server.close()
+
+
+def test_a_chained_calls_errors_come_back_from_whichever_worker_raised():
+    last = _server(plus_one=lambda y: y + 1)
+    gone = _server()
+    gone.close()
+    first = _first(ChannelRelay(), unreachable=gone.endpoint)
+    channels = AsyncChannels()
+
+    async def run():
+        with pytest.raises(Boom, match="failed before passing on"):
+            await channels.chain(first.endpoint, last.endpoint, "fail_here", 1)
+        with pytest.raises(Boom, match="bad input"):
+            await channels.chain(first.endpoint, last.endpoint, "fail_there", 1)
+        with pytest.raises(RelayFailed):  # the last worker is unreachable from the first: the first says so
+            await channels.chain(first.endpoint, last.endpoint, "astray", 1)
+        return await channels.chain(first.endpoint, last.endpoint, "double", 2)
+
+    assert asyncio.run(run()) == 5, "the workers serve on after the failures"
+    first.close()
+    last.close()
+
+
+def test_a_worker_dying_mid_chain_ends_the_call_naming_it():
+    ctx = multiprocessing.get_context("spawn")
+    in_process = _server(plus_one=lambda y: y + 1)
+    relay = ChannelRelay()
+    first = _first(relay)
+    channels = AsyncChannels()
+    for role in ("first", "last"):
+        queue, die = ctx.Queue(), ctx.Event()
+        proc = ctx.Process(target=_serve_in_process, args=(queue, die), daemon=True)
+        proc.start()
+        dying = queue.get(timeout=60)
+        # the dying process is the chain's first worker (it hangs in its handler), or its last (the first passes a
+        # call on to its `hang`)
+        head, tail, method = (dying, in_process.endpoint, "hang") if role == "first" else \
+            (first.endpoint, dying, "hang_there")
+
+        async def run():
+            task = asyncio.ensure_future(channels.chain(head, tail, method, 1))
+            await asyncio.sleep(0.5)
+            die.set()
+            with pytest.raises(ChannelClosed) as info:
+                await asyncio.wait_for(task, 20)
+            return info.value.endpoint
+
+        assert asyncio.run(run()) == dying, role
+        proc.join(10)
+        assert dying not in channels._idle
+    first.close()
+    in_process.close()

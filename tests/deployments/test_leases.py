@@ -7,8 +7,9 @@ from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
 from deployments import leases
-from deployments.channel import AsyncChannels, ChannelServer, Endpoint
-from deployments.leases import RayLeaseBroker, RayTargetLease
+from deployments.channel import AsyncChannels, ChannelRelay, ChannelServer, Endpoint, Route
+from deployments.errors import ChainBroken, DraftGone
+from deployments.leases import RayDraftLease, RayLeaseBroker, RayTargetLease
 from deployments.scheduler import Overloaded, ReplicaGone
 from deployments.workers import TensorParallelBroken
 
@@ -116,3 +117,50 @@ def test_draft_leases_are_not_retried_and_back_pressure_is_overload():
     assert asyncio.run(broker.draft("seq")).key == "d"  # the round finds it dead and decodes plainly
     with pytest.raises(Overloaded):
         asyncio.run(broker.target("seq"))
+
+
+def _chain_workers(how: str):
+    """A draft worker whose `propose_chained` hands its draft to a target rank 0, or fails as `how` says; returns
+    the two endpoints the router leases."""
+    gone = ChannelServer({}, "127.0.0.1", bind_host="127.0.0.1")
+    gone.close()  # nothing listens there any more
+
+    def verify_chained(calls, members, draft):
+        if how == "target broken":
+            raise TensorParallelBroken("tensor-parallel rank 0 of 2: all_reduce failed")
+        return {"rows": len(calls), "members": members, "draft": draft}
+
+    target = ChannelServer({"verify_chained": verify_chained}, "127.0.0.1", bind_host="127.0.0.1")
+    relay = ChannelRelay()
+
+    def propose_chained(calls, verify_calls, members, route):
+        if how == "relay fails":  # the target is unreachable from the draft worker (not from the router)
+            route = Route(gone.endpoint, route.conn_id)
+        relay.send(route, "verify_chained", verify_calls, members, {"drafts": calls})
+
+    draft = ChannelServer({"propose_chained": propose_chained}, "127.0.0.1", bind_host="127.0.0.1")
+    return (gone.endpoint if how == "draft gone" else draft.endpoint,
+            gone.endpoint if how == "target gone" else target.endpoint)
+
+
+@pytest.mark.parametrize("how, error, blamed", [
+    ("ok", None, set()),
+    ("draft gone", DraftGone, {"d"}),
+    ("target gone", ReplicaGone, {"t"}),
+    ("target broken", ReplicaGone, {"t"}),
+    ("relay fails", ChainBroken, set()),
+])
+def test_a_chained_round_names_the_replica_that_failed(how, error, blamed):
+    draft_endpoint, target_endpoint = _chain_workers(how)
+    channels, dead = AsyncChannels(), set()
+    draft = RayDraftLease(FakeStream(None), {"replica": "d", "workers": [], "endpoint": draft_endpoint}, channels, dead)
+    target = RayTargetLease(FakeStream(None), {"replica": "t", "workers": [], "endpoint": target_endpoint}, channels,
+                            dead)
+    run = draft.chain([[7, 8]], target, ["v0", "v1"], [1])
+    if error is None:
+        assert asyncio.run(run) == {"rows": 2, "members": [1], "draft": {"drafts": [[7, 8]]}}
+    else:
+        with pytest.raises(error) as info:
+            asyncio.run(asyncio.wait_for(run, 30))
+        assert error is not ReplicaGone or not isinstance(info.value, DraftGone), "the target is named, not the draft"
+    assert dead == blamed

@@ -55,6 +55,8 @@ def test_greedy_completion_equals_plain_decoding(setup, tiny_model_dirs):
     assert 0 < spec["acceptance_rate"] <= 1
     assert broker.open_leases == {"draft": 0, "target": 0}, "finished requests close their leases"
     assert broker.cores["target"].runner.num_live == 0 and broker.cores["draft"].proposer.runner.num_live == 0
+    # every drafting round went draft -> target in one chained call
+    assert broker.chained == router.scheduler.stats.chained_rounds == spec["num_drafts"] > 0
 
 
 def test_concurrent_requests_are_batched_and_correct(setup, tiny_model_dirs):
@@ -121,6 +123,21 @@ def test_replica_killed_mid_request_output_unchanged(setup, tiny_model_dirs, kin
     assert text == plain_reference(tiny_model_dirs, PROMPT_IDS, 30)
     assert router.scheduler.stats.replica_failures == 1
     assert broker.keys[kind] != f"{kind}-0", "a new replica took over"
+
+
+def test_a_chained_round_the_draft_cannot_pass_on_verifies_without_its_drafts(setup, tiny_model_dirs):
+    config, broker, router = setup
+    broker.break_chains = 2  # the draft worker drafts but cannot reach the target worker, twice
+
+    async def go():
+        async with client(router) as c:
+            return (await complete(c)).json()
+
+    body = asyncio.run(go())
+    assert body["choices"][0]["text"] == plain_reference(tiny_model_dirs, PROMPT_IDS, 24)
+    assert router.scheduler.stats.replica_failures == 0 and broker.keys["draft"] == "draft-0", "no replica blamed"
+    spec = body["usage"]["speculative"]
+    assert spec["num_drafts"] == router.scheduler.stats.chained_rounds == broker.chained - 2
 
 
 def test_aborted_request_frees_caches_at_once(setup):
