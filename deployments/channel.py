@@ -311,6 +311,8 @@ class ChannelRelay:
     dropped (the next call reconnects)."""
 
     KEPT = 64  # endpoints remembered; replaced replicas' old endpoints age out
+    CONNECT_TIMEOUT_S = 2.0  # a connection within a cluster takes milliseconds; a firewall that drops it stalls
+    # the model thread this long, once: the router then stops chaining through this pair of workers
 
     def __init__(self) -> None:
         self._senders: dict[Endpoint, ChannelSender] = {}
@@ -319,7 +321,7 @@ class ChannelRelay:
         sender = self._senders.pop(route.endpoint, None)
         try:
             if sender is None:
-                sender = ChannelSender(route.endpoint)
+                sender = ChannelSender(route.endpoint, timeout_s=self.CONNECT_TIMEOUT_S)
             sender.send(method, *args, reply=route.conn_id)
         except (OSError, ChannelClosed) as exc:
             if sender is not None:

@@ -154,6 +154,7 @@ class SchedulerStats:
     spec: SpecStats = field(default_factory=SpecStats)
     timings: EngineTimings = field(default_factory=EngineTimings)
     orchestration_seconds: float = 0.0  # round wall time minus the workers' own compute, summed
+    draft_lease_seconds: float = 0.0  # rounds' waits for requests' first Draft leases (not in orchestration)
     draft_compute_seconds: float = 0.0  # the draft workers' own compute, summed
     verify_compute_seconds: float = 0.0  # the target workers' own compute (rank 0), summed
     replica_failures: int = 0
@@ -184,6 +185,7 @@ class Scheduler:
         self.population = AcceptanceTracker()
         self.last_mean_k = 0.0  # mean K over the last round's rows (the `spec_decode_k` gauge)
         self._last_draft: DraftLease | None = None  # the latest Draft lease taken (its replica's measured costs)
+        self._unchainable: set[tuple[str, str]] = set()  # (Draft, Target) replica keys whose chained round failed
 
     @property
     def num_live(self) -> int:
@@ -333,14 +335,19 @@ class Scheduler:
         return next((live.draft for live in rows if live.draft is not None), self._last_draft)
 
     async def _round_group(self, rows: list[_Live], ks: list[int]) -> None:
+        if self.ngram is None and any(ks):  # rows drafting for the first time take their Draft lease (set-up work,
+            start = time.perf_counter()  # once per request: counted apart from the round's orchestration)
+            await self._lease_drafts([live for live, k in zip(rows, ks)
+                                      if k > 0 and live.ready is None and live.draft is None])
+            self.stats.draft_lease_seconds += time.perf_counter() - start
         t0 = time.perf_counter()
-        drafts, draft_probs, by_lease = await self._plan_drafts(rows, ks)
+        drafts, draft_probs, by_lease = self._plan_drafts(rows, ks)
         target = rows[0].target
         result = None
-        if len(by_lease) == 1 and not self.config.overlap:  # one draft worker: it hands its drafts to the target
-            try:
-                result, draft_compute = await self._chained(rows, ks, next(iter(by_lease.values())), drafts,
-                                                            draft_probs)
+        members = next(iter(by_lease.values())) if len(by_lease) == 1 and not self.config.overlap else None
+        if members is not None and self._chainable(rows[members[0]]):
+            try:  # one draft worker: it hands its drafts straight to the target worker
+                result, draft_compute = await self._chained(rows, ks, members, drafts, draft_probs)
             except ReplicaGone:
                 await self._replace_target(rows)
                 return
@@ -390,10 +397,10 @@ class Scheduler:
         self.stats.draft_compute_seconds += draft_compute
         self.stats.verify_compute_seconds += result.get("seconds", 0.0)
 
-    async def _plan_drafts(self, rows: list[_Live], ks: list[int]
-                           ) -> tuple[list[list[int]], dict[int, np.ndarray], dict[str, list[int]]]:
+    def _plan_drafts(self, rows: list[_Live], ks: list[int]
+                     ) -> tuple[list[list[int]], dict[int, np.ndarray], dict[str, list[int]]]:
         """The round's drafts that need no draft call (made ahead, or n-gram lookup), with their probabilities, and
-        the rows that draft by Draft lease (leases taken now for rows drafting for the first time)."""
+        the rows that draft by Draft lease."""
         drafts: list[list[int]] = [[] for _ in rows]
         probs: dict[int, np.ndarray] = {}
         by_lease: dict[str, list[int]] = {}
@@ -410,8 +417,6 @@ class Scheduler:
             for i, b in enumerate(asked):
                 drafts[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
             return drafts, probs, by_lease
-        await self._lease_drafts([live for b, (live, k) in enumerate(zip(rows, ks))
-                                  if k > 0 and ready[b] is None and live.draft is None])
         for b, (live, k) in enumerate(zip(rows, ks)):
             if k > 0 and ready[b] is not None:
                 self.stats.ahead_used += 1
@@ -452,12 +457,17 @@ class Scheduler:
             await self._replace_draft([rows[b] for b in members])
             return None, 0.0
         except ChainBroken as exc:  # the draft is fine but cannot reach the target: a verify of its own tells more
-            logger.warning("chained round: %s", exc)
+            logger.warning("chained round failed (%s); this Draft/Target pair's rounds make two calls from now on",
+                           exc)
+            self._unchainable.add((lease.key, rows[0].target.key))
             return None, 0.0
         compute = self._take_drafts(rows, ks, members, calls, result["draft"], drafts, probs)
         self.costs.observe(lease, rows[0].target, "verify", verify_calls, max(len(d) for d in drafts),
                            result.get("seconds", 0.0))
         return result, compute
+
+    def _chainable(self, live: _Live) -> bool:
+        return (live.draft.key, live.target.key) not in self._unchainable
 
     def _take_drafts(self, rows: list[_Live], ks: list[int], members: list[int], calls: list[DraftCall],
                      result: dict, drafts: list[list[int]], probs: dict[int, np.ndarray]) -> float:

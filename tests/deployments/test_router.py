@@ -127,7 +127,7 @@ def test_replica_killed_mid_request_output_unchanged(setup, tiny_model_dirs, kin
 
 def test_a_chained_round_the_draft_cannot_pass_on_verifies_without_its_drafts(setup, tiny_model_dirs):
     config, broker, router = setup
-    broker.break_chains = 2  # the draft worker drafts but cannot reach the target worker, twice
+    broker.break_chains = 1  # the draft worker drafts but cannot reach the target worker
 
     async def go():
         async with client(router) as c:
@@ -137,7 +137,8 @@ def test_a_chained_round_the_draft_cannot_pass_on_verifies_without_its_drafts(se
     assert body["choices"][0]["text"] == plain_reference(tiny_model_dirs, PROMPT_IDS, 24)
     assert router.scheduler.stats.replica_failures == 0 and broker.keys["draft"] == "draft-0", "no replica blamed"
     spec = body["usage"]["speculative"]
-    assert spec["num_drafts"] == router.scheduler.stats.chained_rounds == broker.chained - 2
+    assert broker.chained == 1 and router.scheduler.stats.chained_rounds == 0, "that pair is not chained again"
+    assert spec["num_drafts"] > 0, "its rounds draft and verify by a call each"
 
 
 def test_aborted_request_frees_caches_at_once(setup):
