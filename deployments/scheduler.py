@@ -344,17 +344,18 @@ class Scheduler:
         drafts, draft_probs, by_lease = self._plan_drafts(rows, ks)
         target = rows[0].target
         result = None
+        costs: list[tuple] = []  # the round's cost observations, made once its result is in hand
         members = next(iter(by_lease.values())) if len(by_lease) == 1 and not self.config.overlap else None
         if members is not None and self._chainable(rows[members[0]]):
             try:  # one draft worker: it hands its drafts straight to the target worker
-                result, draft_compute = await self._chained(rows, ks, members, drafts, draft_probs)
+                result, draft_compute = await self._chained(rows, ks, members, drafts, draft_probs, costs)
             except ReplicaGone:
                 await self._replace_target(rows)
                 return
             calls = None
             t1 = t0 + draft_compute  # the router sees no boundary between drafting and verifying: the compute
         else:
-            draft_compute = await self._draft_calls(rows, ks, by_lease, drafts, draft_probs)
+            draft_compute = await self._draft_calls(rows, ks, by_lease, drafts, draft_probs, costs)
             t1 = time.perf_counter()
         if result is None:
             calls = [VerifyCall(live.delta(live.target_sent), drafts[b]) for b, live in enumerate(rows)]
@@ -372,10 +373,12 @@ class Scheduler:
             aheads = []
         for live in rows:
             live.target_sent = live.seq.num_tokens
-        if calls is not None:
-            self.costs.observe(self._group_draft(rows), target, "verify", calls, max(len(d) for d in drafts),
-                               result.get("seconds", 0.0))
         t2 = time.perf_counter()
+        if calls is not None:
+            costs.append((self._group_draft(rows), target, "verify", calls, max(len(d) for d in drafts),
+                          result.get("seconds", 0.0)))
+        for observation in costs:
+            self.costs.observe(*observation)
         outputs, accepted = self._accept(rows, drafts, draft_probs, result)
         finished = []
         for live, out in zip(rows, outputs):
@@ -428,7 +431,7 @@ class Scheduler:
         return drafts, probs, by_lease
 
     async def _draft_calls(self, rows: list[_Live], ks: list[int], by_lease: dict[str, list[int]],
-                           drafts: list[list[int]], probs: dict[int, np.ndarray]) -> float:
+                           drafts: list[list[int]], probs: dict[int, np.ndarray], costs: list[tuple]) -> float:
         """Each Draft lease's rows drafted by a call of their own (filled into `drafts`, `probs`); returns the draft
         workers' compute seconds."""
         compute = 0.0
@@ -439,11 +442,11 @@ class Scheduler:
             except ReplicaGone:
                 await self._replace_draft([rows[b] for b in members])
                 continue  # these rows verify without drafts this round: output unchanged
-            compute += self._take_drafts(rows, ks, members, calls, result, drafts, probs)
+            compute += self._take_drafts(rows, ks, members, calls, result, drafts, probs, costs)
         return compute
 
     async def _chained(self, rows: list[_Live], ks: list[int], members: list[int], drafts: list[list[int]],
-                       probs: dict[int, np.ndarray]) -> tuple[dict | None, float]:
+                       probs: dict[int, np.ndarray], costs: list[tuple]) -> tuple[dict | None, float]:
         """Draft `members` and verify every row in one chained call (the draft worker hands its drafts straight to
         the target worker, which answers: channel.AsyncChannels.chain). Returns the verify result and the draft's
         compute seconds; (None, 0.0) when the draft worker failed, and the round must verify without its drafts.
@@ -461,20 +464,22 @@ class Scheduler:
                            exc)
             self._unchainable.add((lease.key, rows[0].target.key))
             return None, 0.0
-        compute = self._take_drafts(rows, ks, members, calls, result["draft"], drafts, probs)
-        self.costs.observe(lease, rows[0].target, "verify", verify_calls, max(len(d) for d in drafts),
-                           result.get("seconds", 0.0))
+        compute = self._take_drafts(rows, ks, members, calls, result["draft"], drafts, probs, costs)
+        costs.append((lease, rows[0].target, "verify", verify_calls, max(len(d) for d in drafts),
+                      result.get("seconds", 0.0)))
         return result, compute
 
     def _chainable(self, live: _Live) -> bool:
         return (live.draft.key, live.target.key) not in self._unchainable
 
     def _take_drafts(self, rows: list[_Live], ks: list[int], members: list[int], calls: list[DraftCall],
-                     result: dict, drafts: list[list[int]], probs: dict[int, np.ndarray]) -> float:
-        """Fill a draft call's result into the round's `drafts` and `probs`; returns its compute seconds."""
+                     result: dict, drafts: list[list[int]], probs: dict[int, np.ndarray], costs: list[tuple]
+                     ) -> float:
+        """Fill a draft call's result into the round's `drafts` and `probs` (its cost observation into `costs`);
+        returns its compute seconds."""
         seconds = result.get("seconds", 0.0)
-        self.costs.observe(rows[members[0]].draft, rows[members[0]].target, "draft", calls,
-                           max(ks[b] for b in members), seconds)
+        costs.append((rows[members[0]].draft, rows[members[0]].target, "draft", calls, max(ks[b] for b in members),
+                      seconds))
         for i, b in enumerate(members):
             drafts[b] = result["drafts"][i]
             if i in result["probs"]:
