@@ -6,8 +6,9 @@ localhost sockets, with 2-thread torch compute standing in for the draft and tar
 
 Overhead per round = round wall time - the two computes (each timed where it runs). Compare with the app's
 `orchestration_ms_per_round` (GET /stats; bench.serve_bench). Prints medians and means, writes JSON.
+`--transport unix` uses Unix domain sockets instead of TCP on localhost (processes on one node could).
 
-    python -m bench.round_trip_floor --rounds 40 --repeats 3
+    python -m bench.round_trip_floor --rounds 40 --repeats 3 [--transport unix]
 """
 
 from __future__ import annotations
@@ -19,16 +20,35 @@ import pickle
 import selectors
 import socket
 import struct
+import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 _LENGTH = struct.Struct("!Q")
 
 
-def _connect(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port))
+def _connect(address: int | str) -> socket.socket:
+    """A TCP port on localhost, or a Unix socket's path."""
+    if isinstance(address, str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(address)
+        return sock
+    sock = socket.create_connection(("127.0.0.1", address))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
+
+
+def _listen(transport: str) -> tuple[socket.socket, int | str]:
+    if transport == "unix":
+        path = tempfile.mktemp(prefix="specserve-floor-", suffix=".sock")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen()
+        return server, path
+    server = socket.create_server(("127.0.0.1", 0))
+    return server, server.getsockname()[1]
 
 
 def _send(sock: socket.socket, obj) -> None:
@@ -58,13 +78,11 @@ def _compute(ms: float, w, x) -> float:  # w: [1024, 1024], x: [1024, 4]
     return time.perf_counter() - start
 
 
-def _node(role: str, ports: mp.Queue, target_port: mp.Queue | None) -> None:
-    import torch
-
+def _node(role: str, transport: str, ports: mp.Queue, target_port: mp.Queue | None) -> None:
     torch.set_num_threads(2)
     w, x = torch.randn(1024, 1024) / 32, torch.randn(1024, 4)
-    server = socket.create_server(("127.0.0.1", 0))
-    ports.put(server.getsockname()[1])
+    server, address = _listen(transport)
+    ports.put(address)
     to_target = _connect(target_port.get()) if role == "draft" else None
     selector = selectors.DefaultSelector()
     selector.register(server, selectors.EVENT_READ)
@@ -73,7 +91,8 @@ def _node(role: str, ports: mp.Queue, target_port: mp.Queue | None) -> None:
         for key, _ in selector.select():
             if key.fileobj is server:
                 conn, _ = server.accept()
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if transport == "tcp":
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 selector.register(conn, selectors.EVENT_READ)
                 continue
             conn = key.fileobj
@@ -104,14 +123,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-ms", type=float, default=35.0)
     ap.add_argument("--verify-ms", type=float, default=30.0)
-    ap.add_argument("--out", default="bench/results/round_trip_floor.json")
+    ap.add_argument("--transport", choices=["tcp", "unix"], default="tcp")
+    ap.add_argument("--out", default=None, help="default: bench/results/round_trip_floor[_unix].json")
     args = ap.parse_args()
     mp.set_start_method("spawn")
     draft_port, target_port, target_port_for_draft = mp.Queue(), mp.Queue(), mp.Queue()
-    mp.Process(target=_node, args=("target", target_port, None), daemon=True).start()
+    mp.Process(target=_node, args=("target", args.transport, target_port, None), daemon=True).start()
     port = target_port.get()
     target_port_for_draft.put(port)
-    mp.Process(target=_node, args=("draft", draft_port, target_port_for_draft), daemon=True).start()
+    mp.Process(target=_node, args=("draft", args.transport, draft_port, target_port_for_draft), daemon=True).start()
     draft, target = _connect(draft_port.get()), _connect(port)
 
     def star() -> float:
@@ -140,9 +160,11 @@ def main() -> None:
                   flush=True)
     for sock in (draft, target):
         _send(sock, ("stop",))
-    out = {"rounds": args.rounds, "draft_ms": args.draft_ms, "verify_ms": args.verify_ms, **results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    out = {"rounds": args.rounds, "draft_ms": args.draft_ms, "verify_ms": args.verify_ms,
+           "transport": args.transport, **results}
+    path = Path(args.out or f"bench/results/round_trip_floor{'_unix' if args.transport == 'unix' else ''}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
