@@ -65,11 +65,21 @@ class RelayFailed(ConnectionError):
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where a worker's channel listens and the secret its clients prove they know."""
+    """Where a worker's channel listens and the secret its clients prove they know. A client on the same machine
+    (`boot_id`) connects to the abstract Unix socket `unix_name` first, and to host:port when that fails (another
+    network namespace, say); bench/RESULTS.md: a Unix socket's round trip costs less than TCP's on localhost."""
 
     host: str
     port: int
     secret: bytes
+    unix_name: str | None = None
+    boot_id: str | None = None
+
+    def local_name(self) -> str | None:
+        """The Unix socket to try first, when this process runs on the endpoint's machine."""
+        if self.unix_name and self.boot_id and self.boot_id == _BOOT_ID:
+            return self.unix_name
+        return None
 
     def __repr__(self) -> str:  # never print the secret
         return f"Endpoint({self.host}:{self.port})"
@@ -111,7 +121,52 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _no_delay(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _boot_id() -> str | None:
+    """This machine's boot id (Linux): processes that share it share a kernel, so a Unix socket may reach them."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+_BOOT_ID = _boot_id()
+
+
+def _unix_server() -> tuple[socket.socket | None, str | None]:
+    """A listening Unix socket in Linux's abstract namespace (no file to leave behind; any process in this network
+    namespace may connect, and the handshake's secret decides), and its name; (None, None) elsewhere."""
+    if _BOOT_ID is None or not hasattr(socket, "AF_UNIX"):
+        return None, None
+    name = f"\0specserve-channel-{secrets.token_hex(8)}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(name)
+        sock.listen(64)
+    except OSError as exc:
+        sock.close()
+        logger.warning("channel: no Unix socket (%s); local clients use TCP", exc)
+        return None, None
+    return sock, name
+
+
+def _connect_local(endpoint: Endpoint, timeout_s: float | None) -> socket.socket | None:
+    """A connected Unix socket to `endpoint` when it is on this machine and reachable so, else None."""
+    name = endpoint.local_name()
+    if name is None:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(name)
+    except OSError:  # another network namespace on the same kernel: TCP it is
+        sock.close()
+        return None
+    return sock
 
 
 class ChannelServer:
@@ -123,8 +178,10 @@ class ChannelServer:
     per process (a thread that hands requests to another costs two more wake-ups per call; threads that each run
     torch's CPU kernels start parallel regions of their own, measured slower here: bench/RESULTS.md).
 
-    Binds all interfaces on a free port; `endpoint` advertises `advertise_host` (the worker's node address). A
-    handshake runs on an accept thread; a client stalling mid-frame for `FRAME_TIMEOUT_S` loses its connection.
+    Binds all interfaces on a free port, and a Unix socket (owner-only, in the temp dir) for clients on the same
+    machine; `endpoint` advertises both, with `advertise_host` (the worker's node address). A handshake runs on an
+    accept thread, the same on either socket; a client stalling mid-frame for `FRAME_TIMEOUT_S` loses its
+    connection.
     """
 
     FRAME_TIMEOUT_S = 30.0
@@ -133,7 +190,9 @@ class ChannelServer:
         self.handlers = dict(handlers)
         self.secret = secrets.token_bytes(32)
         self._sock = socket.create_server((bind_host, 0), backlog=64)
-        self.endpoint = Endpoint(advertise_host, self._sock.getsockname()[1], self.secret)
+        self._unix, unix_name = _unix_server()
+        self.endpoint = Endpoint(advertise_host, self._sock.getsockname()[1], self.secret, unix_name,
+                                 _BOOT_ID if unix_name else None)
         self.refused = 0  # connections that failed the handshake
         self._closed = False
         self._ids = itertools.count(1)
@@ -144,7 +203,9 @@ class ChannelServer:
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._loop, name="model", daemon=True)
         self._thread.start()
-        threading.Thread(target=self._accept, name="channel-accept", daemon=True).start()
+        for listening in (self._sock, self._unix):
+            if listening is not None:
+                threading.Thread(target=self._accept, args=(listening,), name="channel-accept", daemon=True).start()
 
     def call(self, fn: Callable, *args):
         """Run `fn(*args)` on the model thread and return its result (at once when already there)."""
@@ -159,15 +220,18 @@ class ChannelServer:
     def close(self) -> None:
         self._closed = True
         self._submit(lambda: None, (), None)  # wakes the loop, which then ends
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread; new connections are refused
-        except OSError:
-            pass
-        for sock in (self._sock, self._wake_w):
+        for listening in (self._sock, self._unix):
+            if listening is None:
+                continue
             try:
-                sock.close()
+                listening.shutdown(socket.SHUT_RDWR)  # wakes the accept thread; new connections are refused
             except OSError:
                 pass
+            listening.close()
+        try:
+            self._wake_w.close()
+        except OSError:
+            pass
 
     def _submit(self, fn: Callable, args: tuple, future: Future | None) -> None:
         self._jobs.put((fn, args, future))
@@ -176,10 +240,10 @@ class ChannelServer:
         except OSError:  # closed
             pass
 
-    def _accept(self) -> None:
+    def _accept(self, listening: socket.socket) -> None:
         while not self._closed:
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = listening.accept()
             except OSError:
                 return  # closed
             threading.Thread(target=self._handshake, args=(conn,), name="channel-handshake", daemon=True).start()
@@ -287,7 +351,8 @@ class ChannelSender:
 
     def __init__(self, endpoint: Endpoint, timeout_s: float = 30.0) -> None:
         self.endpoint = endpoint
-        self._sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s)
+        self._sock = _connect_local(endpoint, timeout_s) or socket.create_connection((endpoint.host, endpoint.port),
+                                                                                     timeout=timeout_s)
         _no_delay(self._sock)
         challenge = _read_exact(self._sock, _CHALLENGE_BYTES)
         self._sock.sendall(_digest(endpoint.secret, challenge))
@@ -358,7 +423,11 @@ class _Connection(asyncio.Protocol):
     @classmethod
     async def open(cls, endpoint: Endpoint) -> "_Connection":
         loop = asyncio.get_running_loop()
-        transport, conn = await loop.create_connection(lambda: cls(endpoint), endpoint.host, endpoint.port)
+        local = _connect_local(endpoint, 0.0)  # non-blocking: a full backlog fails at once, and TCP is tried
+        if local is not None:
+            transport, conn = await loop.create_unix_connection(lambda: cls(endpoint), sock=local)
+        else:
+            transport, conn = await loop.create_connection(lambda: cls(endpoint), endpoint.host, endpoint.port)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             _no_delay(sock)

@@ -1,8 +1,10 @@
 """The direct worker channel (deployments/channel.py): replies, errors, authentication, concurrency, dead peers."""
 
 import asyncio
+import dataclasses
 import multiprocessing
 import os
+import socket
 import threading
 import time
 
@@ -44,17 +46,40 @@ def test_replies_and_the_methods_own_errors_come_back():
     server.close()
 
 
+def test_a_client_on_the_workers_machine_connects_by_unix_socket_and_any_other_by_tcp():
+    server = _server()
+    channels = AsyncChannels()
+    remote = dataclasses.replace(server.endpoint, boot_id="another machine")
+    astray = dataclasses.replace(server.endpoint, unix_name="\0specserve-channel-nobody-listens")
+
+    async def run():
+        families = {}
+        for name, endpoint in (("local", server.endpoint), ("remote", remote), ("astray", astray)):
+            assert await channels.call(endpoint, "echo", name) == (name,)
+            families[name] = channels._idle[endpoint][0]._transport.get_extra_info("socket").family
+        return families
+
+    assert server.endpoint.unix_name is not None, "Linux: the worker listens on a Unix socket too"
+    assert asyncio.run(run()) == {"local": socket.AF_UNIX, "remote": socket.AF_INET, "astray": socket.AF_INET}
+    sender = ChannelSender(server.endpoint)  # a worker's sender (tensor-parallel peers, the relay) alike
+    assert sender._sock.family == socket.AF_UNIX
+    sender.close()
+    server.close()
+
+
 def test_a_client_without_the_secret_is_refused_before_anything_runs():
     calls = []
     server = _server(record=lambda: calls.append(1))
-    impostor = Endpoint(server.endpoint.host, server.endpoint.port, b"x" * 32)
+    impostors = [dataclasses.replace(server.endpoint, secret=b"x" * 32),  # by Unix socket
+                 Endpoint(server.endpoint.host, server.endpoint.port, b"x" * 32)]  # by TCP
 
-    async def run():
+    async def run(impostor):
         with pytest.raises(ChannelClosed):
             await AsyncChannels().call(impostor, "record")
 
-    asyncio.run(run())
-    assert calls == [] and server.refused == 1
+    for impostor in impostors:
+        asyncio.run(run(impostor))
+    assert calls == [] and server.refused == 2
     server.close()
 
 
