@@ -51,14 +51,15 @@ class _RayLease:
 
 class RayDraftLease(_RayLease):
     async def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> dict:
-        return await self._call("propose", calls, ahead_id)
+        return await self._call("propose", [call.wire() for call in calls], ahead_id)
 
     async def chain(self, calls: list[DraftCall], target: "RayTargetLease", verify_calls: list[VerifyCall],
                     members: list[int]) -> dict:
         """One chained round trip (channel.AsyncChannels.chain): this worker drafts and hands the drafts to the target's
         rank 0, which verifies and answers here."""
         try:
-            return await self._channels.chain(self.endpoint, target.endpoint, "propose_chained", calls, verify_calls,
+            return await self._channels.chain(self.endpoint, target.endpoint, "propose_chained",
+                                              [call.wire() for call in calls], [call.wire() for call in verify_calls],
                                               members)
         except ChannelClosed as exc:
             if exc.endpoint == target.endpoint:
@@ -84,7 +85,7 @@ class RayTargetLease(_RayLease):
         A dead rank 0 closes the channel; a dead peer fails rank 0's collectives (gloo: at once; NCCL: when Serve's
         health check tears the replica down). Either way the call ends with ReplicaGone.
         """
-        return await self._call("verify", calls)
+        return await self._call("verify", [call.wire() for call in calls])
 
 
 class RayLeaseBroker:

@@ -61,25 +61,26 @@ class _Lease:
     async def propose(self, calls, ahead_id=None):
         self._maybe_fail()
         await asyncio.sleep(0)  # like a remote call: the round's verify can start before the draft is done
-        return self.core.propose(calls, ahead_id)
+        return self.core.propose([call.wire() for call in calls], ahead_id)  # as the channel carries them
 
     async def chain(self, calls, target, verify_calls, members):
         """What the channel's chained call does: draft here, then the target verifies with those drafts."""
         self.broker.chained += 1
         self._maybe_fail()
         await asyncio.sleep(0)
-        draft = self.core.propose(calls)
+        draft = self.core.propose([call.wire() for call in calls])
         if self.broker.break_chains:  # drafted, but could not pass the drafts on to the target
             self.broker.break_chains -= 1
             raise ChainBroken("could not pass verify_chained on")
-        return await target._verify(lambda: target.core.verify_chained(verify_calls, members, draft))
+        return await target._verify(lambda: target.core.verify_chained([c.wire() for c in verify_calls], members,
+                                                                       draft))
 
     def cancel(self, ahead_id) -> None:
         self.broker.cancels += 1
         self.core.cancel(ahead_id)
 
     async def verify(self, calls):
-        return await self._verify(lambda: self.core.verify(calls))
+        return await self._verify(lambda: self.core.verify([call.wire() for call in calls]))
 
     async def _verify(self, run):
         self._maybe_fail()

@@ -11,7 +11,11 @@ from deployments.channel import AsyncChannels, ChannelRelay, ChannelServer, Endp
 from deployments.errors import ChainBroken, DraftGone
 from deployments.leases import RayDraftLease, RayLeaseBroker, RayTargetLease
 from deployments.scheduler import Overloaded, ReplicaGone
-from deployments.workers import TensorParallelBroken
+from deployments.workers import DraftCall, SeqDelta, TensorParallelBroken, VerifyCall
+
+
+def _verify_call(seq_id: str = "s") -> VerifyCall:
+    return VerifyCall(SeqDelta(seq_id, 0, [5, 6], 0.0, 0, 1.0, None), [])
 
 
 def _rank0(behaviour: str = "ok") -> ChannelServer:
@@ -70,7 +74,8 @@ def _lease(endpoint, dead=None) -> RayTargetLease:
 def test_rank_zero_answers_through_its_channel_and_a_plain_error_stays_an_error():
     server, failing = _rank0(), _rank0("error")
     dead = set()
-    assert asyncio.run(_lease(server.endpoint, dead).verify([1, 2])) == {"rank": 0, "rows": 2}
+    assert asyncio.run(_lease(server.endpoint, dead).verify([_verify_call(), _verify_call()])) == {"rank": 0,
+                                                                                                   "rows": 2}
     with pytest.raises(ValueError, match="a bad call"):  # the replica is fine: the caller's problem, not a failure
         asyncio.run(_lease(failing.endpoint, dead).verify([]))
     assert dead == set()
@@ -156,11 +161,22 @@ def test_a_chained_round_names_the_replica_that_failed(how, error, blamed):
     draft = RayDraftLease(FakeStream(None), {"replica": "d", "workers": [], "endpoint": draft_endpoint}, channels, dead)
     target = RayTargetLease(FakeStream(None), {"replica": "t", "workers": [], "endpoint": target_endpoint}, channels,
                             dead)
-    run = draft.chain([[7, 8]], target, ["v0", "v1"], [1])
-    if error is None:
-        assert asyncio.run(run) == {"rows": 2, "members": [1], "draft": {"drafts": [[7, 8]]}}
+    draft_calls = [DraftCall(SeqDelta("b", 0, [7, 8], 0.0, 0, 1.0, None), 3)]
+    run = draft.chain(draft_calls, target, [_verify_call("a"), _verify_call("b")], [1])
+    if error is None:  # the calls travel in their wire form
+        assert asyncio.run(run) == {"rows": 2, "members": [1], "draft": {"drafts": [draft_calls[0].wire()]}}
     else:
         with pytest.raises(error) as info:
             asyncio.run(asyncio.wait_for(run, 30))
         assert error is not ReplicaGone or not isinstance(info.value, DraftGone), "the target is named, not the draft"
     assert dead == blamed
+
+
+def test_calls_cross_the_channel_as_plain_tuples_and_come_back_equal():
+    import pickle
+
+    seq = SeqDelta("r", 4, [9, 10], 0.7, 20, 0.9, 123)
+    for call, cls in ((DraftCall(seq, 3), DraftCall), (VerifyCall(seq, [11, 12]), VerifyCall)):
+        wire = call.wire()
+        assert b"deployments" not in pickle.dumps(wire, protocol=5), "no class travels, only builtins"
+        assert cls.from_wire(pickle.loads(pickle.dumps(wire, protocol=5))) == call

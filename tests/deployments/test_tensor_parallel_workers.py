@@ -50,7 +50,7 @@ async def _router(call, router: int) -> dict[str, list[int]]:
         seqs = list(live)
         drafts = {s: [rng.randrange(2, 60) for _ in range(rng.randrange(0, 4))] for s in seqs}
         calls = [VerifyCall(SeqDelta(s, sent[s], live[s][sent[s]:], 0.0, 0, 1.0, None), drafts[s]) for s in seqs]
-        result = await call("verify", calls)
+        result = await call("verify", [c.wire() for c in calls])
         for b, s in enumerate(seqs):
             sent[s] = len(live[s])
             tokens, _ = greedy_accept(drafts[s], result["argmax"][b])
@@ -118,11 +118,11 @@ def test_a_rank_whose_peer_is_gone_fails_its_calls_and_health_pings_from_then_on
 
     core = TargetWorkerCore(tiny_config(tiny_model_dirs).engine_config())
     call = VerifyCall(SeqDelta("a", 0, [5, 6, 7], 0.0, 0, 1.0, None), [])
-    assert core.verify([call])["argmax"][0]  # healthy
+    assert core.verify([call.wire()])["argmax"][0]  # healthy
     assert core.ping() == 0.0
     core._peers = [GonePeer()]
     for attempt in range(2):  # the first call finds out; later ones fail at once
         with pytest.raises(TensorParallelBroken, match="connection reset"):
-            core.verify([VerifyCall(SeqDelta("a", 3, [8], 0.0, 0, 1.0, None), [])])
+            core.verify([VerifyCall(SeqDelta("a", 3, [8], 0.0, 0, 1.0, None), []).wire()])
     with pytest.raises(TensorParallelBroken):
         core.ping()  # Serve's health check fails: the replica is replaced
