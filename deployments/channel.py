@@ -84,13 +84,13 @@ class Endpoint:
     def __repr__(self) -> str:  # never print the secret
         return f"Endpoint({self.host}:{self.port})"
 
+    def wire(self) -> tuple:
+        return (self.host, self.port, self.secret, self.unix_name, self.boot_id)
 
-@dataclass(frozen=True)
-class Route:
-    """Where a chained call's last step replies: `conn_id`, the caller's connection to the worker at `endpoint`."""
 
-    endpoint: Endpoint
-    conn_id: int
+# Where a chained call's last step replies: (the last worker's Endpoint.wire(), the caller's connection id there).
+# Plain tuples, like the round's calls (workers.DraftCall.wire): the first worker unpickles it with cold caches.
+Route = tuple[tuple, int]
 
 
 def _digest(secret: bytes, challenge: bytes) -> bytes:
@@ -380,19 +380,20 @@ class ChannelRelay:
     # the model thread this long, once: the router then stops chaining through this pair of workers
 
     def __init__(self) -> None:
-        self._senders: dict[Endpoint, ChannelSender] = {}
+        self._senders: dict[tuple, ChannelSender] = {}  # by Endpoint.wire()
 
     def send(self, route: Route, method: str, *args) -> None:
-        sender = self._senders.pop(route.endpoint, None)
+        endpoint, conn_id = route
+        sender = self._senders.pop(endpoint, None)
         try:
             if sender is None:
-                sender = ChannelSender(route.endpoint, timeout_s=self.CONNECT_TIMEOUT_S)
-            sender.send(method, *args, reply=route.conn_id)
+                sender = ChannelSender(Endpoint(*endpoint), timeout_s=self.CONNECT_TIMEOUT_S)
+            sender.send(method, *args, reply=conn_id)
         except (OSError, ChannelClosed) as exc:
             if sender is not None:
                 sender.close()
-            raise RelayFailed(f"could not pass {method} on to {route.endpoint}: {exc!r}") from exc
-        self._senders[route.endpoint] = sender  # most recently used last
+            raise RelayFailed(f"could not pass {method} on to {Endpoint(*endpoint)}: {exc!r}") from exc
+        self._senders[endpoint] = sender  # most recently used last
         while len(self._senders) > self.KEPT:
             self._senders.pop(next(iter(self._senders))).close()
 
@@ -555,7 +556,7 @@ class AsyncChannels:
         to_first.expect(waiter)
         to_last.expect(waiter)
         try:
-            to_first.send(method, (*args, Route(last, to_last.conn_id)), ERRORS_ONLY)
+            to_first.send(method, (*args, (last.wire(), to_last.conn_id)), ERRORS_ONLY)
             conn, frame = await waiter
         except BaseException:
             to_first.close()

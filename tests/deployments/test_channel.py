@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from deployments.channel import (AsyncChannels, ChannelClosed, ChannelRelay, ChannelSender, ChannelServer, Endpoint,
-                                 RelayFailed, Route)
+                                 RelayFailed)
 
 
 class Boom(ValueError):
@@ -193,7 +193,7 @@ def _first(relay: ChannelRelay, unreachable: Endpoint | None = None):
         return lambda x, route: relay.send(route, method)
 
     def astray(x, route):
-        relay.send(Route(unreachable, route.conn_id), "plus_one", x)
+        relay.send((unreachable.wire(), route[1]), "plus_one", x)
 
     return ChannelServer({"double": double, "fail_here": fail_here, "fail_there": pass_on("fail"),
                           "hang_there": pass_on("hang"), "astray": astray}, "127.0.0.1", bind_host="127.0.0.1")

@@ -7,7 +7,7 @@ from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
 from deployments import leases
-from deployments.channel import AsyncChannels, ChannelRelay, ChannelServer, Endpoint, Route
+from deployments.channel import AsyncChannels, ChannelRelay, ChannelServer, Endpoint
 from deployments.errors import ChainBroken, DraftGone
 from deployments.leases import RayDraftLease, RayLeaseBroker, RayTargetLease
 from deployments.scheduler import Overloaded, ReplicaGone
@@ -140,7 +140,7 @@ def _chain_workers(how: str):
 
     def propose_chained(calls, verify_calls, members, route):
         if how == "relay fails":  # the target is unreachable from the draft worker (not from the router)
-            route = Route(gone.endpoint, route.conn_id)
+            route = (gone.endpoint.wire(), route[1])
         relay.send(route, "verify_chained", verify_calls, members, {"drafts": calls})
 
     draft = ChannelServer({"propose_chained": propose_chained}, "127.0.0.1", bind_host="127.0.0.1")
