@@ -134,13 +134,11 @@ class BusyClock:
     def __init__(self) -> None:
         self._since: float | None = None
 
-    @contextlib.contextmanager
-    def running(self):
+    def __enter__(self) -> None:  # `with clock:` around a model call (a class, not a generator: it runs every call)
         self._since = time.monotonic()
-        try:
-            yield
-        finally:
-            self._since = None
+
+    def __exit__(self, *exc) -> None:
+        self._since = None
 
     def seconds(self) -> float:
         since = self._since
@@ -238,7 +236,7 @@ class DraftWorkerCore:
         return self._model.call(self._timed_propose, calls, ahead_id)
 
     def _timed_propose(self, calls: list[tuple], ahead_id: int | None) -> dict:
-        with self.busy.running():
+        with self.busy:
             return self._propose([DraftCall.from_wire(call) for call in calls], ahead_id)
 
     def _propose(self, calls: list[DraftCall], ahead_id: int | None) -> dict:
@@ -274,8 +272,8 @@ class DraftWorkerCore:
         worker at `route`, whose verify (`TargetWorkerCore.verify_chained`) answers the router. Row members[i] of
         `verify_calls` gets call i's drafts; the draft's whole result travels along for the router. Calls are in
         their wire form (DraftCall.wire(), VerifyCall.wire()); the verify calls pass on as they came."""
-        draft = self.propose(calls)
-        self._model.call(self._relay.send, route, "verify_chained", verify_calls, members, draft)
+        draft = self._timed_propose(calls, None)  # a channel handler: on the model thread already
+        self._relay.send(route, "verify_chained", verify_calls, members, draft)
 
     def release(self, seq_ids: list[str]) -> None:
         self._model.call(self._release, seq_ids)
@@ -397,7 +395,7 @@ class TargetWorkerCore:
         return out
 
     def _timed_verify(self, calls: list[tuple]) -> dict | None:
-        with self.busy.running():
+        with self.busy:
             return self._verify([VerifyCall.from_wire(call) for call in calls])
 
     def _verify(self, calls: list[VerifyCall]) -> dict | None:

@@ -168,7 +168,7 @@ def test_health_check_answers_during_a_long_model_call_and_fails_a_hung_one(ray_
             self.busy = BusyClock()
 
         def compute(self, seconds):
-            with self.busy.running():
+            with self.busy:
                 time.sleep(seconds)
 
         def ping(self):
