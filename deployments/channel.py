@@ -97,16 +97,29 @@ def _digest(secret: bytes, challenge: bytes) -> bytes:
     return hmac.new(secret, challenge, hashlib.sha256).digest()
 
 
-def _frame(obj) -> bytes:
+def _frame(obj) -> list[bytes]:
+    """A frame as [header, body]: sent as two buffers, never concatenated (a sampled round's probabilities make
+    frames of megabytes)."""
     data = pickle.dumps(obj, protocol=5)
-    return _LENGTH.pack(len(data)) + data
+    return [_LENGTH.pack(len(data)), data]
 
 
-def _reply_frame(ok: bool, value) -> bytes:
+def _reply_frame(ok: bool, value) -> list[bytes]:
     try:
         return _frame((ok, value))
     except Exception:  # an exception that does not pickle still reaches the caller, as text
         return _frame((False, RuntimeError(f"{type(value).__name__}: {value}")))
+
+
+def _send_frame(sock: socket.socket, frame: list[bytes]) -> None:
+    header, body = frame
+    sent = sock.sendmsg(frame)
+    if sent < len(header):
+        sock.sendall(header[sent:])
+        sent = len(header)
+    if sent < len(header) + len(body):
+        with memoryview(body) as view:
+            sock.sendall(view[sent - len(header):])
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytes:
@@ -120,9 +133,19 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
+SOCKET_BUFFER_BYTES = 4 << 20  # a sampled round's reply (probabilities) fits, so no sender waits on its reader
+
+
 def _no_delay(sock: socket.socket) -> None:
+    """Per-connection settings: no Nagle delay (TCP), and buffers that hold a whole frame (the kernel caps them at
+    net.core.wmem_max / rmem_max)."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        except OSError:
+            pass
 
 
 def _boot_id() -> str | None:
@@ -331,7 +354,7 @@ class ChannelServer:
                 logger.error("channel: one-way call %s failed: %r", method, result[1])
             return
         try:
-            conn.sendall(_reply_frame(*result))
+            _send_frame(conn, _reply_frame(*result))
         except OSError:
             self._drop(conn)
 
@@ -362,7 +385,7 @@ class ChannelSender:
     def send(self, method: str, *args, reply: str | int = ONE_WAY) -> None:
         """Send a call whose reply, if any, goes elsewhere (`reply`: ONE_WAY, or a connection id at the receiver)."""
         try:
-            self._sock.sendall(_frame((method, args, reply)))
+            _send_frame(self._sock, _frame((method, args, reply)))
         except OSError as exc:
             raise ChannelClosed(f"{self.endpoint}: {exc}", self.endpoint) from exc
 
@@ -460,7 +483,8 @@ class _Connection(asyncio.Protocol):
             end = _LENGTH.size + length
             if len(buffer) < end:
                 return
-            frame = pickle.loads(buffer[_LENGTH.size:end])
+            with memoryview(buffer) as view:
+                frame = pickle.loads(view[_LENGTH.size:end])
             del buffer[:end]
             waiter, self._waiter = self._waiter, None
             if waiter is None or waiter.done():  # nobody asked: a protocol error; this connection is done
@@ -484,7 +508,7 @@ class _Connection(asyncio.Protocol):
             self._waiter = waiter
 
     def send(self, method: str, args: tuple, reply: str | int) -> None:
-        self._transport.write(_frame((method, args, reply)))
+        self._transport.writelines(_frame((method, args, reply)))
 
     def close(self) -> None:
         self._waiter = None

@@ -67,6 +67,24 @@ def test_a_client_on_the_workers_machine_connects_by_unix_socket_and_any_other_b
     server.close()
 
 
+def test_frames_of_megabytes_cross_whole_both_ways_and_through_a_chain():
+    big = np.random.default_rng(0).random(3 << 18, dtype=np.float32)  # 3 MB: more than a socket buffer may hold
+    last = _server(plus_one=lambda y: y + 1)
+    first = _first(ChannelRelay())
+    channels = AsyncChannels()
+
+    async def run():
+        (echoed,) = await channels.call(last.endpoint, "echo", big)
+        chained = await channels.chain(first.endpoint, last.endpoint, "double", big)
+        return echoed, chained
+
+    echoed, chained = asyncio.run(run())
+    np.testing.assert_array_equal(echoed, big)
+    np.testing.assert_array_equal(chained, 2 * big + 1)
+    first.close()
+    last.close()
+
+
 def test_a_client_without_the_secret_is_refused_before_anything_runs():
     calls = []
     server = _server(record=lambda: calls.append(1))
