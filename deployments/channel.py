@@ -562,13 +562,14 @@ class AsyncChannels:
             raise value
         return value
 
-    async def chain(self, first: Endpoint, last: Endpoint, method: str, *args):
+    async def chain(self, first: Endpoint, last: Endpoint, method: str, *args, first_replies: bool = False):
         """A chained call: `method(*args, route)` at `first`, whose handler passes its work on to `last` with
-        `ChannelRelay.send(route, ...)`; the reply (or exception) of that last step is returned.
+        `ChannelRelay.send(route, ...)`. Returns (the first handler's result or None, the last step's result).
 
-        The worker at `first` answers only if its handler raised (that exception is raised here). A lost connection
-        to either worker is ChannelClosed naming it; after any failure both connections are closed, since a late
-        frame might still come on either.
+        The worker at `first` answers only if its handler raised, unless `first_replies` (then its handler's result
+        comes back too, while the last step runs: what the last worker does not need need not travel through it). A
+        worker's exception is raised here; a lost connection to either worker is ChannelClosed naming it. After a
+        failure both connections are closed, since a late frame might still come on either.
         """
         to_last = await self._take(last)
         try:
@@ -576,12 +577,23 @@ class AsyncChannels:
         except BaseException:
             self._give_back(to_last)
             raise
-        waiter = asyncio.get_running_loop().create_future()
-        to_first.expect(waiter)
-        to_last.expect(waiter)
+        loop = asyncio.get_running_loop()
+        if first_replies:  # a future per connection: the first worker's reply, then the last one's
+            from_first, from_last = loop.create_future(), loop.create_future()
+        else:  # one future: the last worker's reply, or the first one's failure, whichever comes
+            from_first = from_last = loop.create_future()
+        to_first.expect(from_first)
+        to_last.expect(from_last)
+        first_value = None
         try:
-            to_first.send(method, (*args, (last.wire(), to_last.conn_id)), ERRORS_ONLY)
-            conn, frame = await waiter
+            to_first.send(method, (*args, (last.wire(), to_last.conn_id)), REPLY if first_replies else ERRORS_ONLY)
+            if first_replies:
+                conn, frame = await from_first
+                if frame is not None and frame[0]:
+                    first_value = frame[1]
+                    conn, frame = await from_last
+            else:
+                conn, frame = await from_first
         except BaseException:
             to_first.close()
             to_last.close()
@@ -589,7 +601,7 @@ class AsyncChannels:
         if conn is to_last and frame is not None and frame[0]:
             to_first.expect(None)  # a frame there now would be a protocol error
             self._give_back(to_first, to_last)
-            return frame[1]
+            return first_value, frame[1]
         to_first.close()
         to_last.close()
         if frame is None:

@@ -19,7 +19,7 @@ from ray.serve.exceptions import BackPressureError
 
 from .channel import AsyncChannels, ChannelClosed, RelayFailed
 from .errors import ChainBroken, DraftGone, Overloaded, ReplicaGone
-from .workers import DraftCall, TensorParallelBroken, VerifyCall
+from .workers import DraftCall, TensorParallelBroken, VerifyCall, draft_replies_directly
 
 _DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
 # How long a lease waits for a replica that has not failed (Serve's health check every 5 s, then a new replica
@@ -57,10 +57,11 @@ class RayDraftLease(_RayLease):
                     members: list[int]) -> dict:
         """One chained round trip (channel.AsyncChannels.chain): this worker drafts and hands the drafts to the target's
         rank 0, which verifies and answers here."""
+        direct = draft_replies_directly(calls)
         try:
-            return await self._channels.chain(self.endpoint, target.endpoint, "propose_chained",
-                                              [call.wire() for call in calls], [call.wire() for call in verify_calls],
-                                              members)
+            draft, result = await self._channels.chain(
+                self.endpoint, target.endpoint, "propose_chained", [call.wire() for call in calls],
+                [call.wire() for call in verify_calls], members, direct, first_replies=direct)
         except ChannelClosed as exc:
             if exc.endpoint == target.endpoint:
                 self._dead.add(target.key)
@@ -72,6 +73,9 @@ class RayDraftLease(_RayLease):
             raise ReplicaGone(f"replica {target.key} failed: {exc}") from exc
         except RelayFailed as exc:
             raise ChainBroken(str(exc)) from exc
+        if direct:
+            result["draft"] = draft
+        return result
 
     def cancel(self, ahead_id: int) -> None:
         # served on the worker's "control" thread while `propose` computes (workers.ray_actor_classes)

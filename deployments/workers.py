@@ -85,6 +85,13 @@ class VerifyCall:
         return VerifyCall(SeqDelta(*wire[0]), wire[1])
 
 
+def draft_replies_directly(calls: list[DraftCall]) -> bool:
+    """Whether a chained round's draft result goes to the router straight from the draft worker: when some row
+    samples, since its draft probabilities ([K, V]) are large and the target does not need them. Greedy rows' drafts
+    are a few token ids, and travel with the target's reply (the router then wakes once per round)."""
+    return any(call.seq.temperature > 0 for call in calls)
+
+
 class UnknownSequenceError(KeyError):
     """A call continued a sequence this worker does not hold (the router must re-send it from 0)."""
 
@@ -266,14 +273,22 @@ class DraftWorkerCore:
             "seconds": time.perf_counter() - start,  # worker compute, so the router can tell RPC overhead apart
         }
 
-    def propose_chained(self, calls: list[tuple], verify_calls: list[tuple], members: list[int],
-                        route: Route) -> None:
+    def propose_chained(self, calls: list[tuple], verify_calls: list[tuple], members: list[int], direct: bool,
+                        route: Route) -> dict | None:
         """A chained round's first step (channel.AsyncChannels.chain): draft, then hand the drafts to the target
         worker at `route`, whose verify (`TargetWorkerCore.verify_chained`) answers the router. Row members[i] of
         `verify_calls` gets call i's drafts; the draft's whole result travels along for the router. Calls are in
-        their wire form (DraftCall.wire(), VerifyCall.wire()); the verify calls pass on as they came."""
+        their wire form (DraftCall.wire(), VerifyCall.wire()); the verify calls pass on as they came.
+
+        `direct` (rows that sample: `draft_replies_directly`): only the drafted tokens go to the target, and the
+        result (with the draft's probabilities, [K, V] per sampled row) is returned: the router gets it straight
+        from here while the target verifies, instead of through the target on the round's critical path."""
         draft = self._timed_propose(calls, None)  # a channel handler: on the model thread already
-        self._relay.send(route, "verify_chained", verify_calls, members, draft)
+        if not direct:
+            self._relay.send(route, "verify_chained", verify_calls, members, draft)
+            return None
+        self._relay.send(route, "verify_chained", verify_calls, members, {"drafts": draft["drafts"]})
+        return draft
 
     def release(self, seq_ids: list[str]) -> None:
         self._model.call(self._release, seq_ids)

@@ -10,7 +10,7 @@ import pytest
 
 from deployments.config import SpecServeConfig
 from deployments.errors import ChainBroken, DraftGone, ReplicaGone
-from deployments.workers import DraftWorkerCore, TargetWorkerCore
+from deployments.workers import DraftWorkerCore, TargetWorkerCore, draft_replies_directly
 from tests.conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
 
@@ -46,6 +46,13 @@ def tiny_config(dirs, **overrides) -> SpecServeConfig:
                                            **overrides})
 
 
+class _Relay:
+    """Stands in for a draft worker's ChannelRelay: keeps the call it was to pass on."""
+
+    def send(self, route, method, *args) -> None:
+        self.sent = (method, args)
+
+
 class _Lease:
     def __init__(self, broker, kind: str, core, key: str, seq_id: str) -> None:
         self.broker, self.kind, self.core, self.key, self.seq_id = broker, kind, core, key, seq_id
@@ -64,16 +71,24 @@ class _Lease:
         return self.core.propose([call.wire() for call in calls], ahead_id)  # as the channel carries them
 
     async def chain(self, calls, target, verify_calls, members):
-        """What the channel's chained call does: draft here, then the target verifies with those drafts."""
+        """What RayDraftLease.chain does, in-process: the worker cores' own chained handlers, with the draft's
+        relay handing its call to this target's core."""
         self.broker.chained += 1
         self._maybe_fail()
         await asyncio.sleep(0)
-        draft = self.core.propose([call.wire() for call in calls])
+        relay = _Relay()
+        self.core._relay = relay
+        direct = draft_replies_directly(calls)
+        draft = self.core.propose_chained([c.wire() for c in calls], [c.wire() for c in verify_calls], members,
+                                          direct, ("target endpoint", 1))
         if self.broker.break_chains:  # drafted, but could not pass the drafts on to the target
             self.broker.break_chains -= 1
             raise ChainBroken("could not pass verify_chained on")
-        return await target._verify(lambda: target.core.verify_chained([c.wire() for c in verify_calls], members,
-                                                                       draft))
+        method, args = relay.sent
+        result = await target._verify(lambda: getattr(target.core, method)(*args))
+        if direct:
+            result["draft"] = draft
+        return result
 
     def cancel(self, ahead_id) -> None:
         self.broker.cancels += 1

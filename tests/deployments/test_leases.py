@@ -138,10 +138,11 @@ def _chain_workers(how: str):
     target = ChannelServer({"verify_chained": verify_chained}, "127.0.0.1", bind_host="127.0.0.1")
     relay = ChannelRelay()
 
-    def propose_chained(calls, verify_calls, members, route):
+    def propose_chained(calls, verify_calls, members, direct, route):
         if how == "relay fails":  # the target is unreachable from the draft worker (not from the router)
             route = (gone.endpoint.wire(), route[1])
         relay.send(route, "verify_chained", verify_calls, members, {"drafts": calls})
+        return {"drafts": calls, "direct": True} if direct else None
 
     draft = ChannelServer({"propose_chained": propose_chained}, "127.0.0.1", bind_host="127.0.0.1")
     return (gone.endpoint if how == "draft gone" else draft.endpoint,
@@ -155,16 +156,18 @@ def _chain_workers(how: str):
     ("target broken", ReplicaGone, {"t"}),
     ("relay fails", ChainBroken, set()),
 ])
-def test_a_chained_round_names_the_replica_that_failed(how, error, blamed):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_chained_round_names_the_replica_that_failed(how, error, blamed, temperature):
     draft_endpoint, target_endpoint = _chain_workers(how)
     channels, dead = AsyncChannels(), set()
     draft = RayDraftLease(FakeStream(None), {"replica": "d", "workers": [], "endpoint": draft_endpoint}, channels, dead)
     target = RayTargetLease(FakeStream(None), {"replica": "t", "workers": [], "endpoint": target_endpoint}, channels,
                             dead)
-    draft_calls = [DraftCall(SeqDelta("b", 0, [7, 8], 0.0, 0, 1.0, None), 3)]
+    draft_calls = [DraftCall(SeqDelta("b", 0, [7, 8], temperature, 0, 1.0, None), 3)]
     run = draft.chain(draft_calls, target, [_verify_call("a"), _verify_call("b")], [1])
-    if error is None:  # the calls travel in their wire form
-        assert asyncio.run(run) == {"rows": 2, "members": [1], "draft": {"drafts": [draft_calls[0].wire()]}}
+    if error is None:  # the calls travel in their wire form; a sampled row's draft comes straight from the draft
+        expected_draft = {"drafts": [draft_calls[0].wire()], **({"direct": True} if temperature else {})}
+        assert asyncio.run(run) == {"rows": 2, "members": [1], "draft": expected_draft}
     else:
         with pytest.raises(error) as info:
             asyncio.run(asyncio.wait_for(run, 30))

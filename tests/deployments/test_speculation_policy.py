@@ -95,6 +95,25 @@ def test_overlap_keeps_the_target_distribution_when_sampling(tmp_path):
     assert st.ahead_used > n // 4, "a good share of 3rd tokens came from drafts made ahead"
 
 
+def test_chained_rounds_keep_the_target_distribution_when_sampling(tmp_path):
+    """Sampled rows' draft probabilities reach the router straight from the draft worker while the target worker
+    verifies the drafts it was handed (a chained round): the 3rd token's marginal must be the target's exact one."""
+    vocab = 8
+    target = make_tiny_model("llama", vocab=vocab, seed=3)
+    draft = perturbed_copy(target, 0.08, seed=4)
+    dirs = save_model_pair(tmp_path, target, draft)
+    exact, draft_marginal = third_token_marginals(target, draft, [2, 3, 4], vocab, top_k=0)
+    router, broker = router_for(dirs, num_speculative_tokens=2, max_batch_for_speculation=64)
+    n = 3000
+    params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
+    outputs = run_all(router, [[2, 3, 4]] * n, params)
+    got = torch.bincount(torch.tensor([t[2] for t in outputs]), minlength=vocab).float() / n
+    bound = total_variation_bound(vocab, n)
+    assert 0.5 * (got - exact).abs().sum() < bound
+    assert 0.5 * (draft_marginal - exact).abs().sum() > 2 * bound, "the draft differs enough to be detectable"
+    assert router.scheduler.stats.chained_rounds == broker.chained > 0, "the rounds were chained"
+
+
 def test_adaptive_k_switches_off_under_load_and_back_on(tiny_model_dirs, tmp_path):
     router, _ = router_for(tiny_model_dirs, adaptive=True, calibration=write_profile(tmp_path / "c.json", 2))
     busy = run_all(router, PROMPTS, [GREEDY] * 4)  # 4 live sequences > knee: plain rounds while all four live
