@@ -12,12 +12,15 @@ method raised), or a connection id of this server (that connection's client gets
 Handshake: the server sends a 32-byte random challenge, the client answers HMAC-SHA256(secret, challenge), and the
 server sends the connection's id (8 bytes); a wrong answer closes the connection before any pickle is read.
 
-Chained calls (`AsyncChannels.chain`): the router asks the draft worker to draft and hand its drafts straight to
-the target worker, which verifies and answers on the router's own connection to it. A round then wakes three
-processes in turn instead of four (router -> draft -> target -> router, against router -> draft -> router ->
-target -> router), and the router's Python between the two calls is gone: bench/RESULTS.md has the figures. Each worker makes its own secret, which reaches the
-router only through Ray (the lease). The channel is authenticated, not encrypted (like Ray's own traffic without
-TLS): token ids and probabilities cross the network in the clear.
+Chained calls (`channel_client.AsyncChannels.chain`, the router's side): the router asks the draft worker to draft
+and hand its drafts straight to the target worker, which verifies and answers on the router's own connection to it.
+A round then wakes three processes in turn instead of four (router -> draft -> target -> router, against router ->
+draft -> router -> target -> router), and the router's Python between the two calls is gone: bench/RESULTS.md has
+the figures.
+
+Each worker makes its own secret, which reaches the router only through Ray (the lease). The channel is
+authenticated, not encrypted (like Ray's own traffic without TLS): token ids and probabilities cross the network in
+the clear. Between processes on one machine it runs over an abstract Unix socket instead of TCP (`Endpoint`).
 
 The server side is the worker's one model thread (`ChannelServer`): it serves every connection, and runs the
 worker's other model work (from Ray methods) in turn, so calls from several routers and from Ray methods never
@@ -26,7 +29,6 @@ interleave inside a model.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import itertools
@@ -44,8 +46,8 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-_LENGTH = struct.Struct("!Q")
-_CHALLENGE_BYTES = 32
+FRAME_LENGTH = struct.Struct("!Q")
+CHALLENGE_BYTES = 32
 
 REPLY, ONE_WAY, ERRORS_ONLY = "reply", "one-way", "errors-only"  # a request's reply modes; an int: a connection id
 
@@ -93,22 +95,22 @@ class Endpoint:
 Route = tuple[tuple, int]
 
 
-def _digest(secret: bytes, challenge: bytes) -> bytes:
+def digest(secret: bytes, challenge: bytes) -> bytes:
     return hmac.new(secret, challenge, hashlib.sha256).digest()
 
 
-def _frame(obj) -> list[bytes]:
+def frame_of(obj) -> list[bytes]:
     """A frame as [header, body]: sent as two buffers, never concatenated (a sampled round's probabilities make
     frames of megabytes)."""
     data = pickle.dumps(obj, protocol=5)
-    return [_LENGTH.pack(len(data)), data]
+    return [FRAME_LENGTH.pack(len(data)), data]
 
 
 def _reply_frame(ok: bool, value) -> list[bytes]:
     try:
-        return _frame((ok, value))
+        return frame_of((ok, value))
     except Exception:  # an exception that does not pickle still reaches the caller, as text
-        return _frame((False, RuntimeError(f"{type(value).__name__}: {value}")))
+        return frame_of((False, RuntimeError(f"{type(value).__name__}: {value}")))
 
 
 def _send_frame(sock: socket.socket, frame: list[bytes]) -> None:
@@ -136,7 +138,7 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
 SOCKET_BUFFER_BYTES = 4 << 20  # a sampled round's reply (probabilities) fits, so no sender waits on its reader
 
 
-def _no_delay(sock: socket.socket) -> None:
+def tune_socket(sock: socket.socket) -> None:
     """Per-connection settings: no Nagle delay (TCP), and buffers that hold a whole frame (the kernel caps them at
     net.core.wmem_max / rmem_max)."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -177,7 +179,7 @@ def _unix_server() -> tuple[socket.socket | None, str | None]:
     return sock, name
 
 
-def _connect_local(endpoint: Endpoint, timeout_s: float | None) -> socket.socket | None:
+def connect_local(endpoint: Endpoint, timeout_s: float | None) -> socket.socket | None:
     """A connected Unix socket to `endpoint` when it is on this machine and reachable so, else None."""
     name = endpoint.local_name()
     if name is None:
@@ -273,22 +275,22 @@ class ChannelServer:
 
     def _handshake(self, conn: socket.socket) -> None:
         try:
-            _no_delay(conn)
-            challenge = secrets.token_bytes(_CHALLENGE_BYTES)
+            tune_socket(conn)
+            challenge = secrets.token_bytes(CHALLENGE_BYTES)
             conn.sendall(challenge)
             conn.settimeout(10.0)  # a peer that never answers the challenge does not hold a thread for long
             answer = _read_exact(conn, hashlib.sha256().digest_size)
         except (ChannelClosed, OSError):
             conn.close()
             return
-        if not hmac.compare_digest(answer, _digest(self.secret, challenge)):
+        if not hmac.compare_digest(answer, digest(self.secret, challenge)):
             self.refused += 1
             logger.warning("channel: a connection failed the handshake and was closed")
             conn.close()
             return
         conn_id = next(self._ids)
         try:
-            conn.sendall(_LENGTH.pack(conn_id))
+            conn.sendall(FRAME_LENGTH.pack(conn_id))
         except OSError:
             conn.close()
             return
@@ -330,7 +332,7 @@ class ChannelServer:
 
     def _serve_frame(self, conn: socket.socket) -> None:
         try:
-            (length,) = _LENGTH.unpack(_read_exact(conn, _LENGTH.size))
+            (length,) = FRAME_LENGTH.unpack(_read_exact(conn, FRAME_LENGTH.size))
             method, args, reply = pickle.loads(_read_exact(conn, length))
         except (ChannelClosed, OSError, pickle.UnpicklingError, ValueError, EOFError):
             self._drop(conn)  # the client went away (or stalled mid-frame)
@@ -374,18 +376,18 @@ class ChannelSender:
 
     def __init__(self, endpoint: Endpoint, timeout_s: float = 30.0) -> None:
         self.endpoint = endpoint
-        self._sock = _connect_local(endpoint, timeout_s) or socket.create_connection((endpoint.host, endpoint.port),
+        self._sock = connect_local(endpoint, timeout_s) or socket.create_connection((endpoint.host, endpoint.port),
                                                                                      timeout=timeout_s)
-        _no_delay(self._sock)
-        challenge = _read_exact(self._sock, _CHALLENGE_BYTES)
-        self._sock.sendall(_digest(endpoint.secret, challenge))
-        _read_exact(self._sock, _LENGTH.size)  # the connection's id: the handshake passed
+        tune_socket(self._sock)
+        challenge = _read_exact(self._sock, CHALLENGE_BYTES)
+        self._sock.sendall(digest(endpoint.secret, challenge))
+        _read_exact(self._sock, FRAME_LENGTH.size)  # the connection's id: the handshake passed
         self._sock.settimeout(None)
 
     def send(self, method: str, *args, reply: str | int = ONE_WAY) -> None:
         """Send a call whose reply, if any, goes elsewhere (`reply`: ONE_WAY, or a connection id at the receiver)."""
         try:
-            _send_frame(self._sock, _frame((method, args, reply)))
+            _send_frame(self._sock, frame_of((method, args, reply)))
         except OSError as exc:
             raise ChannelClosed(f"{self.endpoint}: {exc}", self.endpoint) from exc
 
@@ -424,195 +426,3 @@ class ChannelRelay:
         for sender in self._senders.values():
             sender.close()
         self._senders.clear()
-
-
-class _Connection(asyncio.Protocol):
-    """The router's end of one connection: frames in, at most one call awaiting a reply at a time.
-
-    `expect(future)` makes the next frame (or the connection's loss) the future's result, as (this connection,
-    (ok, value)) or (this connection, None); a chained call hands one future to two connections and learns which
-    answered first.
-    """
-
-    def __init__(self, endpoint: Endpoint) -> None:
-        self.endpoint = endpoint
-        self.conn_id: int | None = None  # the server's id for this connection, once the handshake passed
-        self.lost = False
-        self._transport: asyncio.Transport | None = None
-        self._buffer = bytearray()
-        self._ready: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._answered = False  # the handshake's challenge is answered
-        self._waiter: asyncio.Future | None = None
-
-    @classmethod
-    async def open(cls, endpoint: Endpoint) -> "_Connection":
-        loop = asyncio.get_running_loop()
-        local = _connect_local(endpoint, 0.0)  # non-blocking: a full backlog fails at once, and TCP is tried
-        if local is not None:
-            transport, conn = await loop.create_unix_connection(lambda: cls(endpoint), sock=local)
-        else:
-            transport, conn = await loop.create_connection(lambda: cls(endpoint), endpoint.host, endpoint.port)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            _no_delay(sock)
-        try:
-            await conn._ready
-        except BaseException:
-            transport.close()
-            raise
-        return conn
-
-    def connection_made(self, transport) -> None:
-        self._transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
-        if self.conn_id is None:  # the handshake: a challenge, our answer, then the connection's id
-            if not self._answered and len(buffer) >= _CHALLENGE_BYTES:
-                self._transport.write(_digest(self.endpoint.secret, bytes(buffer[:_CHALLENGE_BYTES])))
-                del buffer[:_CHALLENGE_BYTES]
-                self._answered = True
-            if self._answered and len(buffer) >= _LENGTH.size:
-                (self.conn_id,) = _LENGTH.unpack_from(buffer)
-                del buffer[:_LENGTH.size]
-                self._ready.set_result(None)
-            return
-        while len(buffer) >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(buffer)
-            end = _LENGTH.size + length
-            if len(buffer) < end:
-                return
-            with memoryview(buffer) as view:
-                frame = pickle.loads(view[_LENGTH.size:end])
-            del buffer[:end]
-            waiter, self._waiter = self._waiter, None
-            if waiter is None or waiter.done():  # nobody asked: a protocol error; this connection is done
-                self.close()
-                return
-            waiter.set_result((self, frame))
-
-    def connection_lost(self, exc) -> None:
-        self.lost = True
-        if not self._ready.done():
-            self._ready.set_exception(ChannelClosed(f"{self.endpoint}: closed during the handshake (refused?)",
-                                                   self.endpoint))
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result((self, None))
-
-    def expect(self, waiter: asyncio.Future | None) -> None:
-        if self.lost and waiter is not None:
-            waiter.set_result((self, None))
-        else:
-            self._waiter = waiter
-
-    def send(self, method: str, args: tuple, reply: str | int) -> None:
-        self._transport.writelines(_frame((method, args, reply)))
-
-    def close(self) -> None:
-        self._waiter = None
-        if self._transport is not None:
-            self._transport.close()
-
-
-class AsyncChannels:
-    """The router's connections to workers' channels: a few per endpoint, reused across calls.
-
-    A call takes an idle connection (or opens one), so concurrent calls to one worker each have their own; a call
-    that fails or is cancelled mid-way closes its connections instead of returning them.
-    """
-
-    def __init__(self) -> None:
-        self._idle: dict[Endpoint, list[_Connection]] = {}
-
-    async def _take(self, endpoint: Endpoint) -> _Connection:
-        idle = self._idle.get(endpoint)
-        while idle:
-            conn = idle.pop()
-            if not conn.lost:
-                return conn
-        try:
-            return await _Connection.open(endpoint)
-        except OSError as exc:
-            self.forget(endpoint)
-            raise ChannelClosed(f"{endpoint}: {exc!r}", endpoint) from exc
-
-    def _give_back(self, *conns: _Connection) -> None:
-        for conn in conns:
-            self._idle.setdefault(conn.endpoint, []).append(conn)
-
-    async def call(self, endpoint: Endpoint, method: str, *args):
-        """`method(*args)` at the worker; its exception is raised here, and a lost worker is ChannelClosed."""
-        conn = await self._take(endpoint)
-        waiter = asyncio.get_running_loop().create_future()
-        conn.expect(waiter)
-        try:
-            conn.send(method, args, REPLY)
-            _, frame = await waiter
-        except BaseException:  # cancelled mid-call: the reply may still come, so this connection is done
-            conn.close()
-            raise
-        if frame is None:
-            self.forget(endpoint)  # its other idle connections lead to the same dead worker
-            raise ChannelClosed(f"{endpoint}: connection closed", endpoint)
-        self._give_back(conn)
-        ok, value = frame
-        if not ok:
-            raise value
-        return value
-
-    async def chain(self, first: Endpoint, last: Endpoint, method: str, *args, first_replies: bool = False):
-        """A chained call: `method(*args, route)` at `first`, whose handler passes its work on to `last` with
-        `ChannelRelay.send(route, ...)`. Returns (the first handler's result or None, the last step's result).
-
-        The worker at `first` answers only if its handler raised, unless `first_replies` (then its handler's result
-        comes back too, while the last step runs: what the last worker does not need need not travel through it). A
-        worker's exception is raised here; a lost connection to either worker is ChannelClosed naming it. After a
-        failure both connections are closed, since a late frame might still come on either.
-        """
-        to_last = await self._take(last)
-        try:
-            to_first = await self._take(first)
-        except BaseException:
-            self._give_back(to_last)
-            raise
-        loop = asyncio.get_running_loop()
-        if first_replies:  # a future per connection: the first worker's reply, then the last one's
-            from_first, from_last = loop.create_future(), loop.create_future()
-        else:  # one future: the last worker's reply, or the first one's failure, whichever comes
-            from_first = from_last = loop.create_future()
-        to_first.expect(from_first)
-        to_last.expect(from_last)
-        first_value = None
-        try:
-            to_first.send(method, (*args, (last.wire(), to_last.conn_id)), REPLY if first_replies else ERRORS_ONLY)
-            if first_replies:
-                conn, frame = await from_first
-                if frame is not None and frame[0]:
-                    first_value = frame[1]
-                    conn, frame = await from_last
-            else:
-                conn, frame = await from_first
-        except BaseException:
-            to_first.close()
-            to_last.close()
-            raise
-        if conn is to_last and frame is not None and frame[0]:
-            to_first.expect(None)  # a frame there now would be a protocol error
-            self._give_back(to_first, to_last)
-            return first_value, frame[1]
-        to_first.close()
-        to_last.close()
-        if frame is None:
-            self.forget(conn.endpoint)
-            raise ChannelClosed(f"{conn.endpoint}: connection closed", conn.endpoint)
-        raise frame[1]
-
-    def forget(self, endpoint: Endpoint) -> None:
-        for conn in self._idle.pop(endpoint, []):
-            conn.close()
-
-    def close(self) -> None:
-        for endpoint in list(self._idle):
-            self.forget(endpoint)

@@ -17,7 +17,8 @@ import time
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from .channel import AsyncChannels, ChannelClosed, RelayFailed
+from .channel import ChannelClosed, RelayFailed
+from .channel_client import AsyncChannels
 from .errors import ChainBroken, DraftGone, Overloaded, ReplicaGone
 from .workers import DraftCall, TensorParallelBroken, VerifyCall, draft_replies_directly
 
@@ -55,8 +56,8 @@ class RayDraftLease(_RayLease):
 
     async def chain(self, calls: list[DraftCall], target: "RayTargetLease", verify_calls: list[VerifyCall],
                     members: list[int]) -> dict:
-        """One chained round trip (channel.AsyncChannels.chain): this worker drafts and hands the drafts to the target's
-        rank 0, which verifies and answers here."""
+        """One chained round trip (channel_client.AsyncChannels.chain): this worker drafts and hands the drafts to
+        the target's rank 0, which verifies and answers here."""
         direct = draft_replies_directly(calls)
         try:
             draft, result = await self._channels.chain(

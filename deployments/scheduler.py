@@ -448,7 +448,7 @@ class Scheduler:
     async def _chained(self, rows: list[_Live], ks: list[int], members: list[int], drafts: list[list[int]],
                        probs: dict[int, np.ndarray], costs: list[tuple]) -> tuple[dict | None, float]:
         """Draft `members` and verify every row in one chained call (the draft worker hands its drafts straight to
-        the target worker, which answers: channel.AsyncChannels.chain). Returns the verify result and the draft's
+        the target worker, which answers: channel_client.AsyncChannels.chain). Returns the verify result and the draft's
         compute seconds; (None, 0.0) when the draft worker failed, and the round must verify without its drafts.
         Raises ReplicaGone when the target worker failed."""
         lease = rows[members[0]].draft

@@ -275,7 +275,7 @@ class DraftWorkerCore:
 
     def propose_chained(self, calls: list[tuple], verify_calls: list[tuple], members: list[int], direct: bool,
                         route: Route) -> dict | None:
-        """A chained round's first step (channel.AsyncChannels.chain): draft, then hand the drafts to the target
+        """A chained round's first step (channel_client.AsyncChannels.chain): draft, then hand the drafts to the target
         worker at `route`, whose verify (`TargetWorkerCore.verify_chained`) answers the router. Row members[i] of
         `verify_calls` gets call i's drafts; the draft's whole result travels along for the router. Calls are in
         their wire form (DraftCall.wire(), VerifyCall.wire()); the verify calls pass on as they came.

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from deployments.channel import (AsyncChannels, ChannelClosed, ChannelRelay, ChannelSender, ChannelServer, Endpoint,
-                                 RelayFailed)
+from deployments.channel import ChannelClosed, ChannelRelay, ChannelSender, ChannelServer, Endpoint, RelayFailed
+from deployments.channel_client import AsyncChannels
 
 
 class Boom(ValueError):
@@ -218,7 +218,8 @@ def _first(relay: ChannelRelay, unreachable: Endpoint | None = None):
         relay.send((unreachable.wire(), route[1]), "plus_one", x)
 
     return ChannelServer({"double": double, "fail_here": fail_here, "fail_there": pass_on("fail"),
-                          "hang_there": pass_on("hang"), "astray": astray, "double_and_tell": double_and_tell}, "127.0.0.1", bind_host="127.0.0.1")
+                          "hang_there": pass_on("hang"), "astray": astray, "double_and_tell": double_and_tell},
+                         "127.0.0.1", bind_host="127.0.0.1")
 
 
 def test_a_chained_call_is_answered_by_its_last_worker_on_the_callers_own_connection():

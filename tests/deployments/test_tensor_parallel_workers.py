@@ -10,7 +10,7 @@ import multiprocessing
 import random
 import socket
 
-from deployments.channel import AsyncChannels
+from deployments.channel_client import AsyncChannels
 from deployments.workers import SeqDelta, TargetWorkerCore, VerifyCall
 from engine.rejection import greedy_accept
 from tests.deployments.conftest import tiny_config
