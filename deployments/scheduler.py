@@ -1,8 +1,10 @@
 """The router's round loop: batches live requests into speculative rounds over their leased Draft/Target workers.
 
 One asyncio task per router replica. Each round groups the live sequences by the Target replica they are pinned to
-and, per group, makes one batched draft call per Draft replica and one batched verify call (the requests' rounds are
-batched inside the workers); the rejection sampler (engine/, pure) runs here. A request leases its Target replica
+and, per group, makes one chained call (the Draft worker drafts for the batch and hands its tokens to the Target
+worker, which verifies and answers: deployments/channel_client.py), or one batched draft call per Draft replica and
+one batched verify call where a group's rows draft on several Draft replicas, draft ahead, or use n-gram lookup; the
+rejection sampler (engine/, pure) runs here. A request leases its Target replica
 when it starts and its Draft replica on the first round its plan gives it drafts: one that never drafts (under load
 the plan keeps K at 0) never holds a Draft lease. Requests join between rounds and leave when finished
 or cancelled, closing their leases, which frees their caches at once. A replica that dies mid-request is
@@ -24,7 +26,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -41,7 +42,8 @@ from .ahead import AheadDrafts
 from .errors import ChainBroken, DraftGone, Overloaded, ReplicaGone
 from .metrics import NullMetrics, observe
 from .round_costs import RoundCosts
-from .workers import DraftCall, SeqDelta, VerifyCall
+from .live import DraftLease, LeaseBroker, LiveRequest
+from .workers import DraftCall, VerifyCall
 
 logger = logging.getLogger("ray.serve")
 
@@ -63,75 +65,6 @@ class AdmissionSlot:
         if self.held:
             self.held = False
             self._scheduler._reserved -= 1
-
-
-class DraftLease(Protocol):
-    key: str
-    costs: dict | None  # {"batch_sizes": [...], "draft_step_seconds": [...]} measured by the replica, or None
-
-    async def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> dict: ...
-
-    async def chain(self, calls: list[DraftCall], target: "TargetLease", verify_calls: list[VerifyCall],
-                    members: list[int]) -> dict:
-        """Draft `calls`, then verify `verify_calls` at `target` with call i's drafts for row members[i], the draft
-        worker handing them straight to the target's: the verify result, the draft's under "draft". Raises DraftGone,
-        ReplicaGone (the target) or ChainBroken."""
-        ...
-
-    def cancel(self, ahead_id: int) -> None: ...
-
-    async def close(self) -> None: ...
-
-
-class TargetLease(Protocol):
-    key: str
-    costs: dict | None  # {"batch_sizes": [...], "verify_seconds": [[...]]} measured by the replica, or None
-
-    async def verify(self, calls: list[VerifyCall]) -> dict: ...
-
-    async def close(self) -> None: ...
-
-
-class LeaseBroker(Protocol):
-    async def draft(self, seq_id: str) -> DraftLease: ...
-
-    async def target(self, seq_id: str) -> TargetLease: ...
-
-
-@dataclass
-class _Live:
-    seq: SequenceState
-    queue: asyncio.Queue
-    target: TargetLease
-    draft: DraftLease | None = None
-    draft_sent: int = 0  # committed tokens the draft worker has
-    draft_extra: list[int] = field(default_factory=list)  # tokens past those it was sent (an ahead draft's base)
-    target_sent: int = 0
-    failures: int = 0
-    tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
-    fixed_k: bool = False  # the request asked for exactly seq.k drafts per round
-    reletting: bool = False  # its Target replica died; a new lease is being taken (it sits out the rounds)
-    overlap: bool = False  # draft its next round during this round's verify
-    ready: tuple[list[int], np.ndarray | None] | None = None  # next round's draft (tokens, [K, V] probs), made ahead
-    draft_retry_at: float = 0.0  # time.monotonic() before which no Draft lease is tried (the last one failed)
-
-    def delta(self, sent: int) -> SeqDelta:
-        p = self.seq.params
-        return SeqDelta(self.seq.request_id, sent, self.seq.tokens[sent:], p.temperature, p.top_k, p.top_p, p.seed)
-
-    def draft_delta(self, extra: list[int]) -> SeqDelta:
-        """The call that leaves the draft worker holding the committed tokens plus `extra`, re-sending as little as
-        possible (after a right guess the worker already holds the new tokens)."""
-        wanted = self.seq.tokens + extra
-        start, held = self.draft_sent, self.draft_extra
-        same = 0
-        while same < len(held) and start + same < len(wanted) and held[same] == wanted[start + same]:
-            same += 1
-        p = self.seq.params
-        delta = SeqDelta(self.seq.request_id, start + same, wanted[start + same:], p.temperature, p.top_k, p.top_p,
-                         p.seed)
-        self.draft_sent, self.draft_extra = self.seq.num_tokens, list(extra)
-        return delta
 
 
 @dataclass
@@ -172,7 +105,7 @@ class Scheduler:
         self.ngram = NgramProposer(config.ngram_min, config.ngram_max) if config.draft_mode == "ngram" else None
         self.stats = SchedulerStats()
         self.metrics = NullMetrics()  # the Serve router replaces it with deployments.metrics.ServingMetrics
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._waiting = 0  # admitted, waiting for leases
         self._reserved = 0  # admission slots taken at the door, not yet in `generate`
         self._wakeup = asyncio.Event()
@@ -245,11 +178,11 @@ class Scheduler:
         finally:
             await self._finish(request_id)
 
-    async def _open(self, seq: SequenceState) -> _Live:
+    async def _open(self, seq: SequenceState) -> LiveRequest:
         """A request's Target lease; its Draft lease comes with its first drafting round (`_lease_drafts`)."""
         target = await self.broker.target(seq.request_id)
-        return _Live(seq=seq, queue=asyncio.Queue(), target=target,
-                     tracker=AcceptanceTracker(prior=self.population.acceptance))
+        return LiveRequest(seq=seq, queue=asyncio.Queue(), target=target,
+                           tracker=AcceptanceTracker(prior=self.population.acceptance))
 
     async def _finish(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
@@ -285,7 +218,7 @@ class Scheduler:
                     await self._finish(live.seq.request_id)
 
     async def _round(self) -> None:
-        groups: dict[str, list[_Live]] = {}
+        groups: dict[str, list[LiveRequest]] = {}
         for live in self._live.values():
             if not live.reletting:
                 groups.setdefault(live.target.key, []).append(live)
@@ -295,7 +228,7 @@ class Scheduler:
         observe(self.metrics.load, len(self._live), self._waiting, self.last_mean_k)
         await asyncio.gather(*(self._round_group(rows, ks) for rows, ks in plans))
 
-    def _ks(self, rows: list[_Live]) -> list[int]:
+    def _ks(self, rows: list[LiveRequest]) -> list[int]:
         """Each row's draft length this round: with a cost profile, planned for the group as a whole
         (engine/round_plan.py), else the fixed `max_batch_for_speculation` threshold.
 
@@ -324,17 +257,17 @@ class Scheduler:
         """The costs K is chosen by, for /stats (round_costs.RoundCosts.shown)."""
         return self.costs.shown()
 
-    def _may_draft(self, live: _Live) -> bool:
+    def _may_draft(self, live: LiveRequest) -> bool:
         if self.config.draft_mode != "model" or live.draft is not None:
             return True
         return time.monotonic() >= live.draft_retry_at  # a Draft lease can be taken when the plan wants drafts
 
-    def _group_draft(self, rows: list[_Live]) -> DraftLease | None:
+    def _group_draft(self, rows: list[LiveRequest]) -> DraftLease | None:
         """The Draft lease a group's costs are planned with: one of its rows', else the last one this router took
         (Draft replicas of one deployment measure alike); None before any."""
         return next((live.draft for live in rows if live.draft is not None), self._last_draft)
 
-    async def _round_group(self, rows: list[_Live], ks: list[int]) -> None:
+    async def _round_group(self, rows: list[LiveRequest], ks: list[int]) -> None:
         if self.ngram is None and any(ks):  # rows drafting for the first time take their Draft lease (set-up work,
             start = time.perf_counter()  # once per request: counted apart from the round's orchestration)
             await self._lease_drafts([live for live, k in zip(rows, ks)
@@ -400,7 +333,7 @@ class Scheduler:
         self.stats.draft_compute_seconds += draft_compute
         self.stats.verify_compute_seconds += result.get("seconds", 0.0)
 
-    def _plan_drafts(self, rows: list[_Live], ks: list[int]
+    def _plan_drafts(self, rows: list[LiveRequest], ks: list[int]
                      ) -> tuple[list[list[int]], dict[int, np.ndarray], dict[str, list[int]]]:
         """The round's drafts that need no draft call (made ahead, or n-gram lookup), with their probabilities, and
         the rows that draft by Draft lease."""
@@ -430,7 +363,7 @@ class Scheduler:
                 by_lease.setdefault(live.draft.key, []).append(b)
         return drafts, probs, by_lease
 
-    async def _draft_calls(self, rows: list[_Live], ks: list[int], by_lease: dict[str, list[int]],
+    async def _draft_calls(self, rows: list[LiveRequest], ks: list[int], by_lease: dict[str, list[int]],
                            drafts: list[list[int]], probs: dict[int, np.ndarray], costs: list[tuple]) -> float:
         """Each Draft lease's rows drafted by a call of their own (filled into `drafts`, `probs`); returns the draft
         workers' compute seconds."""
@@ -445,7 +378,7 @@ class Scheduler:
             compute += self._take_drafts(rows, ks, members, calls, result, drafts, probs, costs)
         return compute
 
-    async def _chained(self, rows: list[_Live], ks: list[int], members: list[int], drafts: list[list[int]],
+    async def _chained(self, rows: list[LiveRequest], ks: list[int], members: list[int], drafts: list[list[int]],
                        probs: dict[int, np.ndarray], costs: list[tuple]) -> tuple[dict | None, float]:
         """Draft `members` and verify every row in one chained call (the draft worker hands its drafts straight to
         the target worker, which answers: channel_client.AsyncChannels.chain). Returns the verify result and the draft's
@@ -469,10 +402,10 @@ class Scheduler:
                       result.get("seconds", 0.0)))
         return result, compute
 
-    def _chainable(self, live: _Live) -> bool:
+    def _chainable(self, live: LiveRequest) -> bool:
         return (live.draft.key, live.target.key) not in self._unchainable
 
-    def _take_drafts(self, rows: list[_Live], ks: list[int], members: list[int], calls: list[DraftCall],
+    def _take_drafts(self, rows: list[LiveRequest], ks: list[int], members: list[int], calls: list[DraftCall],
                      result: dict, drafts: list[list[int]], probs: dict[int, np.ndarray], costs: list[tuple]
                      ) -> float:
         """Fill a draft call's result into the round's `drafts` and `probs` (its cost observation into `costs`);
@@ -486,7 +419,7 @@ class Scheduler:
                 probs[b] = result["probs"][i]
         return seconds
 
-    def _accept(self, rows: list[_Live], drafts: list[list[int]], draft_probs: dict[int, np.ndarray],
+    def _accept(self, rows: list[LiveRequest], drafts: list[list[int]], draft_probs: dict[int, np.ndarray],
                 result: dict) -> tuple[list[RequestOutput], list[int]]:
         emitted: dict[int, tuple[list[int], int]] = {}
         for b, argmax in result["argmax"].items():
@@ -519,7 +452,7 @@ class Scheduler:
             accepted_counts.append(accepted)
         return outputs, accepted_counts
 
-    async def _replace_target(self, rows: list[_Live]) -> None:
+    async def _replace_target(self, rows: list[LiveRequest]) -> None:
         """Lease another Target replica for these rows in a task of its own: taking a lease can wait for Serve
         to replace the dead replica, and meanwhile the round loop goes on for every other request."""
         self.stats.replica_failures += 1
@@ -531,7 +464,7 @@ class Scheduler:
         self._relets.add(task)  # keep a reference until it is done
         task.add_done_callback(self._relets.discard)
 
-    async def _relet(self, rows: list[_Live]) -> None:
+    async def _relet(self, rows: list[LiveRequest]) -> None:
         for live in rows:
             request_id = live.seq.request_id
             if self._live.get(request_id) is not live:
@@ -550,21 +483,21 @@ class Scheduler:
             live.target, live.target_sent, live.reletting = target, 0, False  # re-prefill from token 0
         self._wakeup.set()
 
-    async def _drop(self, live: _Live, exc: BaseException) -> None:
+    async def _drop(self, live: LiveRequest, exc: BaseException) -> None:
         """End a request with an error; its target lease is already closed."""
         self._live.pop(live.seq.request_id, None)
         live.queue.put_nowait(exc)
         if live.draft is not None:
             await live.draft.close()
 
-    async def _replace_live_drafts(self, rows: list[_Live]) -> None:
+    async def _replace_live_drafts(self, rows: list[LiveRequest]) -> None:
         """A draft worker died under an ahead draft: new draft leases for those of `rows` still live."""
         await self._replace_draft([live for live in rows if live.seq.request_id in self._live])
 
-    async def _lease_drafts(self, rows: list[_Live]) -> None:
+    async def _lease_drafts(self, rows: list[LiveRequest]) -> None:
         """Draft leases for rows about to draft for the first time (or again after losing theirs). A row that gets
         none decodes plainly this round and for DRAFT_LEASE_RETRY_S."""
-        async def lease(live: _Live) -> None:
+        async def lease(live: LiveRequest) -> None:
             request_id = live.seq.request_id
             try:
                 draft = await self.broker.draft(request_id)
@@ -580,7 +513,7 @@ class Scheduler:
 
         await asyncio.gather(*(lease(live) for live in rows))
 
-    async def _replace_draft(self, rows: list[_Live]) -> None:
+    async def _replace_draft(self, rows: list[LiveRequest]) -> None:
         """The rows' Draft worker died: they verify without drafts this round and take a new Draft lease the next
         time their plan gives them drafts (reading their whole context again: the plan weighs that catch-up)."""
         self.stats.replica_failures += 1

@@ -192,7 +192,7 @@ def test_a_new_request_starts_from_the_acceptance_its_predecessors_saw(unrelated
 def test_a_request_far_behind_resumes_drafting_only_if_the_rest_repays_the_catch_up(tiny_model_dirs, tmp_path):
     from types import SimpleNamespace
 
-    from deployments.scheduler import _Live
+    from deployments.live import LiveRequest
     from engine.policy import AcceptanceTracker
     from engine.sequence import SequenceState
 
@@ -205,7 +205,7 @@ def test_a_request_far_behind_resumes_drafting_only_if_the_rest_repays_the_catch
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         seq = SequenceState.create("r", [5, 6, 7, 8], params, 3, 512, frozenset(), router.tokenizer)
         seq.commit([9] * generated, 0, 0)
-        return _Live(seq=seq, queue=None, target=lease, draft=lease, draft_sent=draft_sent,
+        return LiveRequest(seq=seq, queue=None, target=lease, draft=lease, draft_sent=draft_sent,
                      tracker=tracker or AcceptanceTracker())
 
     ks = router.scheduler._ks
@@ -221,14 +221,14 @@ def test_a_request_far_behind_resumes_drafting_only_if_the_rest_repays_the_catch
 def test_k_is_chosen_for_the_batch_that_requests_waiting_for_leases_are_about_to_make(tiny_model_dirs, tmp_path):
     from types import SimpleNamespace
 
-    from deployments.scheduler import _Live
+    from deployments.live import LiveRequest
     from engine.sequence import SequenceState
 
     router, _ = router_for(tiny_model_dirs, adaptive=True, calibration=write_profile(tmp_path / "c.json", 2))
     lease = SimpleNamespace(key="x", costs=None)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     seq = SequenceState.create("r", [5, 6, 7, 8], params, 3, 512, frozenset(), router.tokenizer)
-    row = _Live(seq=seq, queue=None, target=lease, draft=lease)
+    row = LiveRequest(seq=seq, queue=None, target=lease, draft=lease)
     assert router.scheduler._ks([row]) == [3], "alone: drafting pays"
     router.scheduler._waiting = 3  # admitted, taking leases: next round has 4 rows, past the knee (2)
     assert router.scheduler._ks([row]) == [0]

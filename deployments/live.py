@@ -1,0 +1,84 @@
+"""A live request's state in the router's round loop, and the lease protocols the loop calls (deployments/leases.py
+implements them over Ray Serve and the worker channel; tests/deployments/conftest.py in-process)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from engine.policy import AcceptanceTracker
+from engine.sequence import SequenceState
+
+from .workers import DraftCall, SeqDelta, VerifyCall
+
+
+class DraftLease(Protocol):
+    key: str
+    costs: dict | None  # {"batch_sizes": [...], "draft_step_seconds": [...]} measured by the replica, or None
+
+    async def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> dict: ...
+
+    async def chain(self, calls: list[DraftCall], target: "TargetLease", verify_calls: list[VerifyCall],
+                    members: list[int]) -> dict:
+        """Draft `calls`, then verify `verify_calls` at `target` with call i's drafts for row members[i], the draft
+        worker handing them straight to the target's: the verify result, the draft's under "draft". Raises DraftGone,
+        ReplicaGone (the target) or ChainBroken."""
+        ...
+
+    def cancel(self, ahead_id: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class TargetLease(Protocol):
+    key: str
+    costs: dict | None  # {"batch_sizes": [...], "verify_seconds": [[...]]} measured by the replica, or None
+
+    async def verify(self, calls: list[VerifyCall]) -> dict: ...
+
+    async def close(self) -> None: ...
+
+
+class LeaseBroker(Protocol):
+    async def draft(self, seq_id: str) -> DraftLease: ...
+
+    async def target(self, seq_id: str) -> TargetLease: ...
+
+
+@dataclass
+class LiveRequest:
+    seq: SequenceState
+    queue: asyncio.Queue
+    target: TargetLease
+    draft: DraftLease | None = None
+    draft_sent: int = 0  # committed tokens the draft worker has
+    draft_extra: list[int] = field(default_factory=list)  # tokens past those it was sent (an ahead draft's base)
+    target_sent: int = 0
+    failures: int = 0
+    tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    fixed_k: bool = False  # the request asked for exactly seq.k drafts per round
+    reletting: bool = False  # its Target replica died; a new lease is being taken (it sits out the rounds)
+    overlap: bool = False  # draft its next round during this round's verify
+    ready: tuple[list[int], np.ndarray | None] | None = None  # next round's draft (tokens, [K, V] probs), made ahead
+    draft_retry_at: float = 0.0  # time.monotonic() before which no Draft lease is tried (the last one failed)
+
+    def delta(self, sent: int) -> SeqDelta:
+        p = self.seq.params
+        return SeqDelta(self.seq.request_id, sent, self.seq.tokens[sent:], p.temperature, p.top_k, p.top_p, p.seed)
+
+    def draft_delta(self, extra: list[int]) -> SeqDelta:
+        """The call that leaves the draft worker holding the committed tokens plus `extra`, re-sending as little as
+        possible (after a right guess the worker already holds the new tokens)."""
+        wanted = self.seq.tokens + extra
+        start, held = self.draft_sent, self.draft_extra
+        same = 0
+        while same < len(held) and start + same < len(wanted) and held[same] == wanted[start + same]:
+            same += 1
+        p = self.seq.params
+        delta = SeqDelta(self.seq.request_id, start + same, wanted[start + same:], p.temperature, p.top_k, p.top_p,
+                         p.seed)
+        self.draft_sent, self.draft_extra = self.seq.num_tokens, list(extra)
+        return delta
