@@ -203,10 +203,9 @@ class ChannelServer:
     per process (a thread that hands requests to another costs two more wake-ups per call; threads that each run
     torch's CPU kernels start parallel regions of their own, measured slower here: bench/RESULTS.md).
 
-    Binds all interfaces on a free port, and a Unix socket (owner-only, in the temp dir) for clients on the same
-    machine; `endpoint` advertises both, with `advertise_host` (the worker's node address). A handshake runs on an
-    accept thread, the same on either socket; a client stalling mid-frame for `FRAME_TIMEOUT_S` loses its
-    connection.
+    Binds all interfaces on a free port, and an abstract Unix socket for clients on the same machine; `endpoint`
+    advertises both, with `advertise_host` (the worker's node address). A handshake runs on an accept thread, the
+    same on either socket; a client stalling mid-frame for `FRAME_TIMEOUT_S` loses its connection.
     """
 
     FRAME_TIMEOUT_S = 30.0

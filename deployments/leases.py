@@ -46,8 +46,12 @@ class _RayLease:
         try:
             return await self._channels.call(self.endpoint, method, *args)
         except (ChannelClosed, TensorParallelBroken) as exc:
-            self._dead.add(self.key)
-            raise ReplicaGone(f"replica {self.key} failed: {exc}") from exc
+            raise self._failed(exc, ReplicaGone) from exc
+
+    def _failed(self, exc: BaseException, error: type[ReplicaGone]) -> ReplicaGone:
+        """Remember this replica as failed (the broker's dead set) and say so."""
+        self._dead.add(self.key)
+        return error(f"replica {self.key} failed: {exc}")
 
 
 class RayDraftLease(_RayLease):
@@ -65,13 +69,10 @@ class RayDraftLease(_RayLease):
                 [call.wire() for call in verify_calls], members, direct, first_replies=direct)
         except ChannelClosed as exc:
             if exc.endpoint == target.endpoint:
-                self._dead.add(target.key)
-                raise ReplicaGone(f"replica {target.key} failed: {exc}") from exc
-            self._dead.add(self.key)
-            raise DraftGone(f"replica {self.key} failed: {exc}") from exc
+                raise target._failed(exc, ReplicaGone) from exc
+            raise self._failed(exc, DraftGone) from exc
         except TensorParallelBroken as exc:
-            self._dead.add(target.key)
-            raise ReplicaGone(f"replica {target.key} failed: {exc}") from exc
+            raise target._failed(exc, ReplicaGone) from exc
         except RelayFailed as exc:
             raise ChainBroken(str(exc)) from exc
         if direct:

@@ -276,16 +276,16 @@ class Scheduler:
         t0 = time.perf_counter()
         drafts, draft_probs, by_lease = self._plan_drafts(rows, ks)
         target = rows[0].target
-        result = None
+        result, aheads = None, []
         costs: list[tuple] = []  # the round's cost observations, made once its result is in hand
         members = next(iter(by_lease.values())) if len(by_lease) == 1 and not self.config.overlap else None
         if members is not None and self._chainable(rows[members[0]]):
+            calls = [VerifyCall(live.delta(live.target_sent), []) for live in rows]  # drafts are filled in there
             try:  # one draft worker: it hands its drafts straight to the target worker
-                result, draft_compute = await self._chained(rows, ks, members, drafts, draft_probs, costs)
+                result, draft_compute = await self._chained(rows, ks, members, calls, drafts, draft_probs, costs)
             except ReplicaGone:
                 await self._replace_target(rows)
                 return
-            calls = None
             t1 = t0 + draft_compute  # the router sees no boundary between drafting and verifying: the compute
         else:
             draft_compute = await self._draft_calls(rows, ks, by_lease, drafts, draft_probs, costs)
@@ -303,13 +303,12 @@ class Scheduler:
                 await self.ahead.settle(aheads, rows, drafts, None, None)
                 raise
         else:
-            aheads = []
+            self.stats.chained_rounds += 1
         for live in rows:
             live.target_sent = live.seq.num_tokens
         t2 = time.perf_counter()
-        if calls is not None:
-            costs.append((self._group_draft(rows), target, "verify", calls, max(len(d) for d in drafts),
-                          result.get("seconds", 0.0)))
+        costs.append((self._group_draft(rows), target, "verify", calls, max(len(d) for d in drafts),
+                      result.get("seconds", 0.0)))
         for observation in costs:
             self.costs.observe(*observation)
         outputs, accepted = self._accept(rows, drafts, draft_probs, result)
@@ -327,7 +326,6 @@ class Scheduler:
         # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
         orchestration = (t2 - t0) - draft_compute - result.get("seconds", 0.0)
         self.stats.orchestration_seconds += orchestration
-        self.stats.chained_rounds += calls is None
         self.costs.observe_overhead(self._group_draft(rows), target, orchestration)
         observe(self.metrics.round, [len(d) for d in drafts], accepted, t1 - t0, t2 - t1, orchestration)
         self.stats.draft_compute_seconds += draft_compute
@@ -378,15 +376,15 @@ class Scheduler:
             compute += self._take_drafts(rows, ks, members, calls, result, drafts, probs, costs)
         return compute
 
-    async def _chained(self, rows: list[LiveRequest], ks: list[int], members: list[int], drafts: list[list[int]],
-                       probs: dict[int, np.ndarray], costs: list[tuple]) -> tuple[dict | None, float]:
+    async def _chained(self, rows: list[LiveRequest], ks: list[int], members: list[int], verify_calls: list[VerifyCall],
+                       drafts: list[list[int]], probs: dict[int, np.ndarray], costs: list[tuple]
+                       ) -> tuple[dict | None, float]:
         """Draft `members` and verify every row in one chained call (the draft worker hands its drafts straight to
-        the target worker, which answers: channel_client.AsyncChannels.chain). Returns the verify result and the draft's
-        compute seconds; (None, 0.0) when the draft worker failed, and the round must verify without its drafts.
-        Raises ReplicaGone when the target worker failed."""
+        the target worker, which answers: channel_client.AsyncChannels.chain). Returns the verify result and the
+        draft's compute seconds; (None, 0.0) when the draft worker failed, and the round must verify without its
+        drafts. Raises ReplicaGone when the target worker failed."""
         lease = rows[members[0]].draft
         calls = [DraftCall(rows[b].draft_delta([]), ks[b]) for b in members]
-        verify_calls = [VerifyCall(live.delta(live.target_sent), []) for live in rows]
         try:
             result = await lease.chain(calls, rows[0].target, verify_calls, members)
         except DraftGone:
@@ -397,10 +395,7 @@ class Scheduler:
                            exc)
             self._unchainable.add((lease.key, rows[0].target.key))
             return None, 0.0
-        compute = self._take_drafts(rows, ks, members, calls, result["draft"], drafts, probs, costs)
-        costs.append((lease, rows[0].target, "verify", verify_calls, max(len(d) for d in drafts),
-                      result.get("seconds", 0.0)))
-        return result, compute
+        return result, self._take_drafts(rows, ks, members, calls, result["draft"], drafts, probs, costs)
 
     def _chainable(self, live: LiveRequest) -> bool:
         return (live.draft.key, live.target.key) not in self._unchainable
