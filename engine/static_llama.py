@@ -1,0 +1,254 @@
+"""A device-agnostic, compile-friendly decoder forward for the Llama family over a preallocated KV cache.
+
+The transformers modules carry per-operator Python and build a dense additive mask per step; on CUDA such a mask
+also turns off SDPA's native GQA and flash kernels. This forward is one function of fixed-shape tensors, so
+`torch.compile` turns it into a few fused kernels (inductor with frozen, prepacked weights on CPU; CUDA graphs on
+CUDA), in the spirit of gpt-fast's `model.py` (static cache + `torch.compile(mode="reduce-overhead")`):
+
+- q/k/v and gate/up projections fused into one matrix each (4 matrix products per layer instead of 7);
+- RoPE from a cos/sin table built once by the model's own `rotary_emb` (every static RoPE variant transformers
+  knows: default, linear, llama3, yarn, ...);
+- keys/values live in one preallocated buffer per layer, `[slots, kv_heads, capacity, head_dim]`; a forward runs
+  over a contiguous range of slots, so it reads views, never a gather copy;
+- attention with native GQA (queries grouped under their key/value head: keys and values are never repeated) and
+  no host-built mask: each row's causal limit comes from its own start position, inside the graph.
+
+Families: Llama, Mistral, Qwen2 (q/k/v biases) and Gemma (embedding scaled by sqrt(hidden), (1 + w) RMSNorm
+weights, GELU-tanh MLP). Others keep the transformers path (engine/model_runner.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .quantize import Int8WeightOnlyLinear
+
+FAMILIES = ("llama", "mistral", "qwen2", "gemma")
+_STATIC_ROPE = {None, "default", "linear", "llama3", "yarn", "longrope"}
+
+
+class UnsupportedModel(ValueError):
+    """The model is outside the fast path (family, activation, RoPE variant, or already sharded)."""
+
+
+def why_unsupported(model: nn.Module) -> str | None:
+    """None if `StaticLlama` can run `model`, else the reason."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"model family {config.model_type!r} (fast path: {', '.join(FAMILIES)})"
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "gelu_pytorch_tanh", "gelu"):
+        return f"activation {act!r}"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) not in _STATIC_ROPE:
+        return f"RoPE type {rope.get('rope_type')!r} (its tables change with the sequence length)"
+    base = model.base_model
+    for layer in base.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        mods = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(type(m) in (nn.Linear, Int8WeightOnlyLinear) or type(m).__name__ == "SmallBatchLinear"
+                   for m in mods):
+            return "projections are not plain (or int8 weight-only) linear layers (a tensor-parallel shard?)"
+    if not isinstance(base.embed_tokens, nn.Embedding):
+        return "the embedding is not a plain nn.Embedding"
+    return None
+
+
+def _fuse(modules: list[nn.Module], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                   torch.Tensor | None]:
+    """(weight [out, in], int8 scales [out] or None, bias [out] or None) of projections fused along outputs."""
+    if all(isinstance(m, Int8WeightOnlyLinear) for m in modules):
+        weight = torch.cat([m.weight_int8 for m in modules])
+        scales = torch.cat([m.scales for m in modules]).to(dtype)
+    else:
+        weight, scales = torch.cat([m.weight.detach() for m in modules]).to(dtype), None
+    biases = [m.bias for m in modules]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach().to(dtype) if b is not None else torch.zeros(m.out_features, dtype=dtype)
+                          for m, b in zip(modules, biases)])
+    return weight, scales, bias
+
+
+class _Projection(nn.Module):
+    """One fused projection; int8 weights (per-channel scales) are dequantized inside the product."""
+
+    def __init__(self, modules: list[nn.Module], dtype: torch.dtype) -> None:
+        super().__init__()
+        weight, scales, bias = _fuse(modules, dtype)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.scales = None if scales is None else nn.Parameter(scales, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if self.scales is None:
+            return F.linear(x, self.weight, self.bias)
+        # weight-only int8: inductor matches this pattern to its int8 weight kernels (gpt-fast's WeightOnlyInt8Linear)
+        out = F.linear(x, self.weight.to(x.dtype)) * self.scales
+        return out if self.bias is None else out + self.bias
+
+
+class _Layer(nn.Module):
+    def __init__(self, layer: nn.Module, dtype: torch.dtype, norm_offset: float) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm = nn.Parameter(layer.input_layernorm.weight.detach().float() + norm_offset,
+                                       requires_grad=False)
+        self.post_norm = nn.Parameter(layer.post_attention_layernorm.weight.detach().float() + norm_offset,
+                                      requires_grad=False)
+        self.qkv = _Projection([attn.q_proj, attn.k_proj, attn.v_proj], dtype)
+        self.o = _Projection([attn.o_proj], dtype)
+        self.gate_up = _Projection([mlp.gate_proj, mlp.up_proj], dtype)
+        self.down = _Projection([mlp.down_proj], dtype)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., H], weight [H] fp32
+    """RMSNorm computed in float32 (as transformers does for every family here), back in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, heads, W, D]; cos/sin: [B, 1, W, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def grouped_attention(
+    q: torch.Tensor,  # [B, H, W, D]
+    keys: torch.Tensor,  # [B, KVH, L, D] (a view of the cache)
+    values: torch.Tensor,  # [B, KVH, L, D]
+    positions: torch.Tensor,  # [B, W] absolute position of each query
+    scale: float,
+) -> torch.Tensor:  # [B, H, W, D]
+    """Causal attention over each row's own prefix, GQA without repeating keys/values.
+
+    Query heads h = g*i + j (j < g) share key/value head i, as in transformers' `repeat_kv`, so the queries are
+    viewed as [B, KVH, g*W, D] and multiplied with the cache directly. Key position t is visible to a query at
+    position p iff t <= p: rows of different lengths share the call, each sees only its own keys (positions past a
+    row's length hold stale or zero entries that this condition hides).
+    """
+    batch, heads, width, dim = q.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    groups = heads // kv_heads
+    qg = q.reshape(batch, kv_heads, groups * width, dim)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, KVH, g*W, L]
+    scores = scores.view(batch, kv_heads, groups, width, length)
+    visible = torch.arange(length, device=q.device)[None, None, None, None, :] <= positions[:, None, None, :, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = scores.softmax(dim=-1).to(values.dtype).view(batch, kv_heads, groups * width, length)
+    return torch.matmul(probs, values).view(batch, heads, width, dim)
+
+
+class StaticLlama(nn.Module):
+    """The model's weights (fused, in `dtype`) and its preallocated KV cache: `num_slots` sequences of
+    `capacity` positions. Build with `StaticLlama.from_model`; the transformers model can be dropped after."""
+
+    def __init__(self, model: nn.Module, num_slots: int, capacity: int, dtype: torch.dtype | None = None,
+                 cache_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        reason = why_unsupported(model)
+        if reason is not None:
+            raise UnsupportedModel(reason)
+        config, base = model.config, model.base_model
+        param = next(model.parameters())
+        device = param.device
+        dtype = dtype or (param.dtype if param.is_floating_point() else torch.float32)
+        gemma = config.model_type == "gemma"
+        self.dtype, self.device = dtype, device
+        self.num_slots, self.capacity = num_slots, capacity
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.eps = getattr(config, "rms_norm_eps", 1e-6)
+        self.scale = self.head_dim ** -0.5
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        self.gelu = act != "silu"
+        self.embed_scale = math.sqrt(config.hidden_size) if gemma else None
+        norm_offset = 1.0 if gemma else 0.0
+        self.embed = nn.Parameter(base.embed_tokens.weight.detach().to(dtype), requires_grad=False)
+        self.layers = nn.ModuleList(_Layer(layer, dtype, norm_offset) for layer in base.layers)
+        self.final_norm = nn.Parameter(base.norm.weight.detach().float() + norm_offset, requires_grad=False)
+        head = model.get_output_embeddings()
+        self.lm_head = _Projection([head], dtype)
+        if getattr(head, "weight", None) is base.embed_tokens.weight and self.lm_head.scales is None:
+            self.lm_head.weight = self.embed  # tied: one copy
+        self.vocab_size = self.lm_head.weight.shape[0]
+        cos, sin = _rope_tables(base.rotary_emb, capacity, device)
+        self.register_buffer("cos", cos.to(dtype), persistent=False)  # [capacity, D]
+        self.register_buffer("sin", sin.to(dtype), persistent=False)
+        cache_dtype = cache_dtype or dtype
+        shape = (num_slots, self.num_kv_heads, capacity, self.head_dim)
+        # zeros, not empty: a masked position gets probability 0, and 0 * NaN would still be NaN
+        self.k_cache = [torch.zeros(shape, dtype=cache_dtype, device=device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=cache_dtype, device=device) for _ in self.layers]
+
+    @staticmethod
+    def slot_bytes(config, capacity: int, dtype: torch.dtype) -> int:
+        """KV-cache bytes of one slot (keys and values of every layer)."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return 2 * config.num_hidden_layers * kv_heads * capacity * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, W] int64: row b feeds these tokens (its slot is first_slot + b)
+        starts: torch.Tensor,  # [B] int64: positions already in row b's cache; row b writes starts[b] .. + W - 1
+        first_slot: int,
+        kv_len: int,  # keys read per row: >= max(starts) + W over the rows whose outputs are used
+        last_only: bool = False,  # logits of the last position only (a prefill chunk)
+    ) -> torch.Tensor:  # [B, W or 1, V] float32
+        batch, width = tokens.shape
+        positions = starts[:, None] + torch.arange(width, device=tokens.device)[None, :]  # [B, W]
+        hidden = F.embedding(tokens, self.embed)
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, W, D]
+        slots = torch.arange(first_slot, first_slot + batch, device=tokens.device)[:, None]  # [B, 1]
+        for index, layer in enumerate(self.layers):
+            x = _rms_norm(hidden, layer.input_norm, self.eps)
+            qkv = layer.qkv(x)
+            q = qkv[..., : self.q_size].view(batch, width, -1, self.head_dim).transpose(1, 2)
+            k = qkv[..., self.q_size : self.q_size + self.kv_size].view(batch, width, -1, self.head_dim)
+            v = qkv[..., self.q_size + self.kv_size :].view(batch, width, -1, self.head_dim)
+            q, k = _rope(q, cos, sin), _rope(k.transpose(1, 2), cos, sin)
+            k_cache, v_cache = self.k_cache[index], self.v_cache[index]
+            k_cache[slots, :, positions] = k.transpose(1, 2).to(k_cache.dtype)  # [B, W, KVH, D] at (slot, pos)
+            v_cache[slots, :, positions] = v.to(v_cache.dtype)
+            keys = k_cache[first_slot : first_slot + batch, :, :kv_len]
+            values = v_cache[first_slot : first_slot + batch, :, :kv_len]
+            attn = grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), positions, self.scale)
+            hidden = hidden + layer.o(attn.transpose(1, 2).reshape(batch, width, -1))
+            x = _rms_norm(hidden, layer.post_norm, self.eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            hidden = hidden + layer.down(act * up)
+        if last_only:
+            hidden = hidden[:, -1:]
+        hidden = _rms_norm(hidden, self.final_norm, self.eps)
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        for k_cache, v_cache in zip(self.k_cache, self.v_cache):
+            k_cache[dst, :, :length] = k_cache[src, :, :length]
+            v_cache[dst, :, :length] = v_cache[src, :, :length]
+
+
+@torch.no_grad()
+def _rope_tables(rotary: nn.Module, capacity: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [capacity, D] float32 from the model's own rotary module (its scaling variant included)."""
+    probe = torch.zeros(1, 1, dtype=torch.float32, device=device)
+    positions = torch.arange(capacity, device=device)[None]
+    cos, sin = rotary(probe, positions)
+    return cos[0].float(), sin[0].float()

@@ -1,0 +1,308 @@
+"""The fast model runner: `StaticLlama` over a KV cache preallocated within a byte budget, compiled per shape bucket.
+
+- **Slots.** The cache holds `num_slots` sequences of `max_model_len` positions (plus a scratch tail), allocated
+  once at start from the byte budget (`plan_num_slots`); `add` raises `KVCacheFull` when every slot is taken.
+  Slots stay compact (a released slot takes the last one's keys/values, a copy made once per release), so a
+  forward over the live sequences is a contiguous range of slots: views of the cache, never a per-step gather.
+- **Shapes.** A step runs `B` consecutive slots at width `W` (the new tokens per row: 1 to decode, K+1 to verify).
+  Both are rounded up to buckets; slots in the range that are not in the call feed one dummy token each into the
+  scratch tail past `max_model_len`, which no real row ever reads. Rows shorter than `W` are right-padded: their
+  pad tokens land past the row's length and are overwritten by its next tokens. Long rows (prompts) run in
+  chunks of at most `prefill_chunk` tokens on their own; their last tokens join the batched step.
+- **Compiled.** Each step goes through `torch.compile`: on CPU inductor with frozen, prepacked weights and the
+  key length left dynamic (one graph per batch and width bucket); on CUDA with CUDA graphs
+  (`mode="reduce-overhead"`), the key length bucketed too, as graphs need fixed shapes. Inductor keeps its
+  compiled code in its on-disk cache (`TORCHINDUCTOR_CACHE_DIR`), so a restart compiles much faster. `compile=False`
+  runs the same forward eagerly.
+- **No host sync inside a step.** Inputs are built on the host and copied in one go; the step itself never reads
+  a device value back (tests/engine/test_static_runner.py runs it with host reads made to raise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .runner import KVCacheFull
+from .static_llama import StaticLlama
+
+MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks, alone
+GIB = 1 << 30
+
+
+class ContextWindowError(ValueError):
+    """A sequence would not fit the model's context window."""
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """How much memory the KV cache may take: a fixed size, or a fraction of the memory free after the weights."""
+
+    gib: float | None = None
+    fraction: float | None = 0.2
+    max_num_seqs: int = 32  # more slots than this are never allocated (the scheduler batches at most this many)
+
+    def bytes_for(self, device: torch.device) -> int:
+        if self.gib is not None:
+            return int(self.gib * GIB)
+        return int(free_memory_bytes(device) * (self.fraction or 0.0))
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory where the cache will live: the GPU's (cudaMemGetInfo), or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def plan_num_slots(slot_bytes: int, budget_bytes: int, max_num_seqs: int, what: str = "") -> int:
+    """Sequences of full length that fit the budget (at most max_num_seqs); at least one, or an error that says
+    what to change."""
+    slots = min(max_num_seqs, budget_bytes // slot_bytes)
+    if slots < 1:
+        raise ValueError(
+            f"the KV-cache budget ({budget_bytes / GIB:.3f} GiB) does not hold one sequence{what} "
+            f"({slot_bytes / GIB:.3f} GiB per sequence): raise kv_cache_gib / kv_cache_fraction or lower "
+            f"max_model_len")
+    return slots
+
+
+def buckets_up_to(limit: int, first: int = 1) -> list[int]:
+    """Powers of two from `first` below `limit`, then `limit` itself."""
+    out, size = [], first
+    while size < limit:
+        out.append(size)
+        size *= 2
+    return out + [limit]
+
+
+def bucket(value: int, sizes: Sequence[int]) -> int:
+    return next(s for s in sizes if s >= value)
+
+
+@contextlib.contextmanager
+def forbid_host_sync(device: torch.device) -> Iterator[None]:
+    """Make a device -> host read inside the block raise: CUDA's sync debug mode on CUDA; on CPU (no syncs to
+    catch) the tensor methods that read values back (`item`, `tolist`, `cpu`, `numpy`, `__bool__`) raise."""
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return
+    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def refuse(name: str) -> Callable:
+        def method(*args, **kwargs):
+            raise RuntimeError(f"host sync inside a model step: Tensor.{name}")
+        return method
+
+    for name in names:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+@dataclass
+class _Seq:
+    slot: int
+    tokens: list[int]  # token ids whose keys/values are in the cache, in order
+
+
+class StaticRunner:
+    """Runner protocol (engine/runner.py) over `StaticLlama`."""
+
+    def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, vocab_size: int | None = None,
+                 budget: KVBudget = KVBudget(), compile: bool = True, prefill_chunk: int = 256,
+                 dtype: torch.dtype | None = None) -> None:
+        from .model_runner import _config_context_window
+
+        config = model.config
+        window = _config_context_window(config)
+        self.max_model_len = min(window, max_model_len) if max_model_len else window
+        self.prefill_chunk = max(MAX_WIDTH, prefill_chunk)
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = dtype or (param.dtype if param.is_floating_point() else torch.float32)
+        capacity = self.max_model_len + self.prefill_chunk  # scratch tail for padded and dummy rows
+        slot_bytes = StaticLlama.slot_bytes(config, capacity, self.dtype)
+        num_slots = plan_num_slots(slot_bytes, budget.bytes_for(self.device), budget.max_num_seqs,
+                                   f" of {self.max_model_len} tokens")
+        self.model = StaticLlama(model, num_slots=num_slots, capacity=capacity, dtype=self.dtype)
+        self.vocab_size = vocab_size or self.model.vocab_size
+        self.batch_buckets = buckets_up_to(num_slots)
+        self.width_buckets = buckets_up_to(MAX_WIDTH)
+        self.chunk_buckets = buckets_up_to(self.prefill_chunk, first=MAX_WIDTH * 2)
+        self.compiled = compile
+        self._step = _compile_step(self.model, self.device) if compile else self.model.forward
+        self._seqs: dict[str, _Seq] = {}
+        self._free: list[int] = []
+        self.forward_calls = 0
+        self.forward_rows = 0
+
+    # ---- sequence table -------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.model.num_slots
+
+    @property
+    def num_live(self) -> int:
+        return len(self._seqs)
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def cached_tokens(self, seq_id: str) -> list[int]:
+        return list(self._seqs[seq_id].tokens)
+
+    def add(self, seq_id: str) -> None:
+        if seq_id in self._seqs:
+            raise KeyError(f"sequence {seq_id!r} already live")
+        if len(self._seqs) >= self.model.num_slots:
+            raise KVCacheFull(f"all {self.model.num_slots} KV-cache slots are taken")
+        self._seqs[seq_id] = _Seq(slot=len(self._seqs), tokens=[])
+
+    def release(self, seq_id: str) -> None:
+        """Free a sequence's slot now; the last slot moves into the hole so slots stay compact."""
+        state = self._seqs.pop(seq_id, None)
+        if state is None:
+            return
+        last = len(self._seqs)
+        if state.slot != last:
+            mover = next(s for s in self._seqs.values() if s.slot == last)
+            self.model.move_slot(last, state.slot, len(mover.tokens))
+            mover.slot = state.slot
+
+    def sync(self, seq_id: str, committed: Sequence[int]) -> list[int]:
+        if not committed:
+            raise ValueError("a sequence needs at least one token")
+        if len(committed) > self.max_model_len:
+            raise ContextWindowError(
+                f"sequence of {len(committed)} tokens exceeds the context window of {self.max_model_len}")
+        cached = self._seqs[seq_id].tokens
+        limit = min(len(cached), len(committed) - 1)
+        common = 0
+        while common < limit and cached[common] == committed[common]:
+            common += 1
+        del cached[common:]
+        return list(committed[common:])
+
+    # ---- forward --------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, seq_ids: Sequence[str], new_tokens: Sequence[Sequence[int]],
+                num_logits: Sequence[int]) -> torch.Tensor:  # [B, max(num_logits), V] float32
+        assert len(seq_ids) == len(new_tokens) == len(num_logits)
+        states = [self._seqs[s] for s in seq_ids]
+        for state, toks, k in zip(states, new_tokens, num_logits):
+            if not 0 < k <= len(toks):
+                raise ValueError(f"num_logits {k} for {len(toks)} new tokens")
+            if len(state.tokens) + len(toks) > self.max_model_len:
+                raise ContextWindowError(
+                    f"sequence would reach {len(state.tokens) + len(toks)} tokens > {self.max_model_len}")
+        # long rows: everything but their last num_logits tokens in chunks, alone; the rest joins the batch
+        tails = []
+        for state, toks, k in zip(states, new_tokens, num_logits):
+            head = len(toks) - max(k, 1) if len(toks) > MAX_WIDTH else 0
+            if k > MAX_WIDTH:
+                raise ValueError(f"at most {MAX_WIDTH} logits per row, asked for {k}")
+            for lo in range(0, head, self.prefill_chunk):
+                self._prefill_chunk(state, list(toks[lo : min(head, lo + self.prefill_chunk)]))
+            tails.append(list(toks[head:]))
+        logits = self._batched_step(states, tails, list(num_logits))
+        self.forward_calls += 1
+        self.forward_rows += len(states)
+        return logits
+
+    def _prefill_chunk(self, state: _Seq, tokens: list[int]) -> None:
+        width = bucket(len(tokens), self.chunk_buckets)
+        ids = torch.zeros(1, width, dtype=torch.long)
+        ids[0, : len(tokens)] = torch.tensor(tokens)
+        start = len(state.tokens)
+        kv_len = self._kv_len(start + width)
+        self._run(ids, torch.tensor([start]), state.slot, kv_len, last_only=True)
+        state.tokens.extend(tokens)
+
+    def _batched_step(self, states: list[_Seq], tails: list[list[int]],
+                      num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]
+        lo = min(s.slot for s in states)
+        rows = bucket(max(s.slot for s in states) - lo + 1, self.batch_buckets)
+        lo = min(lo, self.model.num_slots - rows)  # the range must stay inside the cache
+        width = bucket(max(len(t) for t in tails), self.width_buckets)
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        starts = torch.full((rows,), self.max_model_len, dtype=torch.long)  # dummy rows: the scratch tail
+        need = 1
+        for state, toks in zip(states, tails):
+            r = state.slot - lo
+            ids[r, : len(toks)] = torch.tensor(toks)
+            starts[r] = len(state.tokens)
+            need = max(need, len(state.tokens) + width)
+        logits = self._run(ids, starts, lo, self._kv_len(need), last_only=False)  # [rows, width, V]
+        out_width = max(num_logits)
+        index = torch.zeros(len(states), out_width, dtype=torch.long)
+        picked_rows = torch.tensor([s.slot - lo for s in states])
+        for b, (toks, k) in enumerate(zip(tails, num_logits)):
+            first = len(toks) - k
+            index[b] = torch.arange(first, first + out_width).clamp(max=len(toks) - 1)
+        for state, toks in zip(states, tails):
+            state.tokens.extend(int(t) for t in toks)
+        index = index.to(self.device, non_blocking=True)
+        picked_rows = picked_rows.to(self.device, non_blocking=True)
+        return logits[picked_rows[:, None], index]
+
+    def _kv_len(self, need: int) -> int:
+        """Keys read per row: on CUDA rounded up to a power of two (fixed shapes for CUDA graphs); on CPU to a
+        multiple of 64 (the graph takes any length)."""
+        cap = self.model.capacity
+        if self.device.type == "cuda":
+            return bucket(need, buckets_up_to(cap, first=256))
+        return min(cap, -(-need // 64) * 64)
+
+    def _run(self, ids: torch.Tensor, starts: torch.Tensor, first_slot: int, kv_len: int,
+             last_only: bool) -> torch.Tensor:
+        ids = ids.to(self.device, non_blocking=True)
+        starts = starts.to(self.device, non_blocking=True)
+        return self._step(ids, starts, first_slot, kv_len, last_only)
+
+    # ---- start-up -------------------------------------------------------------------------------------------
+    def warm_up(self, max_k: int, progress: Callable[[str], None] | None = None) -> int:
+        """Compile (or load from inductor's cache) every shape the serving loop will use: each batch bucket at
+        width 1 and K+1, and each prefill chunk bucket. Returns the number of shapes run."""
+        shapes = [(rows, width) for width in sorted({1, bucket(max_k + 1, self.width_buckets)})
+                  for rows in self.batch_buckets]
+        shapes += [(1, -chunk) for chunk in self.chunk_buckets]
+        with torch.inference_mode():
+            for done, (rows, width) in enumerate(shapes, 1):
+                if width < 0:
+                    ids, last_only = torch.zeros(1, -width, dtype=torch.long), True
+                else:
+                    ids, last_only = torch.zeros(rows, width, dtype=torch.long), False
+                starts = torch.full((ids.shape[0],), self.max_model_len, dtype=torch.long)
+                for kv_len in ([self._kv_len(ids.shape[1])] if self.device.type != "cuda"
+                               else buckets_up_to(self.model.capacity, first=256)):
+                    self._run(ids, starts, 0, kv_len, last_only)
+                if progress is not None:
+                    progress(f"compiled {done}/{len(shapes)}: batch {ids.shape[0]} width {ids.shape[1]}")
+        return len(shapes)
+
+
+def _compile_step(model: StaticLlama, device: torch.device) -> Callable:
+    if device.type == "cuda":
+        return torch.compile(model.forward, mode="reduce-overhead", dynamic=False, fullgraph=True)
+    # freezing: weights become constants, prepacked for oneDNN/MKL; key length stays symbolic (one graph per shape)
+    return torch.compile(model.forward, dynamic=None, fullgraph=True, options={"freezing": True})

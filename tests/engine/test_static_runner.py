@@ -1,0 +1,160 @@
+"""The fast runner: same logits as transformers per family, a KV budget that refuses and reuses, chunked prefill,
+no host sync inside a step, compiled == eager."""
+
+import pytest
+import torch
+
+from engine.model_runner import ModelRunner
+from engine.quantize import quantize_int8_weight_only
+from engine.runner import KVCacheFull, resolve_dtype
+from engine.static_llama import UnsupportedModel, why_unsupported
+from engine.static_runner import KVBudget, StaticRunner, forbid_host_sync, plan_num_slots
+from tests.conftest import make_tiny_model
+
+SLOTS = KVBudget(gib=1.0, max_num_seqs=4)
+
+
+def scripted(runner, rounds):
+    """Feed rows of mixed lengths over several calls, with a rollback; returns each call's logits."""
+    out = []
+    for seq_ids, feeds, widths in rounds:
+        for s in seq_ids:
+            if not runner.has(s):
+                runner.add(s)
+        out.append(runner.forward(seq_ids, feeds, widths))
+    return out
+
+
+ROUNDS = [
+    (["a", "b", "c"], [[2, 3, 4, 5, 6, 7], [9, 8], [5]], [2, 1, 1]),  # three prompts of different lengths
+    (["a", "b", "c"], [[11, 12, 13, 14], [13], [7, 9]], [4, 1, 2]),  # verify-like widths
+    (["c", "a"], [[10], [21, 22, 23]], [1, 3]),  # a subset, out of slot order
+    (["b"], [[(7 * t) % 60 + 2 for t in range(40)]], [3]),  # a long row: chunked prefill, then batched tail
+]
+
+
+def reference(model):
+    return scripted(ModelRunner(model, fast_path=False), ROUNDS)
+
+
+def assert_same_logits(got, want, rounds=ROUNDS, **tol):
+    """Row b's logits at its first num_logits[b] positions (the rest of the padded width is unspecified)."""
+    for g, w, (_, _, widths) in zip(got, want, rounds):
+        for b, k in enumerate(widths):
+            torch.testing.assert_close(g[b, :k], w[b, :k], **tol)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma"])
+def test_static_forward_matches_transformers(family):
+    model = make_tiny_model(family, seed=0)
+    want = reference(model)
+    got = scripted(StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16), ROUNDS)
+    assert_same_logits(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_rollback_then_refeed_matches():
+    model = make_tiny_model("llama", seed=2)
+    runner = StaticRunner(model, budget=SLOTS, compile=False)
+    ref = ModelRunner(model, fast_path=False)
+    for r in (runner, ref):
+        r.add("s")
+        r.forward(["s"], [[2, 3, 4, 5]], [1])
+        r.forward(["s"], [[6, 7, 8]], [3])  # drafts
+        feed = r.sync("s", [2, 3, 4, 5, 6, 9])  # the last draft rejected
+        assert feed == [9]
+    torch.testing.assert_close(runner.forward(["s"], [[9]], [1]), ref.forward(["s"], [[9]], [1]),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_and_unchunked_prefill_give_the_same_logits():
+    model = make_tiny_model("llama", seed=3)
+    prompt = [(5 * t) % 60 + 2 for t in range(100)]
+
+    def run(chunk):
+        runner = StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=chunk)
+        runner.add("s")
+        first = runner.forward(["s"], [prompt], [1])
+        return first, runner.forward(["s"], [[int(first.argmax())]], [1])
+
+    for a, b in zip(run(16), run(128)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_weights_run_on_the_fast_path():
+    model = quantize_int8_weight_only(make_tiny_model("llama", seed=0))
+    assert why_unsupported(model) is None
+    got = scripted(StaticRunner(model, budget=SLOTS, compile=False), ROUNDS)  # bf16 activations, as quantized
+    assert got[0].dtype == torch.float32 and got[0].shape[-1] == 64
+    assert_same_logits(got, reference(model), atol=0.25, rtol=0.05)  # bf16 rounding
+
+
+def test_other_families_are_refused_with_the_reason():
+    assert "gpt2" in why_unsupported(make_tiny_model("gpt2"))
+    with pytest.raises(UnsupportedModel):
+        StaticRunner(make_tiny_model("gpt2"), budget=SLOTS, compile=False)
+
+
+def test_budget_sets_the_slots_refuses_when_full_and_reuses_released_space():
+    model = make_tiny_model("llama", seed=0)
+    from engine.static_llama import StaticLlama
+
+    per_slot = StaticLlama.slot_bytes(model.config, 256 + 16, torch.float32)
+    runner = StaticRunner(model, max_model_len=256, budget=KVBudget(gib=2.5 * per_slot / (1 << 30)),
+                          compile=False, prefill_chunk=16)
+    assert runner.capacity == 2
+    assert runner.model.cache_bytes() == 2 * per_slot
+    runner.add("a")
+    runner.add("b")
+    with pytest.raises(KVCacheFull):
+        runner.add("c")
+    runner.forward(["a", "b"], [[2, 3, 4], [5, 6]], [1, 1])
+    before = runner.forward(["b"], [[7]], [1])
+    runner.release("a")  # b moves into slot 0
+    runner.add("c")
+    assert runner.sync("b", [5, 6, 7]) == [7]  # the last token is fed again for its logits
+    again = runner.forward(["b"], [[7]], [1])
+    torch.testing.assert_close(before, again)
+    caches = [t.data_ptr() for t in runner.model.k_cache]
+    runner.forward(["c", "b"], [[9, 9, 9], [8]], [1, 1])
+    assert [t.data_ptr() for t in runner.model.k_cache] == caches  # never reallocated
+
+
+def test_a_budget_below_one_sequence_is_an_error_that_says_what_to_change():
+    with pytest.raises(ValueError, match="max_model_len"):
+        plan_num_slots(slot_bytes=1000, budget_bytes=999, max_num_seqs=8)
+
+
+def test_no_host_sync_inside_a_step():
+    runner = StaticRunner(make_tiny_model("llama", seed=0), budget=SLOTS, compile=False)
+    runner.add("a")
+    runner.add("b")
+    step = runner._step
+
+    def guarded(*args):
+        with forbid_host_sync(runner.device):
+            return step(*args)
+
+    runner._step = guarded
+    runner.forward(["a", "b"], [[2, 3, 4], [5]], [1, 1])
+    runner.forward(["a", "b"], [[6, 7], [8]], [2, 1])
+    with pytest.raises(RuntimeError, match="host sync"), forbid_host_sync(runner.device):
+        torch.ones(1).item()  # the guard itself is live
+
+
+def test_dtype_auto_picks_bf16_only_where_computed_natively(monkeypatch):
+    import engine.runner as runner_mod
+
+    assert resolve_dtype("auto", "cuda") == "bfloat16"
+    monkeypatch.setattr(runner_mod, "cpu_computes_bf16", lambda: False)
+    assert resolve_dtype("auto", "cpu") == "float32"
+    monkeypatch.setattr(runner_mod, "cpu_computes_bf16", lambda: True)
+    assert resolve_dtype("auto", "cpu") == "bfloat16"
+    assert resolve_dtype("float16", "cpu") == "float16"
+
+
+@pytest.mark.slow
+def test_compiled_agrees_with_eager():
+    model = make_tiny_model("llama", seed=4, layers=1)
+    eager = scripted(StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=32), ROUNDS)
+    compiled = scripted(StaticRunner(model, budget=SLOTS, compile=True, prefill_chunk=32), ROUNDS)
+    assert_same_logits(compiled, eager, atol=1e-4, rtol=1e-4)
