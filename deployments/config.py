@@ -76,6 +76,9 @@ class LimitsSection(_Strict):
     max_stop_strings: int = Field(8, ge=0)
     max_body_bytes: int = Field(1_000_000, ge=1024)
     max_live_sequences_per_router: int = Field(64, ge=1, description="admission limit; beyond it 503")
+    max_queue_wait_s: float = Field(
+        30.0, ge=0, description="how long a request waits for a free KV-cache slot on a Target replica before it is "
+                                "answered 503 with Retry-After (deployments/admission.py)")
 
 
 class ScalingSection(_Strict):

@@ -16,3 +16,8 @@ class ChainBroken(RuntimeError):
 
 class Overloaded(RuntimeError):
     """Admission refused: too many live sequences, or the model deployments' queues are full."""
+
+
+class ReplicaFull(Overloaded):
+    """A replica refused a lease: its KV cache holds as many sequences as it has slots for (deployments/admission.py).
+    The request waits for space and tries again; past its wait it is answered like any overload (503)."""

@@ -6,7 +6,8 @@ which passes each call on to the other ranks). A replica the router has seen fai
 tensor-parallel group broken) is remembered. Until Serve's health check replaces it, a new target lease that lands
 there is given back and tried again (with a short pause), so a request re-leasing after a crash waits for a healthy
 replica instead of burning its retries on the broken one; past LEASE_RETRY_TIMEOUT_S it is answered 503. Draft
-leases are not retried: a request whose draft is gone goes on with plain decoding.
+leases are not retried: a request whose draft is gone goes on with plain decoding. A replica whose KV cache is full
+answers a lease with `admission.LeaseRefused`, raised here as ReplicaFull (the scheduler waits and tries again).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import time
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
+from .admission import LeaseRefused
 from .channel import ChannelClosed, RelayFailed
 from .channel_client import AsyncChannels
-from .errors import ChainBroken, DraftGone, Overloaded, ReplicaGone
+from .errors import ChainBroken, DraftGone, Overloaded, ReplicaFull, ReplicaGone
 from .workers import DraftCall, TensorParallelBroken, VerifyCall, draft_replies_directly
 
 _DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
@@ -114,6 +116,9 @@ class RayLeaseBroker:
                     raise ReplicaGone(str(exc)) from exc
                 error: BaseException = exc
             else:
+                if isinstance(first, LeaseRefused):
+                    stream.cancel()
+                    raise ReplicaFull(first.message())
                 if not wait_for_healthy or first["replica"] not in self.dead_replicas:
                     return cls(stream, first, self.channels, self.dead_replicas)
                 stream.cancel()
@@ -129,3 +134,16 @@ class RayLeaseBroker:
 
     async def target(self, seq_id: str) -> RayTargetLease:
         return await self._lease(self.target_handle, seq_id, RayTargetLease, wait_for_healthy=True)
+
+    async def ready(self, kind: str, timeout_s: float) -> bool:
+        """Whether a replica of the deployment answers `ready()` within `timeout_s` (Serve holds the call while the
+        deployment has no running replica; it is cancelled then)."""
+        handle = self.draft_handle if kind == "draft" else self.target_handle
+        if handle is None:
+            return False
+        response = handle.ready.remote()
+        try:
+            return bool(await asyncio.wait_for(response, timeout_s))
+        except asyncio.TimeoutError:
+            response.cancel()
+            return False

@@ -45,7 +45,14 @@ class TargetLease(Protocol):
 class LeaseBroker(Protocol):
     async def draft(self, seq_id: str) -> DraftLease: ...
 
-    async def target(self, seq_id: str) -> TargetLease: ...
+    async def target(self, seq_id: str) -> TargetLease:
+        """Raises ReplicaFull when the replica's KV cache has no free slot (deployments/admission.py)."""
+        ...
+
+    async def ready(self, kind: str, timeout_s: float) -> bool:
+        """Whether a replica of the "draft" or "target" deployment answers within `timeout_s` (one can be
+        leased: deployments/readiness.py)."""
+        ...
 
 
 @dataclass

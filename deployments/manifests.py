@@ -38,7 +38,11 @@ CACHE_DIR = "/cache"
 _HEALTH = "wget -T 2 -q -O- http://localhost:{port}/{path} | grep success"
 RAYLET_HEALTH = _HEALTH.format(port=AGENT_PORT, path="api/local_raylet_healthz")
 GCS_HEALTH = _HEALTH.format(port=DASHBOARD_PORT, path="api/gcs_healthz")
-SERVE_PROXY_HEALTH = _HEALTH.format(port=SERVE_PORT, path="-/healthz")
+SERVE_PROXY_HEALTH = _HEALTH.format(port=SERVE_PORT, path="-/healthz")  # Serve's proxy alone, whatever the app's state
+# the application's readiness: 200 once the router can lease the Draft and Target replicas, 503 while they start
+# (deployments/readiness.py); wget exits non-zero on a 503
+APP_READY = f"wget -T 2 -q -O /dev/null http://localhost:{SERVE_PORT}/health"
+APP_START_PROBES = 360  # x 5 s: how long the application may take to start (load its models) before a restart
 _UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "": 1}
 
 
@@ -208,17 +212,23 @@ def _container(ov: Overlay, cfg: SpecServeConfig, group: str) -> dict:
         ready = f"{RAYLET_HEALTH} && {GCS_HEALTH}"
         readiness = _probe(ready, initialDelaySeconds=10, periodSeconds=5, timeoutSeconds=5, failureThreshold=10)
         liveness = _probe(ready, initialDelaySeconds=30, periodSeconds=5, timeoutSeconds=5, failureThreshold=120)
+        startup = None
     else:
-        # the pod joins the Serve service only while its raylet and its Serve proxy answer
-        readiness = _probe(f"{RAYLET_HEALTH} && {SERVE_PROXY_HEALTH}", initialDelaySeconds=10, periodSeconds=5,
-                           timeoutSeconds=5, failureThreshold=1)
-        liveness = _probe(RAYLET_HEALTH, initialDelaySeconds=30, periodSeconds=5, timeoutSeconds=5,
-                          failureThreshold=120)
+        # The pod joins the Serve service once the application can run a completion (the startup probe: /health,
+        # 503 while the model replicas load), and stays in it while its raylet and its Serve proxy answer. /health
+        # is not part of readiness: under overload Serve sheds it with a 503 like any request, which would take every
+        # pod out of the service at once.
+        startup = _probe(f"{RAYLET_HEALTH} && {APP_READY}", initialDelaySeconds=10, periodSeconds=5,
+                         timeoutSeconds=5, failureThreshold=APP_START_PROBES)
+        readiness = _probe(f"{RAYLET_HEALTH} && {SERVE_PROXY_HEALTH}", periodSeconds=5, timeoutSeconds=5,
+                           failureThreshold=1)
+        liveness = _probe(RAYLET_HEALTH, periodSeconds=5, timeoutSeconds=5, failureThreshold=120)
     return {
         "name": "ray-head" if group == "head" else "ray-worker",
         "image": ov.image, "imagePullPolicy": ov.image_pull_policy,
         "ports": ports, "env": env, "volumeMounts": mounts,
         "resources": {"requests": dict(limits), "limits": dict(limits)},
+        **({"startupProbe": startup} if startup else {}),
         "readinessProbe": readiness, "livenessProbe": liveness,
         "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
     }

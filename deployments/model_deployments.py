@@ -6,6 +6,10 @@ a replica with a *streaming* call that stays open while the request lives: Serve
 so autoscaling follows the number of live sequences, and scale-down waits for it. The lease's first item is the
 workers' actor handles; the router calls them directly every round (a plain actor call, ~1 ms, instead of a
 DeploymentHandle call, ~3.5 ms). Closing the lease frees the sequence's caches at once.
+
+A replica whose workers' KV caches have a fixed number of sequence slots (`kv_capacity` in their stats) leases no
+more sequences than that: past it a lease is answered with `admission.LeaseRefused`, and the request waits for a
+slot (deployments/admission.py). `ready()` answers once the constructor has run (deployments/readiness.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.factory import EngineConfig
 
+from .admission import min_capacity, refusal
 from .workers import ray_actor_classes
 
 HEALTH_PING_TIMEOUT_S = 20.0  # a worker not answering a ping this long fails the health check (Serve's own: 30 s)
@@ -61,6 +66,7 @@ class _LeasedReplica:
         self.leases = 0
         self._replica_id = None
         self.costs: dict | None = None  # measured at start when the router's K policy needs them (policy.py)
+        self.capacity: int | None = None  # sequences its workers' KV caches hold; None: unbounded
 
     @property
     def replica_id(self) -> str:
@@ -73,14 +79,27 @@ class _LeasedReplica:
                 self._replica_id = f"local-{id(self)}"
         return self._replica_id
 
+    async def ready(self) -> bool:
+        """The readiness probe: Serve routes a call here only once the constructor has run, that is once the workers
+        have loaded their models and opened their channels (deployments/readiness.py)."""
+        return True
+
     async def _hold(self, seq_id: str, workers: list, endpoint):
+        refused = refusal(self.replica_id, self.leases, self.capacity)
+        if refused is not None:  # no free KV-cache slot: the router waits and tries again (admission.py)
+            yield refused
+            return
         self.leases += 1
         try:
             yield {"replica": self.replica_id, "workers": workers, "endpoint": endpoint, "costs": self.costs}
             await asyncio.Event().wait()  # until the router cancels the lease
         finally:
-            self.leases -= 1
-            workers[0].release.remote([seq_id])  # a target's rank 0 passes it on to the other ranks, in order
+            try:  # a target's rank 0 passes it on to the other ranks, in order
+                await workers[0].release.remote([seq_id])
+            except Exception:  # the worker is gone (and the replica with it)
+                pass
+            finally:  # the slot is free once the worker has released the sequence: a new one cannot find it taken
+                self.leases -= 1
 
     async def _check(self, workers: list) -> None:
         """Serve's health check: raises at once if a worker died, if one does not answer a ping within
@@ -127,7 +146,8 @@ class DraftServer(_LeasedReplica):
         self.worker = draft_cls.options(**options).remote(engine_config, worker["torch_threads"], worker["calibrate"],
                                                           worker["concurrent_workers"])
         # fail fast (missing model file, bad tokenizer) at start-up
-        self.costs = ray.get(self.worker.stats.remote())["costs"]
+        stats = ray.get(self.worker.stats.remote())
+        self.costs, self.capacity = stats["costs"], stats.get("kv_capacity")
         self.endpoint = ray.get(self.worker.start_channel.remote())
 
     async def lease(self, seq_id: str):
@@ -167,6 +187,8 @@ class TargetServer(_LeasedReplica):
         if tp_size > 1:  # from now on ranks 1.. take their calls from rank 0 alone
             ray.get(self.workers[0].connect_peers.remote(endpoints[1:]))
         self.endpoint = endpoints[0]
+        ranks = ray.get([w.stats.remote() for w in self.workers])
+        self.capacity = min_capacity([rank.get("kv_capacity") for rank in ranks])
 
     async def lease(self, seq_id: str):
         async for item in self._hold(seq_id, self.workers, self.endpoint):
@@ -174,7 +196,7 @@ class TargetServer(_LeasedReplica):
 
     async def stats(self) -> dict:
         ranks = await asyncio.gather(*[w.stats.remote() for w in self.workers])
-        return {"replica": self.replica_id, "leases": self.leases, "ranks": list(ranks)}
+        return {"replica": self.replica_id, "leases": self.leases, "kv_capacity": self.capacity, "ranks": list(ranks)}
 
     async def check_health(self) -> None:
         await self._check(self.workers)

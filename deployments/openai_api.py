@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API: request models, error JSON, and the FastAPI app over a `Router`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events ending in
-`data: [DONE]`), GET /v1/models, GET /health. Extension fields: `speculative: {"k": int, "enabled": bool,
-"adaptive": bool, "overlap": bool}`, `top_k`, `ignore_eos`; `usage.speculative` reports the request's rounds, drafted and accepted tokens.
+`data: [DONE]`), GET /v1/models, GET /health (200 once completions can run, 503 before). Extension fields:
+`speculative: {"k": int, "enabled": bool, "adaptive": bool, "overlap": bool}`, `top_k`, `ignore_eos`;
+`usage.speculative` reports the request's rounds, drafted and accepted tokens.
 """
 
 from __future__ import annotations
@@ -142,8 +143,8 @@ def create_app(router) -> FastAPI:
         return response
 
     @app.get("/health")
-    async def health():
-        return {"status": "ok", "live_sequences": router.scheduler.num_live}
+    async def health():  # 503 until the model replicas can be leased (not Serve's own /-/healthz: readiness.py)
+        return await router.health()
 
     @app.get("/stats")
     async def stats():

@@ -20,6 +20,7 @@ from engine.sequence import EmptyPromptError, PromptTooLongError
 from .config import SpecServeConfig
 from .metrics import NullMetrics, observe
 from .openai_api import APIError, ChatCompletionRequest, CompletionRequest, create_app
+from .readiness import Readiness
 from .scheduler import AdmissionSlot, Overloaded, ReplicaGone, Scheduler, SchedulerConfig
 
 logger = logging.getLogger("ray.serve")
@@ -86,6 +87,7 @@ class Router:
                 max_batch_for_speculation=config.speculation.max_batch_for_speculation,
                 max_live_sequences=config.limits.max_live_sequences_per_router,
                 adaptive=config.speculation.adaptive, overlap=config.speculation.overlap and mode == "model",
+                max_queue_wait_s=config.limits.max_queue_wait_s,
                 profile=(CostProfile.from_json(config.speculation.calibration)
                          if config.speculation.calibration else None),
             ),
@@ -93,6 +95,7 @@ class Router:
         )
         self.scheduler.metrics = self.metrics
         self.api_key = load_api_key(config)
+        self.readiness = Readiness(broker, ("draft", "target") if mode == "model" else ("target",))
 
     @property
     def model_name(self) -> str:
@@ -125,6 +128,15 @@ class Router:
             return self.scheduler.admit()
         except Overloaded as exc:
             raise overloaded_error(exc) from exc
+
+    async def health(self) -> dict:
+        """GET /health: 200 once a completion can lease the replicas it needs, 503 until then (readiness.py)."""
+        missing = await self.readiness.missing()
+        if missing:
+            raise APIError(503, f"not ready: no {' and no '.join(missing)} replica can be leased yet (still "
+                                "starting: loading the models)",
+                           type_="server_error", code="not_ready", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return {"status": "ok", "live_sequences": self.scheduler.num_live}
 
     # ---- request preparation --------------------------------------------------------------------------------
     def prepare_completion(self, body: CompletionRequest) -> Prepared:

@@ -4,12 +4,12 @@ One asyncio task per router replica. Each round groups the live sequences by the
 and, per group, makes one chained call (the Draft worker drafts for the batch and hands its tokens to the Target
 worker, which verifies and answers: deployments/channel_client.py), or one batched draft call per Draft replica and
 one batched verify call where a group's rows draft on several Draft replicas, draft ahead, or use n-gram lookup; the
-rejection sampler (engine/, pure) runs here. A request leases its Target replica
-when it starts and its Draft replica on the first round its plan gives it drafts: one that never drafts (under load
-the plan keeps K at 0) never holds a Draft lease. Requests join between rounds and leave when finished
-or cancelled, closing their leases, which frees their caches at once. A replica that dies mid-request is
-replaced by a new lease and the sequence is re-sent from token 0 (re-prefill); committed tokens never change, so
-the output does not either.
+rejection sampler (engine/, pure) runs here. A request leases its Target replica when it starts (waiting while
+its KV cache is full: deployments/admission.py) and its Draft replica on the first round its plan gives it drafts:
+one that never drafts (under load the plan keeps K at 0) never holds a Draft lease. Requests join between rounds
+and leave when finished or cancelled, closing their leases, which frees their caches at once. A replica that dies
+mid-request is replaced by a new lease and the sequence is re-sent from token 0 (re-prefill); committed tokens never
+change, so the output does not either.
 
 Each request's K comes from engine/policy.py: with `adaptive`, from its observed acceptance and the measured cost
 of a round at the group's batch size (the replicas measure their costs at start, or a calibration file gives
@@ -38,6 +38,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput, SequenceState
 from engine.stats import EngineTimings, SpecStats
 
+from .admission import SpaceWait
 from .ahead import AheadDrafts
 from .errors import ChainBroken, DraftGone, Overloaded, ReplicaGone
 from .metrics import NullMetrics, observe
@@ -80,6 +81,7 @@ class SchedulerConfig:
     adaptive: bool = False  # K per request from acceptance and measured costs (engine/policy.py)
     profile: CostProfile | None = None  # costs from a calibration file; None: the leased replicas' own
     overlap: bool = False  # draft round r+1 during round r's verify
+    max_queue_wait_s: float = 30.0  # how long a request waits for a free KV-cache slot (admission.py), then 503
 
 
 @dataclass
@@ -106,7 +108,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.metrics = NullMetrics()  # the Serve router replaces it with deployments.metrics.ServingMetrics
         self._live: dict[str, LiveRequest] = {}
-        self._waiting = 0  # admitted, waiting for leases
+        self._waiting = 0  # admitted, waiting for leases (some of them for a free KV-cache slot: `space`)
+        self.space = SpaceWait(config.max_queue_wait_s)
         self._reserved = 0  # admission slots taken at the door, not yet in `generate`
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -180,7 +183,7 @@ class Scheduler:
 
     async def _open(self, seq: SequenceState) -> LiveRequest:
         """A request's Target lease; its Draft lease comes with its first drafting round (`_lease_drafts`)."""
-        target = await self.broker.target(seq.request_id)
+        target = await self.space.lease(lambda: self.broker.target(seq.request_id))
         return LiveRequest(seq=seq, queue=asyncio.Queue(), target=target,
                            tracker=AcceptanceTracker(prior=self.population.acceptance))
 
@@ -190,6 +193,7 @@ class Scheduler:
             return
         if not live.reletting:  # a dead replica's lease was closed already
             await live.target.close()
+            self.space.freed()
         if live.draft is not None:
             await live.draft.close()
 
@@ -233,8 +237,10 @@ class Scheduler:
         (engine/round_plan.py), else the fixed `max_batch_for_speculation` threshold.
 
         The batch the costs are taken at counts the requests already admitted and waiting for their leases: they join
-        the next round, and a draft started now (its prefill first) would pay only at the batch size they make.
+        the next round, and a draft started now (its prefill first) would pay only at the batch size they make. Those
+        waiting for a free KV-cache slot are not counted: they join when a request ends.
         """
+        joining = self._waiting - self.space.waiting
         profile = self.costs.policy_profile(self._group_draft(rows), rows[0].target)
         caps = [live.seq.k if self._may_draft(live) else 0 for live in rows]
         model = self.config.draft_mode == "model"
@@ -246,9 +252,9 @@ class Scheduler:
                                    remaining=live.seq.remaining(), fixed=live.fixed_k,
                                    wants_probe=live.tracker.wants_probe)
                         for live, cap in zip(rows, caps)]
-            ks = plan_round(profile, outlooks, len(rows) + self._waiting)
+            ks = plan_round(profile, outlooks, len(rows) + joining)
         else:
-            live_now = len(self._live) + self._waiting
+            live_now = len(self._live) + joining
             ks = [cap if live.fixed_k else load_adjusted_k(cap, live_now, self.config.max_batch_for_speculation)
                   for live, cap in zip(rows, caps)]
         return [live.seq.draft_len(k) for live, k in zip(rows, ks)]
@@ -468,7 +474,7 @@ class Scheduler:
                 await self._drop(live, ReplicaGone("the target replica failed repeatedly; giving up on this request"))
                 continue
             try:
-                target = await self.broker.target(request_id)
+                target = await self.space.lease(lambda: self.broker.target(request_id), starting=False)
             except Exception as exc:
                 await self._drop(live, exc)
                 continue

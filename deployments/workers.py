@@ -457,7 +457,8 @@ class TargetWorkerCore:
         return {"rank": self.rank, "live_sequences": self.runner.num_live if self.runner else 0,
                 "calls": self.calls, "rows": self.rows, "parameters": num_parameters(self.runner.model),
                 "full_parameters": self.full_parameters, "pid": os.getpid(), "torch_threads": self.torch_threads,
-                "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
+                "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
+                "kv_capacity": getattr(self.runner, "capacity", None) if self.runner else None}
 
     def ping(self) -> float:
         """Seconds the current model call has been running (0: idle); served on the "control" thread. A rank

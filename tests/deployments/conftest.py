@@ -8,8 +8,9 @@ import itertools
 
 import pytest
 
+from deployments.admission import refusal
 from deployments.config import SpecServeConfig
-from deployments.errors import ChainBroken, DraftGone, ReplicaGone
+from deployments.errors import ChainBroken, DraftGone, ReplicaFull, ReplicaGone
 from deployments.workers import DraftWorkerCore, TargetWorkerCore, draft_replies_directly
 from tests.conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
@@ -105,12 +106,17 @@ class _Lease:
 
     async def close(self) -> None:
         self.closed = True
-        self.broker.open_leases[self.kind] -= 1
         self.core.release([self.seq_id])  # what the replica does when a lease ends
+        self.broker.open_leases[self.kind] -= 1  # its slot is free once the worker released the sequence
+        self.broker.live[self.key] -= 1
 
 
 class LocalBroker:
-    """One draft and one target 'replica'; `fail_at_call[kind] = n` kills it at its n-th call."""
+    """One draft and one target 'replica'; `fail_at_call[kind] = n` kills it at its n-th call.
+
+    Like the replicas (model_deployments._LeasedReplica), it refuses a target lease when the target core's runner
+    holds `kv_capacity` leased sequences already; `starting` names the deployments whose replicas do not answer
+    `ready` yet."""
 
     def __init__(self, config: SpecServeConfig) -> None:
         self.engine_config = config.engine_config()
@@ -134,6 +140,10 @@ class LocalBroker:
         self.held_target_leases: set[str] = set()
         self.leased_targets: set[str] = set()
         self.release_leases = asyncio.Event()
+        self.live: dict[str, int] = {}  # open leases per replica key
+        self.refused = 0  # target leases refused for want of a KV-cache slot
+        self.starting: set[str] = set()
+        self.ready_probes = {"draft": 0, "target": 0}
 
     def _core(self, kind: str):
         if kind == "draft":
@@ -151,9 +161,16 @@ class LocalBroker:
         if kind == "draft" and self.refuse_draft_leases:
             self.refuse_draft_leases -= 1
             raise ReplicaGone("no draft replica available")
+        key = self.keys[kind]
+        if kind == "target":
+            refused = refusal(key, self.live.get(key, 0), self.cores[kind].stats()["kv_capacity"])
+            if refused is not None:  # what RayLeaseBroker raises for a replica's LeaseRefused
+                self.refused += 1
+                raise ReplicaFull(refused.message())
+        self.live[key] = self.live.get(key, 0) + 1
         self.open_leases[kind] += 1
         self.leases_taken[kind] += 1
-        return _Lease(self, kind, self.cores[kind], self.keys[kind], seq_id)
+        return _Lease(self, kind, self.cores[kind], key, seq_id)
 
     async def draft(self, seq_id):
         return await self._lease("draft", seq_id)
@@ -161,8 +178,39 @@ class LocalBroker:
     async def target(self, seq_id):
         if seq_id in self.held_target_leases and seq_id in self.leased_targets:
             await self.release_leases.wait()  # a test holds this request's re-lease (a slow replacement)
+        lease = await self._lease("target", seq_id)
         self.leased_targets.add(seq_id)
-        return await self._lease("target", seq_id)
+        return lease
+
+    async def ready(self, kind, timeout_s):
+        self.ready_probes[kind] += 1
+        if kind in self.starting:  # like a Serve call to a deployment with no running replica: held, then timed out
+            await asyncio.sleep(timeout_s)
+            return False
+        return kind in self.cores
+
+
+class _BoundedRunner:
+    """A runner whose KV cache holds `capacity` sequences (whatever runner it wraps): `add` raises KVCacheFull past
+    it, like the preallocated runner's."""
+
+    def __init__(self, runner, capacity: int) -> None:
+        self._runner, self.capacity = runner, capacity
+
+    def add(self, seq_id, *args, **kwargs):
+        from engine.runner import KVCacheFull
+
+        if self._runner.num_live >= self.capacity:
+            raise KVCacheFull(f"all {self.capacity} KV-cache slots are taken")
+        return self._runner.add(seq_id, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+
+def bound_kv_cache(core, capacity: int) -> None:
+    """Give a target core's runner a KV cache with `capacity` sequence slots."""
+    core.runner = _BoundedRunner(core.runner, capacity)
 
 
 @contextlib.contextmanager

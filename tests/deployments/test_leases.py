@@ -184,3 +184,48 @@ def test_calls_cross_the_channel_as_plain_tuples_and_come_back_equal():
         wire = call.wire()
         assert b"deployments" not in pickle.dumps(wire, protocol=5), "no class travels, only builtins"
         assert cls.from_wire(pickle.loads(pickle.dumps(wire, protocol=5))) == call
+
+
+def test_a_full_replica_s_refusal_is_replica_full_and_the_stream_is_given_back():
+    from deployments.admission import LeaseRefused
+    from deployments.errors import ReplicaFull
+
+    handle = FakeHandle([LeaseRefused("t", 4, 4)])
+    with pytest.raises(ReplicaFull, match="replica t holds 4"):
+        asyncio.run(RayLeaseBroker(None, handle).target("seq"))
+    assert [s.cancelled for s in handle.streams] == [True], "tried once (the scheduler waits), stream given back"
+
+
+class _ReadyHandle:
+    """A Serve handle whose `ready.remote()` answers True, or never (a deployment with no running replica)."""
+
+    def __init__(self, answers: bool) -> None:
+        self.answers, self.responses = answers, []
+        self.ready = self
+
+    def remote(self):
+        response = _Response(self.answers)
+        self.responses.append(response)
+        return response
+
+
+class _Response:
+    def __init__(self, answers: bool) -> None:
+        self.answers, self.cancelled = answers, False
+
+    def __await__(self):
+        if not self.answers:
+            yield from asyncio.sleep(3600).__await__()
+        return True
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_readiness_probe_asks_the_deployment_and_cancels_a_call_nobody_answers():
+    up, starting = _ReadyHandle(True), _ReadyHandle(False)
+    broker = RayLeaseBroker(starting, up)
+    assert asyncio.run(broker.ready("target", 1.0)) is True and not up.responses[0].cancelled
+    assert asyncio.run(broker.ready("draft", 0.01)) is False
+    assert starting.responses[0].cancelled, "the held call is cancelled, not left queued at Serve"
+    assert asyncio.run(RayLeaseBroker(None, up).ready("draft", 1.0)) is False, "no Draft deployment"

@@ -127,9 +127,16 @@ def test_probes_ports_and_resources_are_set(overlay_case):
         assert f"localhost:{agent}/api/local_raylet_healthz" in ready
         assert c["livenessProbe"]["failureThreshold"] * c["livenessProbe"]["periodSeconds"] >= 300
         if name == "head":
-            assert "api/gcs_healthz" in ready
+            assert "api/gcs_healthz" in ready and "startupProbe" not in c
         else:  # out of the Serve service as soon as this pod's proxy stops answering
             assert f"localhost:{ports['serve']}/-/healthz" in ready and c["readinessProbe"]["failureThreshold"] == 1
+            # in it only once the application can run a completion (its /health, not the proxy's /-/healthz); not
+            # a readiness condition, since Serve sheds /health under overload like any request
+            startup = " ".join(c["startupProbe"]["exec"]["command"])
+            assert f"localhost:{ports['serve']}/health " in startup + " " and "/-/healthz" not in startup
+            assert "/health " not in ready + " "
+            assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600, \
+                "loading the models must not restart the pod"
 
 
 def test_ingress_streams_to_the_operators_serve_service():
