@@ -188,3 +188,79 @@ def test_health_check_answers_during_a_long_model_call_and_fails_a_hung_one(ray_
     ray.get(call)
     asyncio.run(replica._check([worker]))  # the call ended: healthy again
     ray.kill(worker)
+
+
+def test_health_is_503_while_the_target_cannot_start_and_200_once_a_completion_can_run(ray_cluster, tiny_model_dirs):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    # a Target replica that never starts (its worker asks for more CPUs than the cluster has); n-gram drafts, so the
+    # Target is all a completion needs (serve.run would wait for the whole application)
+    config = tiny_config(tiny_model_dirs, model={"draft": "ngram"}, target={"num_cpus": 64})
+    serve._run(build_app(config.model_dump()), _blocking=False, name="stuck", route_prefix="/stuck")
+    answers, deadline = [], time.time() + 180
+    while len(answers) < 2:  # the Router's own answers (before it runs, the proxy answers 404 in plain text)
+        assert time.time() < deadline, f"the Router never answered: {serve.status()}"
+        start = time.time()
+        r = httpx.get(f"http://127.0.0.1:{PORT}/stuck/health", timeout=120)
+        if r.headers.get("content-type") == "application/json":
+            answers.append((r, time.time() - start))
+        time.sleep(0.5)
+    for r, _ in answers:
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        error = r.json()["error"]
+        assert error["code"] == "not_ready" and "no Target replica" in error["message"], error
+    assert answers[-1][1] < 10, "the probe waits about readiness.PROBE_TIMEOUT_S, not for the Target to start"
+    serve.delete("stuck")
+    ready = deploy(tiny_config(tiny_model_dirs), "ready")
+    deadline = time.time() + 120
+    while (r := httpx.get(f"{ready}/health", timeout=10)).status_code != 200:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready", r.text
+        assert time.time() < deadline, "never ready"
+        time.sleep(0.5)
+    assert complete(ready, [5, 6, 7, 8], n=4), "ready means a completion runs at once"
+    serve.delete("ready")
+
+
+def test_a_full_target_replica_refuses_leases_and_takes_one_again_once_a_lease_ended(ray_cluster, tiny_model_dirs):
+    import asyncio
+
+    from ray import serve
+
+    from deployments.app import worker_spec
+    from deployments.errors import ReplicaFull
+    from deployments.leases import RayLeaseBroker
+    from deployments.model_deployments import TargetServer
+
+    class OneSlotTarget(TargetServer):  # as if its workers' KV caches held one sequence
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            self.capacity = 1
+
+    cfg = tiny_config(tiny_model_dirs)
+    app = serve.deployment(OneSlotTarget, name="Target").bind(cfg.engine_config(), worker_spec(cfg, "target"), 1)
+    serve.run(app, name="slots", route_prefix=None)
+    broker = RayLeaseBroker(None, serve.get_deployment_handle("Target", app_name="slots"))
+
+    async def go():
+        first = await broker.target("a")
+        with pytest.raises(ReplicaFull, match="holds 1 sequences"):
+            await broker.target("b")
+        await first.close()
+        deadline = time.monotonic() + 30
+        while True:  # the slot frees once the worker has released "a"
+            try:
+                third = await broker.target("c")
+                break
+            except ReplicaFull:
+                assert time.monotonic() < deadline, "the slot was never freed"
+                await asyncio.sleep(0.05)
+        await third.close()
+        return first.key, third.key
+
+    first_key, third_key = asyncio.run(go())
+    assert first_key == third_key
+    stats = serve.get_deployment_handle("Target", app_name="slots").stats.remote().result()
+    assert stats["kv_capacity"] == 1 and "kv_capacity" in stats["ranks"][0]  # the workers report their runner's
+    serve.delete("slots")
