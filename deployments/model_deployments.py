@@ -30,7 +30,7 @@ from .workers import ray_actor_classes
 HEALTH_PING_TIMEOUT_S = 20.0  # a worker not answering a ping this long fails the health check (Serve's own: 30 s)
 # A model call running longer than this is taken as hung. Pings are answered on the workers' "control" thread, so
 # a long call (a batched prefill under load) does not fail the check; past this bound the worker is replaced.
-# Above the collectives' own timeout (workers.init_distributed, 120 s).
+# Above the collectives' own timeout (workers.init_distributed: 60 s on CPU, 30 s on GPU by default).
 STUCK_CALL_S = 180.0
 
 def _in_my_bundle(index: int) -> dict:

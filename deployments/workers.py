@@ -35,7 +35,8 @@ from engine.model_runner import ModelRunner
 from engine.proposers import DraftModelProposer, DraftRequest, check_tokenizers_compatible
 from engine.sampling import BatchSampling, SamplingParams, logits_to_probs
 from engine.sequence import draft_generator
-from engine.tensor_parallel import CollectiveError, num_parameters, shard_model
+from engine.shard_loading import load_shard, rank_device
+from engine.tensor_parallel import CollectiveError, full_num_parameters, num_parameters
 
 from .channel import ChannelClosed, ChannelRelay, ChannelSender, ChannelServer, Endpoint, Route
 
@@ -339,26 +340,45 @@ class TargetWorkerCore:
             port = s.getsockname()[1]
         return socket.gethostbyname(socket.gethostname()), port
 
-    def init_distributed(self, address: str, port: int, timeout_s: float = 120.0) -> None:
-        """Join the replica's process group. `timeout_s` bounds every collective: a rank whose peer died mid-call
-        (a killed worker) fails that call instead of waiting torch's default 30 minutes, so it answers pings again
-        and its replica can be torn down."""
+    def init_distributed(self, address: str, port: int, timeout_s: float | None = None) -> None:
+        """Join the replica's process group, then load this rank's shard.
+
+        A dead peer's process fails gloo collectives at once (its sockets close: 0.04 s measured); `timeout_s` bounds
+        a peer that is alive but never joins (stopped, stuck), after which the rank is broken and Serve replaces the
+        replica. Default SPECSERVE_COLLECTIVE_TIMEOUT_S, else 30 s on GPU and 60 s on CPU (was 120 s): verifies take
+        well under a second, but on CPU the start-up calibration's collectives wait while rank 0 queues for the
+        node's start-up turn (`cpu_startup_turn`) behind the draft's load and calibration, 23 s measured here under
+        load. NCCL: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 lets torch's watchdog abort a collective stuck past the timeout
+        and end the process (a dead worker fails the health check at once); TORCH_NCCL_BLOCKING_WAIT stays off (the
+        host would wait on every collective: no overlap, no CUDA graphs). The operator's own env settings win.
+        """
         import datetime
 
         import torch.distributed as dist
 
-        backend = "nccl" if self.config.device == "cuda" else "gloo"
+        cuda = self.config.device.startswith("cuda")
+        backend = "nccl" if cuda else "gloo"
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("SPECSERVE_COLLECTIVE_TIMEOUT_S", 30.0 if cuda else 60.0))
+        options = {}
+        if cuda:
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            options["device_id"] = self._model.call(rank_device, self.config.device)
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=self.world, timeout=datetime.timedelta(seconds=timeout_s))
+                                world_size=self.world, timeout=datetime.timedelta(seconds=timeout_s), **options)
         self._model.call(self.load)
 
     def load(self) -> None:
-        runner, _ = build_target(self.config)
-        model = runner.model
-        self.full_parameters = num_parameters(model)
-        vocab = model.config.vocab_size
-        shard_model(model, self.rank, self.world)
-        self.runner = ModelRunner(model, max_model_len=self.config.max_model_len, vocab_size=vocab)
+        """The whole target (world 1), or this rank's shard read straight from the safetensors files
+        (engine/shard_loading.py): no rank ever holds the full weights."""
+        if self.world == 1:
+            model = build_target(self.config)[0].model
+            self.full_parameters = num_parameters(model)
+        else:
+            model = load_shard(resolve(self.config.target), self.config.target_dtype, self.config.device, self.rank,
+                               self.world, trust_remote_code=self.config.trust_remote_code)
+            self.full_parameters = full_num_parameters(model, self.world)
+        self.runner = ModelRunner(model, max_model_len=self.config.max_model_len, vocab_size=model.config.vocab_size)
 
     def start_channel(self) -> Endpoint:
         """The endpoint of this rank's channel (`verify`, `release`; deployments/channel.py). Routers call rank 0's;

@@ -5,9 +5,15 @@ across ranks (column-parallel q/k/v and gate/up projections), the following proj
 down_proj) and its partial sums are all-reduced; the embedding and LM head are split over the vocabulary. Norms and
 rotary tables are replicated (tiny). The attention modules reshape with `-1` heads, so a rank simply runs its own
 heads, and its KV cache holds only those. Works with any torch.distributed backend (gloo on CPU, nccl on GPU).
+
+The parallel modules take their shards ready-sliced. `install_shards` puts them into a model given a function that
+returns a named tensor's part for this rank: `shard_model` slices a model already in memory, and
+engine/shard_loading.py reads the parts straight from safetensors files (a rank never holds the full weights).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,9 +22,17 @@ from torch import nn
 
 from .cpu_kernels import linear
 
+# How a tensor is split across ranks (its part for one rank: `split_part`)
+ROWS = "rows"  # dim 0: column-parallel weights and biases ([out, in] -> [out/world, in]), vocabulary shards
+COLUMNS = "columns"  # dim 1: row-parallel weights ([out, in] -> [out, in/world])
+WHOLE = "whole"  # replicated: norms, row-parallel biases
+
+# (tensor name as in the model's state_dict, ROWS | COLUMNS | WHOLE) -> this rank's part of it
+TakePart = Callable[[str, str], torch.Tensor]
+
 
 class TensorParallelError(ValueError):
-    """The model cannot be split this way (unsupported family or sizes not divisible by the world size)."""
+    """The model cannot be split this way (unsupported family, dtype, or sizes not divisible by the world size)."""
 
 
 class CollectiveError(RuntimeError):
@@ -39,32 +53,54 @@ def _all_gather(parts: list[torch.Tensor], t: torch.Tensor, group) -> None:
         raise CollectiveError(f"all_gather failed: {exc}") from exc
 
 
-def _slice_rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    size = t.shape[0] // world
-    return t[rank * size : (rank + 1) * size].clone()
+def part_range(size: int, rank: int, world: int) -> slice:
+    """Rank `rank`'s contiguous range of `size` indices (size divisible by world: check_shardable)."""
+    if size % world:
+        raise TensorParallelError(f"a dimension of size {size} does not split into {world} equal parts")
+    step = size // world
+    return slice(rank * step, (rank + 1) * step)
+
+
+def split_part(t: torch.Tensor, split: str, rank: int, world: int) -> torch.Tensor:
+    """This rank's part of `t`, a view (ROWS: a row range; COLUMNS: a column range; WHOLE: all of it)."""
+    if split == ROWS:
+        return t[part_range(t.shape[0], rank, world)]
+    if split == COLUMNS:
+        return t[:, part_range(t.shape[1], rank, world)]
+    if split == WHOLE:
+        return t
+    raise ValueError(f"unknown split {split!r}")
+
+
+def part_shape(shape: tuple[int, ...], split: str, world: int) -> tuple[int, ...]:
+    """The shape of one rank's part of a tensor of `shape`."""
+    dim = {ROWS: 0, COLUMNS: 1, WHOLE: None}[split]
+    return tuple(n // world if i == dim else n for i, n in enumerate(shape))
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
 
 
 class ColumnParallelLinear(nn.Module):
     """Output features split across ranks; no communication."""
 
-    def __init__(self, full: nn.Linear, rank: int, world: int) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(_slice_rows(full.weight.data, rank, world), requires_grad=False)
-        self.bias = None if full.bias is None else nn.Parameter(_slice_rows(full.bias.data, rank, world),
-                                                                 requires_grad=False)
+        self.weight = _frozen(weight)  # [out/world, in]
+        self.bias = None if bias is None else _frozen(bias)  # [out/world]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out/world]
         return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """Input features split across ranks; partial outputs all-reduced, bias added once after."""
+    """Input features split across ranks; partial outputs all-reduced, bias (whole) added once after."""
 
-    def __init__(self, full: nn.Linear, rank: int, world: int, group=None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None) -> None:
         super().__init__()
-        weight_t = _slice_rows(full.weight.data.t(), rank, world)  # [in/world, out]
-        self.weight = nn.Parameter(weight_t.t().contiguous(), requires_grad=False)  # [out, in/world]
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.data.clone(), requires_grad=False)
+        self.weight = _frozen(weight)  # [out, in/world]
+        self.bias = None if bias is None else _frozen(bias)  # [out]
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in/world] -> [..., out]
@@ -76,9 +112,9 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Rows [rank*V/world, (rank+1)*V/world) of the table; each rank embeds its ids, the sum is all-reduced."""
 
-    def __init__(self, full: nn.Embedding, rank: int, world: int, group=None) -> None:
+    def __init__(self, weight: torch.Tensor, rank: int, group=None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(_slice_rows(full.weight.data, rank, world), requires_grad=False)
+        self.weight = _frozen(weight)  # [V/world, H]
         self.start = rank * self.weight.shape[0]
         self.group = group
 
@@ -93,9 +129,9 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelLMHead(nn.Module):
     """Logits for this rank's vocabulary slice, all-gathered into the full vocabulary."""
 
-    def __init__(self, weight: torch.Tensor, world: int, group=None) -> None:
+    def __init__(self, weight: nn.Parameter, world: int, group=None) -> None:
         super().__init__()
-        self.weight = weight  # shared with the embedding shard when the model ties them
+        self.weight = weight  # [V/world, H]; the embedding shard's own Parameter when the model ties them
         self.world, self.group = world, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V]
@@ -115,10 +151,8 @@ def check_shardable(config, world: int) -> None:
         raise TensorParallelError(f"tp_size {world} must divide the model's {', '.join(bad)}")
 
 
-def shard_model(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
-    """Replace a Llama-style model's layers by this rank's shards, in place. world == 1 is a no-op."""
-    if world == 1:
-        return model
+def check_llama_style(model: nn.Module) -> None:
+    """Raise TensorParallelError unless `model` has the Llama layout the sharding knows (works on a meta model)."""
     base = model.base_model
     if not hasattr(base, "layers") or not hasattr(base.layers[0], "self_attn") or not hasattr(
         base.layers[0].self_attn, "q_proj"
@@ -127,22 +161,59 @@ def shard_model(model: nn.Module, rank: int, world: int, group=None) -> nn.Modul
             f"tensor parallelism supports Llama-style models (q_proj/k_proj/v_proj/o_proj, gate/up/down_proj); "
             f"{type(model).__name__} is not one"
         )
+
+
+def install_shards(model: nn.Module, take: TakePart, rank: int, world: int, group=None) -> nn.Module:
+    """Replace a Llama-style model's projections, embedding and LM head by parallel modules holding the parts
+    `take(name, split)` returns (name: the tensor's key in the model's state_dict, that is in its checkpoint).
+    Norms and other modules stay as they are. A tied LM head shares the embedding shard."""
+    check_llama_style(model)
     check_shardable(model.config, world)
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    for layer in base.layers:
+    names = {id(m): name for name, m in model.named_modules()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head.weight is embed.weight
+
+    def parts(module: nn.Module, split: str, bias_split: str):
+        prefix = names[id(module)]
+        bias = None if getattr(module, "bias", None) is None else take(f"{prefix}.bias", bias_split)
+        return take(f"{prefix}.weight", split), bias
+
+    for layer in model.base_model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), rank, world))
-        attn.o_proj = RowParallelLinear(attn.o_proj, rank, world, group)
-        for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), rank, world))
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, rank, world, group)
-    embedding = VocabParallelEmbedding(model.get_input_embeddings(), rank, world, group)
-    head_weight = embedding.weight if tied else nn.Parameter(
-        _slice_rows(model.get_output_embeddings().weight.data, rank, world), requires_grad=False)
-    base.embed_tokens = embedding
+        for owner, column, row in ((attn, ("q_proj", "k_proj", "v_proj"), "o_proj"),
+                                   (mlp, ("gate_proj", "up_proj"), "down_proj")):
+            for name in column:
+                setattr(owner, name, ColumnParallelLinear(*parts(getattr(owner, name), ROWS, ROWS)))
+            setattr(owner, row, RowParallelLinear(*parts(getattr(owner, row), COLUMNS, WHOLE), group=group))
+    embedding = VocabParallelEmbedding(take(f"{names[id(embed)]}.weight", ROWS), rank, group)
+    head_weight = embedding.weight if tied else _frozen(take(f"{names[id(head)]}.weight", ROWS))
+    model.base_model.embed_tokens = embedding
     model.lm_head = VocabParallelLMHead(head_weight, world, group)
     return model
+
+
+def shard_model(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
+    """Replace a Llama-style model's layers by this rank's shards, in place (the full weights are in memory first:
+    engine/shard_loading.py loads a shard without that). world == 1 is a no-op."""
+    if world == 1:
+        return model
+    tensors = dict(model.named_parameters())
+
+    def take(name: str, split: str) -> torch.Tensor:  # a copy, so the full tensor can go
+        return split_part(tensors[name].data, split, rank, world).clone(memory_format=torch.contiguous_format)
+
+    return install_shards(model, take, rank, world, group)
+
+
+def _split_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters that are 1/world of a full tensor (the others are replicated)."""
+    split = set()
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding, VocabParallelLMHead)):
+            split.update(id(p) for p in m.parameters(recurse=False))
+        elif isinstance(m, RowParallelLinear):
+            split.add(id(m.weight))
+    return split
 
 
 def num_parameters(model: nn.Module) -> int:
@@ -152,4 +223,15 @@ def num_parameters(model: nn.Module) -> int:
         if id(p) not in seen:
             seen.add(id(p))
             total += p.numel()
+    return total
+
+
+def full_num_parameters(model: nn.Module, world: int) -> int:
+    """Parameter elements of the whole model, counted from one rank's shard (split tensors count world times)."""
+    split = _split_parameters(model)
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * (world if id(p) in split else 1)
     return total

@@ -126,3 +126,106 @@ def test_a_rank_whose_peer_is_gone_fails_its_calls_and_health_pings_from_then_on
             core.verify([VerifyCall(SeqDelta("a", 3, [8], 0.0, 0, 1.0, None), []).wire()])
     with pytest.raises(TensorParallelBroken):
         core.ping()  # Serve's health check fails: the replica is replaced
+
+
+def _stuck_rank_main(rank, port, engine_config, endpoints, peers, stop, timeout_s, stuck):
+    """Like _rank_main; rank 1's verify calls get stuck (never reaching their collectives) once `stuck` is set."""
+    import os
+    import time
+
+    os.environ["SPECSERVE_COLLECTIVE_TIMEOUT_S"] = str(timeout_s)  # as an operator would set it on the node
+    core = TargetWorkerCore(engine_config, rank, 2, torch_threads=1)
+    core.init_distributed("127.0.0.1", port)
+    timed_verify = core._timed_verify
+
+    def maybe_stuck(calls):
+        while stuck.is_set() and not stop.is_set():
+            time.sleep(0.05)
+        return timed_verify(calls)
+
+    if rank == 1:
+        core._timed_verify = maybe_stuck
+    endpoint = core.start_channel()
+    if rank == 0:
+        core.connect_peers([peers.get(timeout=120)])
+    endpoints.put((rank, endpoint))
+    stop.wait(300)
+
+
+def test_a_stuck_peer_fails_rank_0s_call_after_the_collective_timeout(tiny_model_dirs):
+    """Rank 1 alive but stuck (never joining the collective): rank 0's verify fails after the configured collective
+    timeout instead of hanging, and the rank stays broken. (A killed peer fails at once: its sockets close.)"""
+    import time
+
+    import pytest
+
+    from deployments.workers import TensorParallelBroken
+
+    timeout_s = 3
+    config = tiny_config(tiny_model_dirs).engine_config()
+    ctx = multiprocessing.get_context("spawn")
+    endpoints, peers, stop, stuck = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    port = _free_port()
+    procs = [ctx.Process(target=_stuck_rank_main, args=(r, port, config, endpoints, peers, stop, timeout_s, stuck),
+                         daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        _, endpoint = endpoints.get(timeout=180)
+        peers.put(endpoint)
+        _, rank0 = endpoints.get(timeout=180)
+
+        async def rounds():
+            channels = AsyncChannels()
+
+            async def verify(seq_id):
+                call = VerifyCall(SeqDelta(seq_id, 0, [5, 6, 7], 0.0, 0, 1.0, None), [])
+                return await asyncio.wait_for(channels.call(rank0, "verify", [call.wire()]), 60)
+
+            assert (await verify("a"))["argmax"][0]  # healthy
+            stuck.set()
+            start = time.monotonic()
+            with pytest.raises(TensorParallelBroken, match="[Tt]imed out"):
+                await verify("b")
+            failed_after = time.monotonic() - start
+            assert timeout_s - 0.5 < failed_after < 30, failed_after  # the configured bound, far below the default
+            with pytest.raises(TensorParallelBroken):
+                await verify("c")  # broken from then on
+
+        asyncio.run(rounds())
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def test_init_distributed_sets_the_backend_timeout_and_nccl_error_handling(tiny_model_dirs, monkeypatch):
+    import dataclasses
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import deployments.workers as workers
+
+    seen = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.append(
+        (backend, kw["timeout"], kw.get("device_id"), os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))))
+    monkeypatch.setattr(workers, "rank_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(TargetWorkerCore, "load", lambda self: None)
+    for name in ("SPECSERVE_COLLECTIVE_TIMEOUT_S", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        monkeypatch.setenv(name, "")  # recorded, so what init_distributed sets is undone after the test
+        monkeypatch.delenv(name)
+    cpu = tiny_config(tiny_model_dirs).engine_config()
+    gpu = dataclasses.replace(cpu, device="cuda")
+    TargetWorkerCore(cpu, 0, 2).init_distributed("127.0.0.1", 1)
+    TargetWorkerCore(gpu, 0, 2).init_distributed("127.0.0.1", 1)
+    monkeypatch.setenv("SPECSERVE_COLLECTIVE_TIMEOUT_S", "7")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the operator's own choice
+    TargetWorkerCore(gpu, 1, 2).init_distributed("127.0.0.1", 1)
+    assert seen == [("gloo", datetime.timedelta(seconds=60), None, None),
+                    ("nccl", datetime.timedelta(seconds=30), torch.device("cuda", 0), "1"),
+                    ("nccl", datetime.timedelta(seconds=7), torch.device("cuda", 0), "3")]
