@@ -23,7 +23,9 @@ class _Strict(BaseModel):
 
 class ModelSection(_Strict):
     target: str = Field("smollm2", description="alias 'smollm2', a .gguf file, an HF directory or a cached HF id")
-    target_dtype: str = Field("float32", description="dtype of the target weights")
+    target_dtype: str = Field("auto", description="dtype of the target weights; 'auto': bfloat16 where the hardware "
+                                                  "computes it natively (CUDA, a CPU with avx512_bf16 or AMX), else "
+                                                  "float32")
     draft: str = Field("smollm2", description="'ngram' (no draft model), 'none', or a draft model source")
     draft_dtype: str = Field("int8", description="dtype of the draft ('int8' = weight-only int8)")
     served_model_name: str = Field("smollm2-135m-instruct", description="the `model` name clients send")
@@ -34,8 +36,8 @@ class ModelSection(_Strict):
     @field_validator("target_dtype", "draft_dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:
-        if v not in DTYPES:
-            raise ValueError(f"unknown dtype {v!r}; choose one of {sorted(DTYPES)}")
+        if v not in DTYPES and v != "auto":
+            raise ValueError(f"unknown dtype {v!r}; choose one of {sorted(DTYPES) + ['auto']}")
         return v
 
     @property
@@ -61,6 +63,25 @@ class SpeculationSection(_Strict):
     overlap: bool = Field(
         False, description="draft round r+1 while the target verifies round r, assuming round r is fully "
                            "accepted (used when the guess is right, discarded otherwise)")
+
+
+class RunnerSection(_Strict):
+    """The model runner of the Draft and Target workers (engine/runner.py)."""
+
+    kind: Literal["auto", "static", "transformers"] = Field(
+        "auto", description="'static': the compiled Llama-family runner over a preallocated KV cache (an error for "
+                            "other models); 'transformers': the transformers forward; 'auto': static where it applies")
+    compile: bool = Field(False, description="torch.compile the static runner's steps at start: CUDA graphs on "
+                                             "CUDA; inductor on CPU (1.3-1.6x faster steps, but minutes of "
+                                             "compilation per shape on a 2-core machine). False: the same forward, "
+                                             "eager")
+    kv_cache_gib: float | None = Field(None, gt=0, description="KV-cache size per model worker, GiB; None: "
+                                                               "kv_cache_fraction of the memory free after loading")
+    kv_cache_fraction: float = Field(0.2, gt=0, le=0.95, description="share of free memory (GPU or host) the KV "
+                                                                     "cache takes when kv_cache_gib is unset")
+    max_num_seqs: int = Field(32, ge=1, description="KV-cache slots at most per worker (sequences held at once)")
+    prefill_chunk: int = Field(256, ge=16, description="prompt tokens per round: a longer prompt is prefilled over "
+                                                       "several rounds, so running streams wait at most one chunk")
 
 
 class SamplingDefaults(_Strict):
@@ -119,6 +140,7 @@ class ScalingSection(_Strict):
 class SpecServeConfig(_Strict):
     model: ModelSection = Field(default_factory=ModelSection)
     speculation: SpeculationSection = Field(default_factory=SpeculationSection)
+    runner: RunnerSection = Field(default_factory=RunnerSection)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     limits: LimitsSection = Field(default_factory=LimitsSection)
     tp_size: int = Field(1, ge=1, description="tensor-parallel workers per Target replica (one bundle each)")
@@ -155,4 +177,7 @@ class SpecServeConfig(_Strict):
             num_speculative_tokens=s.num_speculative_tokens, ngram_min=s.ngram_min, ngram_max=s.ngram_max,
             max_batch_for_speculation=s.max_batch_for_speculation,
             max_model_len=m.max_model_len, device=m.device, trust_remote_code=m.trust_remote_code,
+            runner=self.runner.kind, compile=self.runner.compile, kv_cache_gib=self.runner.kv_cache_gib,
+            kv_cache_fraction=self.runner.kv_cache_fraction, max_num_seqs=self.runner.max_num_seqs,
+            prefill_chunk=self.runner.prefill_chunk,
         )

@@ -72,9 +72,11 @@ class LiveRequest:
     ready: tuple[list[int], np.ndarray | None] | None = None  # next round's draft (tokens, [K, V] probs), made ahead
     draft_retry_at: float = 0.0  # time.monotonic() before which no Draft lease is tried (the last one failed)
 
-    def delta(self, sent: int) -> SeqDelta:
+    def delta(self, sent: int, end: int | None = None) -> SeqDelta:
+        """The committed tokens [sent, end) (to the last one without `end`) for a worker that holds [0, sent)."""
         p = self.seq.params
-        return SeqDelta(self.seq.request_id, sent, self.seq.tokens[sent:], p.temperature, p.top_k, p.top_p, p.seed)
+        return SeqDelta(self.seq.request_id, sent, self.seq.tokens[sent:end], p.temperature, p.top_k, p.top_p,
+                        p.seed)
 
     def draft_delta(self, extra: list[int]) -> SeqDelta:
         """The call that leaves the draft worker holding the committed tokens plus `extra`, re-sending as little as

@@ -82,6 +82,7 @@ class SchedulerConfig:
     profile: CostProfile | None = None  # costs from a calibration file; None: the leased replicas' own
     overlap: bool = False  # draft round r+1 during round r's verify
     max_queue_wait_s: float = 30.0  # how long a request waits for a free KV-cache slot (admission.py), then 503
+    prefill_chunk: int = 256  # prompt tokens sent per round: a long prompt stalls running streams one chunk a round
 
 
 @dataclass
@@ -92,6 +93,7 @@ class SchedulerStats:
     draft_lease_seconds: float = 0.0  # rounds' waits for requests' first Draft leases (not in orchestration)
     draft_compute_seconds: float = 0.0  # the draft workers' own compute, summed
     verify_compute_seconds: float = 0.0  # the target workers' own compute (rank 0), summed
+    prefill_chunks: int = 0  # prompt chunks sent ahead of a long prompt's first round
     replica_failures: int = 0
     ahead_drafts: int = 0  # rows drafted ahead (overlap)
     ahead_used: int = 0  # of those, rows whose guess was right and whose next round used the draft
@@ -223,14 +225,33 @@ class Scheduler:
 
     async def _round(self) -> None:
         groups: dict[str, list[LiveRequest]] = {}
+        prefilling = []
         for live in self._live.values():
-            if not live.reletting:
+            if live.reletting:
+                continue
+            if live.seq.num_tokens - live.target_sent > self.config.prefill_chunk:
+                prefilling.append(live)  # a long prompt (or a re-prefill): one chunk this round, no token yet
+            else:
                 groups.setdefault(live.target.key, []).append(live)
         plans = [(rows, self._ks(rows)) for rows in groups.values()]
         all_ks = [k for _, ks in plans for k in ks]
-        self.last_mean_k = sum(all_ks) / len(all_ks)
+        self.last_mean_k = sum(all_ks) / len(all_ks) if all_ks else 0.0
         observe(self.metrics.load, len(self._live), self._waiting, self.last_mean_k)
-        await asyncio.gather(*(self._round_group(rows, ks) for rows, ks in plans))
+        await asyncio.gather(*(self._round_group(rows, ks) for rows, ks in plans),
+                             *(self._prefill_chunk(live) for live in prefilling))
+
+    async def _prefill_chunk(self, live: LiveRequest) -> None:
+        """Send the next `prefill_chunk` tokens of a long prompt to its target worker (chunked prefill, as vLLM's
+        and SGLang's schedulers do): the worker takes turns between this call and the running rows' round, so those
+        wait for at most one chunk per round instead of the whole prompt. The chunk's logits are not needed."""
+        end = live.target_sent + self.config.prefill_chunk
+        try:
+            await live.target.verify([VerifyCall(live.delta(live.target_sent, end), [])])
+        except ReplicaGone:
+            await self._replace_target([live])
+            return
+        live.target_sent = end
+        self.stats.prefill_chunks += 1
 
     def _ks(self, rows: list[LiveRequest]) -> list[int]:
         """Each row's draft length this round: with a cost profile, planned for the group as a whole

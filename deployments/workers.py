@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import socket
 import tempfile
@@ -29,9 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.calibrate import measure_draft_costs, measure_target_costs
-from engine.factory import EngineConfig, build_target
+from engine.factory import EngineConfig, build_target, make_runner
 from engine.loading import load_causal_lm, load_tokenizer, resolve
 from engine.model_runner import ModelRunner
+from engine.runner import Runner, resolve_dtype
 from engine.proposers import DraftModelProposer, DraftRequest, check_tokenizers_compatible
 from engine.sampling import BatchSampling, SamplingParams, logits_to_probs
 from engine.sequence import draft_generator
@@ -40,6 +42,7 @@ from engine.tensor_parallel import CollectiveError, full_num_parameters, num_par
 
 from .channel import ChannelClosed, ChannelRelay, ChannelSender, ChannelServer, Endpoint, Route
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SeqDelta:
@@ -167,6 +170,16 @@ def set_torch_threads(threads: int | None, concurrent_workers: int = 1) -> int:
     return threads
 
 
+def warm_up(runner: Runner, max_k: int, what: str) -> None:
+    """Compile the static runner's step shapes now (or load them from inductor's on-disk cache), logging progress,
+    so the first requests do not wait for compilation."""
+    if not getattr(runner, "compiled", False):
+        return
+    start = time.monotonic()
+    shapes = runner.warm_up(max_k, progress=lambda message: log.info("%s runner: %s", what, message))
+    log.info("%s runner: %d step shapes ready in %.1f s", what, shapes, time.monotonic() - start)
+
+
 @contextlib.contextmanager
 def cpu_startup_turn(config: EngineConfig):
     """One model worker at a time per node loads and measures its costs, when they compute on CPU.
@@ -214,11 +227,13 @@ class DraftWorkerCore:
         target = resolve(config.target)
         draft = resolve(config.draft)
         check_tokenizers_compatible(load_tokenizer(target), load_tokenizer(draft))
-        model = load_causal_lm(draft, config.draft_dtype, config.device, config.trust_remote_code)
+        model = load_causal_lm(draft, resolve_dtype(config.draft_dtype, config.device), config.device,
+                               config.trust_remote_code)
         from transformers import AutoConfig
 
         target_vocab = AutoConfig.from_pretrained(target.directory).vocab_size
-        self.proposer = DraftModelProposer(ModelRunner(model, max_model_len=config.max_model_len), target_vocab)
+        self.proposer = DraftModelProposer(make_runner(model, config), target_vocab)
+        warm_up(self.proposer.runner, config.num_speculative_tokens, "draft")
         self._known = _KnownTokens()
         self._generators: dict[str, torch.Generator] = {}
         self._cancelled: set[int] = set()
@@ -302,6 +317,7 @@ class DraftWorkerCore:
 
     def stats(self) -> dict:
         return {"live_sequences": self.proposer.runner.num_live, "calls": self.calls, "rows": self.rows,
+                "kv_capacity": getattr(self.proposer.runner, "capacity", None),
                 "cancelled_drafts": self.cancelled_drafts, "pid": os.getpid(), "torch_threads": self.torch_threads,
                 "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "costs": self.costs}
 
@@ -323,7 +339,7 @@ class TargetWorkerCore:
         self.broken: str | None = None  # why this rank's group can no longer compute
         self.rank, self.world = rank, world
         self.config = config
-        self.runner: ModelRunner | None = None
+        self.runner: Runner | None = None
         self.costs: dict | None = None
         self._known = _KnownTokens()
         self.calls = 0
@@ -372,12 +388,15 @@ class TargetWorkerCore:
         """The whole target (world 1), or this rank's shard read straight from the safetensors files
         (engine/shard_loading.py): no rank ever holds the full weights."""
         if self.world == 1:
-            model = build_target(self.config)[0].model
-            self.full_parameters = num_parameters(model)
-        else:
-            model = load_shard(resolve(self.config.target), self.config.target_dtype, self.config.device, self.rank,
-                               self.world, trust_remote_code=self.config.trust_remote_code)
-            self.full_parameters = full_num_parameters(model, self.world)
+            self.runner = build_target(self.config)[0]
+            self.full_parameters = num_parameters(self.runner.model)
+            warm_up(self.runner, self.config.num_speculative_tokens, "target")
+            return
+        # shards run on the transformers runner: the static runner's fused forward has no collectives
+        dtype = resolve_dtype(self.config.target_dtype, self.config.device)
+        model = load_shard(resolve(self.config.target), dtype, self.config.device, self.rank, self.world,
+                           trust_remote_code=self.config.trust_remote_code)
+        self.full_parameters = full_num_parameters(model, self.world)
         self.runner = ModelRunner(model, max_model_len=self.config.max_model_len, vocab_size=model.config.vocab_size)
 
     def start_channel(self) -> Endpoint:

@@ -10,6 +10,7 @@ import time
 from tqdm import tqdm
 
 from .factory import EngineConfig, build_proposer, build_target
+from .loading import eos_token_ids, resolve
 from .sampling import SamplingParams
 from .speculative import SpeculativeEngine
 
@@ -61,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_postfix_str(f"draft {args.draft}")
         proposer = build_proposer(config, tokenizer, target.vocab_size)
         bar.update()
-    eos = target.model.generation_config.eos_token_id if target.model.generation_config else None
-    engine = SpeculativeEngine(target, tokenizer, proposer, args.k, [eos] if isinstance(eos, int) else eos or [])
+    engine = SpeculativeEngine(target, tokenizer, proposer, args.k, sorted(eos_token_ids(resolve(args.target).directory)))
     prompts = [encode_prompt(tokenizer, p, args.chat) for p in args.prompt]
     stream = len(prompts) == 1 and not args.json
 

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-from .loading import DEFAULT_MODEL, load_causal_lm, load_tokenizer, resolve
+import torch
+
+from .loading import DEFAULT_MODEL, eos_token_ids, load_causal_lm, load_tokenizer, resolve
 from .model_runner import ModelRunner
 from .proposers import DraftModelProposer, NgramProposer, Proposer, check_tokenizers_compatible
+from .runner import Runner, cpu_computes_bf16, resolve_dtype
 from .speculative import SpeculativeEngine
+from .static_llama import why_unsupported
+from .static_runner import KVBudget, StaticRunner
+
+log = logging.getLogger(__name__)
 
 DRAFT_NGRAM = "ngram"
 DRAFT_NONE = "none"
@@ -27,14 +35,43 @@ class EngineConfig:
     max_model_len: int | None = 2048
     device: str = "cpu"
     trust_remote_code: bool = False
+    # the model runner (engine/runner.py): the compiled static path for the Llama family, else transformers'
+    runner: str = "auto"  # "auto" (static where supported), "static" (an error where not), "transformers"
+    # torch.compile the static runner's steps. Off by default on this project's CPU machines: each shape compiles
+    # for 2-3 minutes on 2 cores (README, Performance); on by choice, and on CUDA (CUDA graphs)
+    compile: bool = False
+    kv_cache_gib: float | None = None  # KV-cache bytes per model worker; None: kv_cache_fraction of free memory
+    kv_cache_fraction: float = 0.2
+    max_num_seqs: int = 32  # KV-cache slots at most (sequences a worker holds at once)
+    prefill_chunk: int = 256  # prompt tokens per forward; the scheduler sends a long prompt this much per round
+
+    def budget(self) -> KVBudget:
+        return KVBudget(gib=self.kv_cache_gib, fraction=self.kv_cache_fraction, max_num_seqs=self.max_num_seqs)
+
+
+def make_runner(model: torch.nn.Module, config: EngineConfig, vocab_size: int | None = None) -> Runner:
+    """The static (compiled, preallocated) runner where it supports the model, else the transformers runner."""
+    reason = why_unsupported(model)
+    if config.runner == "transformers" or (reason is not None and config.runner == "auto"):
+        if reason is not None and config.runner == "auto":
+            log.info("model runner: transformers (the static runner does not cover %s)", reason)
+        return ModelRunner(model, max_model_len=config.max_model_len, vocab_size=vocab_size)
+    if reason is not None:
+        raise ValueError(f"runner: static cannot run this model: {reason}")
+    dtype = None
+    if model.device.type == "cpu" and next(model.parameters()).dtype == torch.bfloat16 and not cpu_computes_bf16():
+        dtype = torch.float32  # an int8 draft's activations: bf16 is emulated (slow) on this CPU
+    return StaticRunner(model, max_model_len=config.max_model_len, vocab_size=vocab_size, budget=config.budget(),
+                        compile=config.compile, prefill_chunk=config.prefill_chunk, dtype=dtype)
 
 
 def build_target(config: EngineConfig):
     """(runner, tokenizer) of the target model."""
     resolved = resolve(config.target)
     tokenizer = load_tokenizer(resolved, config.trust_remote_code)
-    model = load_causal_lm(resolved, config.target_dtype, config.device, config.trust_remote_code)
-    return ModelRunner(model, max_model_len=config.max_model_len), tokenizer
+    model = load_causal_lm(resolved, resolve_dtype(config.target_dtype, config.device), config.device,
+                           config.trust_remote_code)
+    return make_runner(model, config), tokenizer
 
 
 def build_proposer(config: EngineConfig, target_tokenizer, target_vocab_size: int) -> Proposer | None:
@@ -44,14 +81,14 @@ def build_proposer(config: EngineConfig, target_tokenizer, target_vocab_size: in
         return NgramProposer(config.ngram_min, config.ngram_max)
     resolved = resolve(config.draft)
     check_tokenizers_compatible(target_tokenizer, load_tokenizer(resolved, config.trust_remote_code))
-    model = load_causal_lm(resolved, config.draft_dtype, config.device, config.trust_remote_code)
-    return DraftModelProposer(ModelRunner(model, max_model_len=config.max_model_len), target_vocab_size)
+    model = load_causal_lm(resolved, resolve_dtype(config.draft_dtype, config.device), config.device,
+                           config.trust_remote_code)
+    return DraftModelProposer(make_runner(model, config), target_vocab_size)
 
 
 def build_engine(config: EngineConfig) -> SpeculativeEngine:
     target, tokenizer = build_target(config)
     proposer = build_proposer(config, tokenizer, target.vocab_size)
-    eos = target.model.generation_config.eos_token_id if target.model.generation_config else None
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    eos_ids = sorted(eos_token_ids(resolve(config.target).directory))
     return SpeculativeEngine(target, tokenizer, proposer, config.num_speculative_tokens, eos_ids,
                              config.max_batch_for_speculation)

@@ -168,3 +168,14 @@ def load_causal_lm(
 
         quantize_int8_weight_only(lm)
     return lm.to(device).eval()
+
+
+def eos_token_ids(model_dir: Path) -> frozenset[int]:
+    """The model's end-of-sequence ids from its generation config (none when it has no such file)."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    return frozenset([eos] if isinstance(eos, int) else (eos or []))

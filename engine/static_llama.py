@@ -25,9 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_kernels import linear
 from .quantize import Int8WeightOnlyLinear
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma")
+# ATen's int8 weight-only kernel is built for decode (a few rows); a prompt chunk dequantizes for one dense product
+INT8_KERNEL_MAX_ROWS = 32
 _STATIC_ROPE = {None, "default", "linear", "llama3", "yarn", "longrope"}
 
 
@@ -86,9 +89,14 @@ class _Projection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.scales is None:
-            return F.linear(x, self.weight, self.bias)
-        # weight-only int8: inductor matches this pattern to its int8 weight kernels (gpt-fast's WeightOnlyInt8Linear)
-        out = F.linear(x, self.weight.to(x.dtype)) * self.scales
+            return linear(x, self.weight, self.bias)  # (W @ x^T)^T for a few fp32 rows on CPU: cpu_kernels.py
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if x.device.type == "cpu" and rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
+            out = torch._weight_int8pack_mm(rows, self.weight, self.scales)  # ATen's int8 weight-only kernel
+        else:  # prefill on CPU, and CUDA: dequantize inside the product (gpt-fast's WeightOnlyInt8Linear)
+            out = F.linear(rows, self.weight.to(x.dtype)) * self.scales
+        out = out.reshape(*shape[:-1], -1)
         return out if self.bias is None else out + self.bias
 
 
@@ -187,8 +195,18 @@ class StaticLlama(nn.Module):
         cache_dtype = cache_dtype or dtype
         shape = (num_slots, self.num_kv_heads, capacity, self.head_dim)
         # zeros, not empty: a masked position gets probability 0, and 0 * NaN would still be NaN
-        self.k_cache = [torch.zeros(shape, dtype=cache_dtype, device=device) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=cache_dtype, device=device) for _ in self.layers]
+        # buffers (not plain attributes): compiled graphs, CUDA graphs included, then treat them as static state
+        for i in range(len(self.layers)):
+            self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=cache_dtype, device=device), persistent=False)
+            self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=cache_dtype, device=device), persistent=False)
+
+    @property
+    def k_cache(self) -> list[torch.Tensor]:  # per layer [slots, KVH, capacity, D]
+        return [getattr(self, f"k_cache_{i}") for i in range(len(self.layers))]
+
+    @property
+    def v_cache(self) -> list[torch.Tensor]:
+        return [getattr(self, f"v_cache_{i}") for i in range(len(self.layers))]
 
     @staticmethod
     def slot_bytes(config, capacity: int, dtype: torch.dtype) -> int:
@@ -222,7 +240,7 @@ class StaticLlama(nn.Module):
             k = qkv[..., self.q_size : self.q_size + self.kv_size].view(batch, width, -1, self.head_dim)
             v = qkv[..., self.q_size + self.kv_size :].view(batch, width, -1, self.head_dim)
             q, k = _rope(q, cos, sin), _rope(k.transpose(1, 2), cos, sin)
-            k_cache, v_cache = self.k_cache[index], self.v_cache[index]
+            k_cache, v_cache = getattr(self, f"k_cache_{index}"), getattr(self, f"v_cache_{index}")
             k_cache[slots, :, positions] = k.transpose(1, 2).to(k_cache.dtype)  # [B, W, KVH, D] at (slot, pos)
             v_cache[slots, :, positions] = v.to(v_cache.dtype)
             keys = k_cache[first_slot : first_slot + batch, :, :kv_len]

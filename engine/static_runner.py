@@ -151,6 +151,9 @@ class StaticRunner:
         self.chunk_buckets = buckets_up_to(self.prefill_chunk, first=MAX_WIDTH * 2)
         self.compiled = compile
         self._step = _compile_step(self.model, self.device) if compile else self.model.forward
+        # prefill chunks are compute-bound: on CUDA they run eagerly (no graph per chunk and key-length bucket; vLLM
+        # likewise captures graphs for decode batches only); on CPU the dynamic graph serves them too
+        self._prefill = self.model.forward if self.device.type == "cuda" else self._step
         self._seqs: dict[str, _Seq] = {}
         self._free: list[int] = []
         self.forward_calls = 0
@@ -235,7 +238,7 @@ class StaticRunner:
         ids[0, : len(tokens)] = torch.tensor(tokens)
         start = len(state.tokens)
         kv_len = self._kv_len(start + width)
-        self._run(ids, torch.tensor([start]), state.slot, kv_len, last_only=True)
+        self._run(ids, torch.tensor([start]), state.slot, kv_len, last_only=True, step=self._prefill)
         state.tokens.extend(tokens)
 
     def _batched_step(self, states: list[_Seq], tails: list[list[int]],
@@ -274,10 +277,10 @@ class StaticRunner:
         return min(cap, -(-need // 64) * 64)
 
     def _run(self, ids: torch.Tensor, starts: torch.Tensor, first_slot: int, kv_len: int,
-             last_only: bool) -> torch.Tensor:
+             last_only: bool, step: Callable | None = None) -> torch.Tensor:
         ids = ids.to(self.device, non_blocking=True)
         starts = starts.to(self.device, non_blocking=True)
-        return self._step(ids, starts, first_slot, kv_len, last_only)
+        return (step or self._step)(ids, starts, first_slot, kv_len, last_only)
 
     # ---- start-up -------------------------------------------------------------------------------------------
     def warm_up(self, max_k: int, progress: Callable[[str], None] | None = None) -> int:
@@ -285,7 +288,8 @@ class StaticRunner:
         width 1 and K+1, and each prefill chunk bucket. Returns the number of shapes run."""
         shapes = [(rows, width) for width in sorted({1, bucket(max_k + 1, self.width_buckets)})
                   for rows in self.batch_buckets]
-        shapes += [(1, -chunk) for chunk in self.chunk_buckets]
+        if self._prefill is self._step:
+            shapes += [(1, -chunk) for chunk in self.chunk_buckets]
         with torch.inference_mode():
             for done, (rows, width) in enumerate(shapes, 1):
                 if width < 0:
@@ -293,16 +297,22 @@ class StaticRunner:
                 else:
                     ids, last_only = torch.zeros(rows, width, dtype=torch.long), False
                 starts = torch.full((ids.shape[0],), self.max_model_len, dtype=torch.long)
-                for kv_len in ([self._kv_len(ids.shape[1])] if self.device.type != "cuda"
-                               else buckets_up_to(self.model.capacity, first=256)):
-                    self._run(ids, starts, 0, kv_len, last_only)
+                # CUDA: the smallest key-length bucket here; longer ones are captured when first reached
+                self._run(ids, starts, 0, self._kv_len(ids.shape[1]), last_only)
                 if progress is not None:
                     progress(f"compiled {done}/{len(shapes)}: batch {ids.shape[0]} width {ids.shape[1]}")
         return len(shapes)
 
 
 def _compile_step(model: StaticLlama, device: torch.device) -> Callable:
+    import torch._dynamo
+
+    # one graph per shape bucket: more than dynamo's default 8 per function, which would fall back to eager
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
     if device.type == "cuda":
+        # CUDA graphs (cudagraph trees): one per (batch, width, key-length) bucket, replayed without host work
         return torch.compile(model.forward, mode="reduce-overhead", dynamic=False, fullgraph=True)
-    # freezing: weights become constants, prepacked for oneDNN/MKL; key length stays symbolic (one graph per shape)
-    return torch.compile(model.forward, dynamic=None, fullgraph=True, options={"freezing": True})
+    # CPU: frozen weights (constants, prepacked where the kernels allow), symbolic sizes: one graph serves every
+    # batch, width and key length (dynamo still specializes sizes 0 and 1)
+    return torch.compile(model.forward, dynamic=True, fullgraph=True, options={"freezing": True})

@@ -85,7 +85,11 @@ def test_int8_weights_run_on_the_fast_path():
     assert why_unsupported(model) is None
     got = scripted(StaticRunner(model, budget=SLOTS, compile=False), ROUNDS)  # bf16 activations, as quantized
     assert got[0].dtype == torch.float32 and got[0].shape[-1] == 64
-    assert_same_logits(got, reference(model), atol=0.25, rtol=0.05)  # bf16 rounding
+    want = reference(model)
+    assert_same_logits(got, want, atol=0.5, rtol=0.1)  # bf16 rounding, and a different int8 kernel
+    agree = [(g[b, :k].argmax(-1) == w[b, :k].argmax(-1)).float().mean()
+             for g, w, (_, _, widths) in zip(got, want, ROUNDS) for b, k in enumerate(widths)]
+    assert sum(agree) / len(agree) > 0.9
 
 
 def test_other_families_are_refused_with_the_reason():

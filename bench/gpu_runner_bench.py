@@ -1,0 +1,138 @@
+"""GPU runner benchmark: decode and K+1-token verify of a Llama-3.1-8B-shaped model against the memory roofline.
+
+Random weights (the timing does not depend on their values), bf16, on one CUDA device. For batch 1, 8 and 32 and
+widths 1 (decode) and K+1 (verify), it times `StaticRunner.forward` (compiled with CUDA graphs, and eager) and the
+transformers runner (`ModelRunner`, eager) on sequences of `--context` tokens, and compares with the roofline: the
+bytes a step must read (weights + the rows' keys/values) over the device bandwidth measured here with a large
+device-to-device copy. Not a test; needs a GPU and no Ray:
+
+    python -m bench.gpu_runner_bench --out bench/results/gpu_runner_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                   rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+
+
+def measured_bandwidth(device: torch.device, gib: float = 4.0) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read and written (the median of 10)."""
+    n = int(gib * (1 << 30)) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    del src, dst
+    return 2 * n * 2 / statistics.median(times[2:])
+
+
+def build_model(layers: int, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**LLAMA_31_8B, "num_hidden_layers": layers})
+    torch.manual_seed(0)
+    with torch.device(device):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def time_steps(runner, batch: int, width: int, context: int, reps: int) -> float:
+    """Median seconds of one forward of `width` new tokens on each of `batch` sequences of `context` tokens."""
+    ids = [f"b{batch}w{width}-{i}" for i in range(batch)]
+    prompt = [(7 * t) % 30000 + 5 for t in range(context)]
+    for s in ids:
+        runner.add(s)
+        runner.forward([s], [runner.sync(s, prompt)], [1])
+    feed = [11] * width
+    times = []
+    for _ in range(reps + 3):
+        for s in ids:
+            runner.sync(s, prompt + [9])  # back to exactly `context` tokens
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        runner.forward(ids, [feed] * batch, [width] * batch)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    for s in ids:
+        runner.release(s)
+    return statistics.median(times[3:])
+
+
+def main() -> None:
+    from engine.model_runner import ModelRunner
+    from engine.static_runner import KVBudget, StaticRunner
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--runners", default="static,eager,transformers")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    batches = [int(b) for b in args.batches.split(",")]
+    bandwidth = measured_bandwidth(device)
+    model = build_model(args.layers, device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    config = model.config
+    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * 128 * 2
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
+               "bandwidth_gb_s": bandwidth / 1e9, "weight_gb": weight_bytes / 1e9, "context": args.context,
+               "k": args.k, "rows": []}
+    print(f"{results['device']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB",
+          flush=True)
+    budget = KVBudget(gib=16.0, max_num_seqs=max(batches))
+    for kind in args.runners.split(","):
+        if kind == "transformers":
+            runner = ModelRunner(model, max_model_len=args.max_model_len)
+        else:
+            start = time.perf_counter()
+            runner = StaticRunner(model, max_model_len=args.max_model_len, budget=budget, compile=kind == "static")
+            print(f"{kind}: built in {time.perf_counter() - start:.0f} s (shapes compile when first used)", flush=True)
+        for batch in batches:
+            for width in (1, args.k + 1):
+                if kind == "transformers" and batch > 8:
+                    continue  # its dense masks and growing caches: slow at large batch, and not the path served
+                start = time.perf_counter()
+                seconds = time_steps(runner, batch, width, args.context, args.reps)
+                print(f"  ({time.perf_counter() - start:.0f} s with compilation)", flush=True)
+                read = weight_bytes + batch * (args.context + width) * kv_bytes_per_token
+                roofline = read / bandwidth
+                row = {"runner": kind, "batch": batch, "width": width, "ms": seconds * 1e3,
+                       "roofline_ms": roofline * 1e3, "x_roofline": seconds / roofline,
+                       "tokens_per_s": batch * width / seconds}
+                results["rows"].append(row)
+                print(f"{kind:12s} batch {batch:3d} width {width}: {seconds * 1e3:8.2f} ms  roofline "
+                      f"{roofline * 1e3:6.2f} ms  x{seconds / roofline:5.2f}", flush=True)
+        del runner
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The router's round loop (deployments/scheduler.py) without a cluster: chunked prefill of long prompts."""
+
+import asyncio
+
+from deployments.router import Router
+from tests.deployments.conftest import LocalBroker, tiny_config
+from tests.deployments.test_router import client, plain_reference
+
+LONG_PROMPT = [(7 * t) % 60 + 2 for t in range(90)]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_rounds_with_the_same_output(tiny_model_dirs):
+    config = tiny_config(tiny_model_dirs, runner={"prefill_chunk": 16})
+    broker = LocalBroker(config)
+    router = Router(config, broker)
+    target = broker.cores["target"]
+    fed = []  # tokens each target call feeds, per row
+    forward = target.runner.forward
+
+    def spy(seq_ids, new_tokens, num_logits):
+        fed.extend(len(t) for t in new_tokens)
+        return forward(seq_ids, new_tokens, num_logits)
+
+    target.runner.forward = spy
+
+    async def go():
+        async with client(router) as c:
+            short = asyncio.create_task(c.post("/v1/completions", json={
+                "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 30, "temperature": 0, "ignore_eos": True}))
+            await asyncio.sleep(0)
+            long = await c.post("/v1/completions", json={
+                "model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            return long.json(), (await short).json()
+
+    long, short = asyncio.run(go())
+    assert long["choices"][0]["text"] == plain_reference(tiny_model_dirs, LONG_PROMPT, 12)
+    assert short["choices"][0]["text"] == plain_reference(tiny_model_dirs, [5, 6, 7], 30)
+    # 90 tokens: chunks of 16 until at most 16 are left, which go with the first round's verify
+    assert router.scheduler.stats.prefill_chunks == 5
+    k = config.speculation.num_speculative_tokens
+    assert max(fed) <= 16 + k + 1, "no call fed more than one chunk (plus a round's drafts) for one row"
