@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from engine.loading import load_tokenizer, resolve
+from engine.loading import eos_token_ids, load_tokenizer, resolve
 from engine.policy import CostProfile
 from engine.sampling import SamplingParams
 from engine.sequence import EmptyPromptError, PromptTooLongError
@@ -45,16 +45,6 @@ def overloaded_error(exc: Overloaded) -> APIError:
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def eos_ids_of(model_dir) -> frozenset[int]:
-    from transformers import GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:
-        eos = None
-    return frozenset([eos] if isinstance(eos, int) else (eos or []))
-
-
 def load_api_key(config: SpecServeConfig) -> str | None:
     """The API key from the configured env var, else from the configured file; None: no auth."""
     key = os.environ.get(config.api_key_env)
@@ -75,7 +65,7 @@ class Router:
         self.metrics = metrics or NullMetrics()
         resolved = resolve(config.model.target)
         self.tokenizer = tokenizer or load_tokenizer(resolved, config.model.trust_remote_code)
-        eos = set(eos_ids_of(resolved.directory))
+        eos = set(eos_token_ids(resolved.directory))
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         mode = "model" if config.model.uses_draft_model else config.model.draft

@@ -9,25 +9,15 @@ sides "roll their caches back to the accepted length" with no extra bookkeeping.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from .cpu_kernels import use_small_batch_linear
 from .kv_cache import SlotKVCache, WritePlan
 from .llama_fast import FastLlamaForward, supports
+from .runner import ContextWindowError, SlotTable, config_context_window
 
 PREFILL_THRESHOLD = 32  # rows with more new tokens than this run in their own forward, not padded together
-
-
-class ContextWindowError(ValueError):
-    """A sequence would not fit the model's context window."""
-
-
-@dataclass
-class _SeqState:
-    slot: int
-    tokens: list[int]  # token ids whose keys/values are in the cache, in order
 
 
 class ModelRunner:
@@ -37,7 +27,7 @@ class ModelRunner:
                  vocab_size: int | None = None, fast_path: bool = True) -> None:
         self.model = model
         config = model.config
-        window = _config_context_window(config)
+        window = config_context_window(config)
         self.max_model_len = min(window, max_model_len) if max_model_len else window
         # logits width; a tensor-parallel model's embedding holds only a shard, so its runner is told
         self.vocab_size = vocab_size or model.get_input_embeddings().weight.shape[0]
@@ -54,11 +44,15 @@ class ModelRunner:
             and torch.distributed.get_world_size() > 1
         self.cache = SlotKVCache(num_layers=config.num_hidden_layers if hasattr(config, "num_hidden_layers")
                                  else config.n_layer)
-        self._seqs: dict[str, _SeqState] = {}
+        self._seqs = SlotTable(self.max_model_len, None, self.cache.move_slot)
         self.forward_calls = 0  # plain counters, read by stats and tests
         self.forward_rows = 0
 
     # ---- sequence table -------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> None:
+        return None  # the cache grows with the live sequences
+
     @property
     def num_live(self) -> int:
         return len(self._seqs)
@@ -71,43 +65,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def add(self, seq_id: str) -> None:
-        if seq_id in self._seqs:
-            raise KeyError(f"sequence {seq_id!r} already live")
-        slot = len(self._seqs)  # slots stay compact: 0..live-1
+        slot = self._seqs.add(seq_id)
         self.cache.ensure(slot + 1, self.cache.capacity)
-        self._seqs[seq_id] = _SeqState(slot=slot, tokens=[])
 
     @torch.inference_mode()
     def release(self, seq_id: str) -> None:
         """Free a sequence's slot now; the last slot moves into the hole so slots stay compact."""
-        state = self._seqs.pop(seq_id, None)
-        if state is None:
-            return
-        last = len(self._seqs)
-        if state.slot != last:
-            mover = next(s for s in self._seqs.values() if s.slot == last)
-            self.cache.move_slot(last, state.slot, len(mover.tokens))
-            mover.slot = state.slot
+        self._seqs.release(seq_id)
 
     def sync(self, seq_id: str, committed: Sequence[int]) -> list[int]:
-        """Roll the cache back to its longest prefix agreeing with `committed`; return the tokens to feed.
-
-        At least one token is always left to feed, so the next forward yields logits after the last token.
-        """
-        if not committed:
-            raise ValueError("a sequence needs at least one token")
-        if len(committed) > self.max_model_len:
-            raise ContextWindowError(
-                f"sequence of {len(committed)} tokens exceeds the context window of {self.max_model_len}"
-            )
-        state = self._seqs[seq_id]
-        cached = state.tokens
-        limit = min(len(cached), len(committed) - 1)
-        common = 0
-        while common < limit and cached[common] == committed[common]:
-            common += 1
-        del cached[common:]
-        return list(committed[common:])
+        """Roll the cache back to its longest prefix agreeing with `committed`; return the tokens to feed."""
+        return self._seqs.sync(seq_id, committed)
 
     # ---- forward --------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -196,18 +164,3 @@ def _groups(new_tokens: Sequence[Sequence[int]]) -> list[list[int]]:
     short = [i for i, t in enumerate(new_tokens) if len(t) <= PREFILL_THRESHOLD]
     long = [[i] for i, t in enumerate(new_tokens) if len(t) > PREFILL_THRESHOLD]
     return ([short] if short else []) + long
-
-
-def _config_context_window(config) -> int:
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if value:
-            window = int(value)
-            break
-    else:
-        raise ValueError("cannot tell the model's context window from its config")
-    sliding = getattr(config, "sliding_window", None)
-    if sliding and getattr(config, "use_sliding_window", True) is not False:
-        # the slotted cache attends to the whole prefix; stay within the window where both agree
-        window = min(window, int(sliding))
-    return window

@@ -12,7 +12,8 @@ caller's committed tokens agree with, which is how rejected draft tokens disappe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -20,6 +21,95 @@ import torch
 
 class KVCacheFull(RuntimeError):
     """No free KV-cache slot for another sequence."""
+
+
+class ContextWindowError(ValueError):
+    """A sequence would not fit the model's context window."""
+
+
+def config_context_window(config) -> int:
+    """The longest sequence a transformers config allows (within its sliding window, where it has one)."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if value:
+            window = int(value)
+            break
+    else:
+        raise ValueError("cannot tell the model's context window from its config")
+    sliding = getattr(config, "sliding_window", None)
+    if sliding and getattr(config, "use_sliding_window", True) is not False:
+        # the slotted caches attend to the whole prefix; stay within the window where both agree
+        window = min(window, int(sliding))
+    return window
+
+
+@dataclass
+class SeqSlot:
+    slot: int
+    tokens: list[int]  # token ids whose keys/values are in the cache, in order
+
+
+class SlotTable:
+    """The live sequences of a runner: each one's cache slot and the token ids its cache holds.
+
+    Slots stay compact (0..live-1): a released slot takes the last one's keys/values (`move_slot(src, dst,
+    length)`, a copy once per release), so a batch over the live sequences is a contiguous range of slots.
+    """
+
+    def __init__(self, max_model_len: int, capacity: int | None,
+                 move_slot: Callable[[int, int, int], None]) -> None:
+        self.max_model_len = max_model_len
+        self.capacity = capacity  # None: no limit (the cache grows)
+        self._move_slot = move_slot
+        self._seqs: dict[str, SeqSlot] = {}
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def __getitem__(self, seq_id: str) -> SeqSlot:
+        return self._seqs[seq_id]
+
+    def add(self, seq_id: str) -> int:
+        """The new sequence's slot; raises KVCacheFull when every slot is taken."""
+        if seq_id in self._seqs:
+            raise KeyError(f"sequence {seq_id!r} already live")
+        if self.capacity is not None and len(self._seqs) >= self.capacity:
+            raise KVCacheFull(f"all {self.capacity} KV-cache slots are taken")
+        slot = len(self._seqs)
+        self._seqs[seq_id] = SeqSlot(slot=slot, tokens=[])
+        return slot
+
+    def release(self, seq_id: str) -> None:
+        """Free a sequence's slot now; the last slot moves into the hole so slots stay compact."""
+        state = self._seqs.pop(seq_id, None)
+        if state is None:
+            return
+        last = len(self._seqs)
+        if state.slot != last:
+            mover = next(s for s in self._seqs.values() if s.slot == last)
+            self._move_slot(last, state.slot, len(mover.tokens))
+            mover.slot = state.slot
+
+    def sync(self, seq_id: str, committed: Sequence[int]) -> list[int]:
+        """Roll the cache back to its longest prefix agreeing with `committed`; return the tokens to feed.
+
+        At least one token is always left to feed, so the next forward yields logits after the last token.
+        """
+        if not committed:
+            raise ValueError("a sequence needs at least one token")
+        if len(committed) > self.max_model_len:
+            raise ContextWindowError(
+                f"sequence of {len(committed)} tokens exceeds the context window of {self.max_model_len}")
+        cached = self._seqs[seq_id].tokens
+        limit = min(len(cached), len(committed) - 1)
+        common = 0
+        while common < limit and cached[common] == committed[common]:
+            common += 1
+        del cached[common:]
+        return list(committed[common:])
 
 
 class Runner(Protocol):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cpu_kernels import linear
+from .llama_fast import _rope  # x [B, heads, W, D] rotated by cos/sin [B, 1, W, D]
 from .quantize import Int8WeightOnlyLinear
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma")
@@ -119,13 +120,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight).to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, heads, W, D]; cos/sin: [B, 1, W, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def grouped_attention(

@@ -27,15 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .runner import KVCacheFull
+from .runner import ContextWindowError, SlotTable, SeqSlot, config_context_window
 from .static_llama import StaticLlama
 
 MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks, alone
 GIB = 1 << 30
-
-
-class ContextWindowError(ValueError):
-    """A sequence would not fit the model's context window."""
 
 
 @dataclass(frozen=True)
@@ -119,22 +115,14 @@ def forbid_host_sync(device: torch.device) -> Iterator[None]:
             setattr(torch.Tensor, name, method)
 
 
-@dataclass
-class _Seq:
-    slot: int
-    tokens: list[int]  # token ids whose keys/values are in the cache, in order
-
-
 class StaticRunner:
     """Runner protocol (engine/runner.py) over `StaticLlama`."""
 
     def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, vocab_size: int | None = None,
                  budget: KVBudget = KVBudget(), compile: bool = True, prefill_chunk: int = 256,
                  dtype: torch.dtype | None = None) -> None:
-        from .model_runner import _config_context_window
-
         config = model.config
-        window = _config_context_window(config)
+        window = config_context_window(config)
         self.max_model_len = min(window, max_model_len) if max_model_len else window
         self.prefill_chunk = max(MAX_WIDTH, prefill_chunk)
         param = next(model.parameters())
@@ -149,13 +137,13 @@ class StaticRunner:
         self.batch_buckets = buckets_up_to(num_slots)
         self.width_buckets = buckets_up_to(MAX_WIDTH)
         self.chunk_buckets = buckets_up_to(self.prefill_chunk, first=MAX_WIDTH * 2)
+        self.kv_buckets = buckets_up_to(capacity, first=256)  # key lengths of CUDA graphs
         self.compiled = compile
         self._step = _compile_step(self.model, self.device) if compile else self.model.forward
         # prefill chunks are compute-bound: on CUDA they run eagerly (no graph per chunk and key-length bucket; vLLM
         # likewise captures graphs for decode batches only); on CPU the dynamic graph serves them too
         self._prefill = self.model.forward if self.device.type == "cuda" else self._step
-        self._seqs: dict[str, _Seq] = {}
-        self._free: list[int] = []
+        self._seqs = SlotTable(self.max_model_len, num_slots, self.model.move_slot)
         self.forward_calls = 0
         self.forward_rows = 0
 
@@ -175,36 +163,14 @@ class StaticRunner:
         return list(self._seqs[seq_id].tokens)
 
     def add(self, seq_id: str) -> None:
-        if seq_id in self._seqs:
-            raise KeyError(f"sequence {seq_id!r} already live")
-        if len(self._seqs) >= self.model.num_slots:
-            raise KVCacheFull(f"all {self.model.num_slots} KV-cache slots are taken")
-        self._seqs[seq_id] = _Seq(slot=len(self._seqs), tokens=[])
+        self._seqs.add(seq_id)  # KVCacheFull when every slot is taken
 
     def release(self, seq_id: str) -> None:
         """Free a sequence's slot now; the last slot moves into the hole so slots stay compact."""
-        state = self._seqs.pop(seq_id, None)
-        if state is None:
-            return
-        last = len(self._seqs)
-        if state.slot != last:
-            mover = next(s for s in self._seqs.values() if s.slot == last)
-            self.model.move_slot(last, state.slot, len(mover.tokens))
-            mover.slot = state.slot
+        self._seqs.release(seq_id)
 
     def sync(self, seq_id: str, committed: Sequence[int]) -> list[int]:
-        if not committed:
-            raise ValueError("a sequence needs at least one token")
-        if len(committed) > self.max_model_len:
-            raise ContextWindowError(
-                f"sequence of {len(committed)} tokens exceeds the context window of {self.max_model_len}")
-        cached = self._seqs[seq_id].tokens
-        limit = min(len(cached), len(committed) - 1)
-        common = 0
-        while common < limit and cached[common] == committed[common]:
-            common += 1
-        del cached[common:]
-        return list(committed[common:])
+        return self._seqs.sync(seq_id, committed)
 
     # ---- forward --------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -232,7 +198,7 @@ class StaticRunner:
         self.forward_rows += len(states)
         return logits
 
-    def _prefill_chunk(self, state: _Seq, tokens: list[int]) -> None:
+    def _prefill_chunk(self, state: SeqSlot, tokens: list[int]) -> None:
         width = bucket(len(tokens), self.chunk_buckets)
         ids = torch.zeros(1, width, dtype=torch.long)
         ids[0, : len(tokens)] = torch.tensor(tokens)
@@ -241,7 +207,7 @@ class StaticRunner:
         self._run(ids, torch.tensor([start]), state.slot, kv_len, last_only=True, step=self._prefill)
         state.tokens.extend(tokens)
 
-    def _batched_step(self, states: list[_Seq], tails: list[list[int]],
+    def _batched_step(self, states: list[SeqSlot], tails: list[list[int]],
                       num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]
         lo = min(s.slot for s in states)
         rows = bucket(max(s.slot for s in states) - lo + 1, self.batch_buckets)
@@ -271,10 +237,9 @@ class StaticRunner:
     def _kv_len(self, need: int) -> int:
         """Keys read per row: on CUDA rounded up to a power of two (fixed shapes for CUDA graphs); on CPU to a
         multiple of 64 (the graph takes any length)."""
-        cap = self.model.capacity
         if self.device.type == "cuda":
-            return bucket(need, buckets_up_to(cap, first=256))
-        return min(cap, -(-need // 64) * 64)
+            return bucket(need, self.kv_buckets)
+        return min(self.model.capacity, -(-need // 64) * 64)
 
     def _run(self, ids: torch.Tensor, starts: torch.Tensor, first_slot: int, kv_len: int,
              last_only: bool, step: Callable | None = None) -> torch.Tensor:

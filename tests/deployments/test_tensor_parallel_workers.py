@@ -27,6 +27,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop_ranks(procs, stop) -> None:
+    stop.set()
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+
+
 def _rank_main(rank, port, engine_config, endpoints, peers, stop):
     core = TargetWorkerCore(engine_config, rank, 2, torch_threads=1)
     core.init_distributed("127.0.0.1", port)
@@ -90,11 +98,7 @@ def test_routers_calling_one_tensor_parallel_replica_at_once_get_single_rank_res
 
         tensor_parallel = asyncio.run(asyncio.wait_for(run_all(), 240))
     finally:
-        stop.set()
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+        _stop_ranks(procs, stop)
 
     reference = TargetWorkerCore(config)
 
@@ -194,11 +198,7 @@ def test_a_stuck_peer_fails_rank_0s_call_after_the_collective_timeout(tiny_model
 
         asyncio.run(rounds())
     finally:
-        stop.set()
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+        _stop_ranks(procs, stop)
 
 
 def test_init_distributed_sets_the_backend_timeout_and_nccl_error_handling(tiny_model_dirs, monkeypatch):
