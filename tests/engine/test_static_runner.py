@@ -92,6 +92,19 @@ def test_int8_weights_run_on_the_fast_path():
     assert sum(agree) / len(agree) > 0.9
 
 
+def test_int8_weights_with_fp32_activations_feed_the_int8_kernel_bf16(monkeypatch):
+    """The int8 draft on a CPU without native bf16 runs fp32 (engine/factory.py) but hands ATen's int8 kernel
+    bf16 rows, its fast path; its logits stay those of the bf16-activation runner up to rounding."""
+    model = quantize_int8_weight_only(make_tiny_model("llama", seed=0))
+    want = scripted(StaticRunner(model, budget=SLOTS, compile=False), ROUNDS)
+    fed = []
+    kernel = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: fed.append((x.dtype, s.dtype)) or kernel(x, w, s))
+    got = scripted(StaticRunner(model, budget=SLOTS, compile=False, dtype=torch.float32), ROUNDS)
+    assert fed and set(fed) == {(torch.bfloat16, torch.bfloat16)}
+    assert_same_logits(got, want, atol=0.5, rtol=0.1)
+
+
 def test_other_families_are_refused_with_the_reason():
     assert "gpt2" in why_unsupported(make_tiny_model("gpt2"))
     with pytest.raises(UnsupportedModel):

@@ -1,0 +1,50 @@
+"""engine/cpu_kernels.py: the small-batch linear equals F.linear for every row count and takes the split GEMV
+for one row of a large matrix."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernels
+from engine.cpu_kernels import SPLIT_GEMV_MIN_ELEMENTS, linear
+
+
+@pytest.fixture
+def two_threads():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_equals_f_linear(rows, with_bias, two_threads):
+    torch.manual_seed(0)
+    weight = torch.randn(1024, 320)  # 327,680 elements: above the split threshold
+    assert weight.numel() >= SPLIT_GEMV_MIN_ELEMENTS
+    bias = torch.randn(1024) if with_bias else None
+    x = torch.randn(1, rows, 320)
+    torch.testing.assert_close(linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+
+
+def test_one_row_of_a_large_matrix_runs_as_one_bmm_per_thread_block(two_threads, monkeypatch):
+    calls = []
+    real_bmm = torch.bmm
+
+    def spy(a, b):
+        calls.append((tuple(a.shape), tuple(b.shape), b.stride()))
+        return real_bmm(a, b)
+
+    monkeypatch.setattr(torch, "bmm", spy)
+    weight, x = torch.randn(1024, 320), torch.randn(1, 1, 320)
+    out = linear(x, weight)
+    assert calls == [((2, 512, 320), (2, 320, 1), (0, 1, 320))]  # the x^T layout: the fast bmm kernel
+    torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(64, 320), (1023, 320)])  # small (stays in cache); rows not divisible by 2
+def test_split_gemv_falls_back_to_f_linear(shape, two_threads, monkeypatch):
+    monkeypatch.setattr(torch, "bmm", lambda *a: pytest.fail("bmm used"))
+    weight, x = torch.randn(*shape), torch.randn(1, 320)
+    torch.testing.assert_close(cpu_kernels.linear(x, weight), F.linear(x, weight))
