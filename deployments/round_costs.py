@@ -13,6 +13,8 @@ import logging
 from engine.calibrate import profile_from_costs
 from engine.policy import CostCorrection, CostProfile
 
+from .messages import CostObservation
+
 logger = logging.getLogger("ray.serve")
 
 
@@ -59,19 +61,19 @@ class RoundCosts:
             self._measured[key] = profile
         return self._measured[key]
 
-    def observe(self, draft, target, kind: str, calls: list, k: int, seconds: float) -> None:
-        """Feed a round's measured draft or verify seconds (`kind`) to the pairing's correction.
+    def observe(self, seen: CostObservation) -> None:
+        """Feed a round's measured draft or verify seconds to the pairing's correction.
 
         Calls that carry a prompt (a new or re-sent sequence: a prefill) are not a round's steady-state cost and
         are left out.
         """
-        if not self.corrects or not seconds or any(len(call.seq.tokens) > k + 2 for call in calls):
+        if not self.corrects or not seen.seconds or any(len(call.seq.tokens) > seen.k + 2 for call in seen.calls):
             return
-        profile = self.measured(draft, target)
+        profile = self.measured(seen.draft, seen.target)
         if profile is not None:
-            correction = self._correction(draft, target)
-            (correction.observe_draft if kind == "draft" else correction.observe_verify)(profile, len(calls), k,
-                                                                                         seconds)
+            correction = self._correction(seen.draft, seen.target)
+            observe = correction.observe_draft if seen.kind == "draft" else correction.observe_verify
+            observe(profile, len(seen.calls), seen.k, seen.seconds)
 
     def observe_overhead(self, draft, target, seconds: float) -> None:
         """A round's time outside the workers' own compute (RPC, serialization, event-loop hops)."""

@@ -44,7 +44,7 @@ from .errors import ChainBroken, DraftGone, Overloaded, ReplicaGone
 from .metrics import NullMetrics, observe
 from .round_costs import RoundCosts
 from .live import DraftLease, LeaseBroker, LiveRequest
-from .workers import DraftCall, VerifyCall
+from .messages import CostObservation, DraftCall, DraftResult, VerifyCall, VerifyResult
 
 logger = logging.getLogger("ray.serve")
 
@@ -304,7 +304,7 @@ class Scheduler:
         drafts, draft_probs, by_lease = self._plan_drafts(rows, ks)
         target = rows[0].target
         result, aheads = None, []
-        costs: list[tuple] = []  # the round's cost observations, made once its result is in hand
+        costs: list[CostObservation] = []  # the round's cost observations, made once its result is in hand
         members = next(iter(by_lease.values())) if len(by_lease) == 1 and not self.config.overlap else None
         if members is not None and self._chainable(rows[members[0]]):
             calls = [VerifyCall(live.delta(live.target_sent), []) for live in rows]  # drafts are filled in there
@@ -334,10 +334,10 @@ class Scheduler:
         for live in rows:
             live.target_sent = live.seq.num_tokens
         t2 = time.perf_counter()
-        costs.append((self._group_draft(rows), target, "verify", calls, max(len(d) for d in drafts),
-                      result.get("seconds", 0.0)))
+        costs.append(CostObservation(self._group_draft(rows), target, "verify", calls, max(len(d) for d in drafts),
+                                     result.seconds))
         for observation in costs:
-            self.costs.observe(*observation)
+            self.costs.observe(observation)
         outputs, accepted = self._accept(rows, drafts, draft_probs, result)
         finished = []
         for live, out in zip(rows, outputs):
@@ -351,12 +351,12 @@ class Scheduler:
         t3 = time.perf_counter()
         self.stats.timings.record(len(rows), t1 - t0, t2 - t1, t3 - t2)
         # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
-        orchestration = (t2 - t0) - draft_compute - result.get("seconds", 0.0)
+        orchestration = (t2 - t0) - draft_compute - result.seconds
         self.stats.orchestration_seconds += orchestration
         self.costs.observe_overhead(self._group_draft(rows), target, orchestration)
         observe(self.metrics.round, [len(d) for d in drafts], accepted, t1 - t0, t2 - t1, orchestration)
         self.stats.draft_compute_seconds += draft_compute
-        self.stats.verify_compute_seconds += result.get("seconds", 0.0)
+        self.stats.verify_compute_seconds += result.seconds
 
     def _plan_drafts(self, rows: list[LiveRequest], ks: list[int]
                      ) -> tuple[list[list[int]], dict[int, np.ndarray], dict[str, list[int]]]:
@@ -389,7 +389,7 @@ class Scheduler:
         return drafts, probs, by_lease
 
     async def _draft_calls(self, rows: list[LiveRequest], ks: list[int], by_lease: dict[str, list[int]],
-                           drafts: list[list[int]], probs: dict[int, np.ndarray], costs: list[tuple]) -> float:
+                           drafts: list[list[int]], probs: dict[int, np.ndarray], costs: list[CostObservation]) -> float:
         """Each Draft lease's rows drafted by a call of their own (filled into `drafts`, `probs`); returns the draft
         workers' compute seconds."""
         compute = 0.0
@@ -404,8 +404,8 @@ class Scheduler:
         return compute
 
     async def _chained(self, rows: list[LiveRequest], ks: list[int], members: list[int], verify_calls: list[VerifyCall],
-                       drafts: list[list[int]], probs: dict[int, np.ndarray], costs: list[tuple]
-                       ) -> tuple[dict | None, float]:
+                       drafts: list[list[int]], probs: dict[int, np.ndarray], costs: list[CostObservation]
+                       ) -> tuple[VerifyResult | None, float]:
         """Draft `members` and verify every row in one chained call (the draft worker hands its drafts straight to
         the target worker, which answers: channel_client.AsyncChannels.chain). Returns the verify result and the
         draft's compute seconds; (None, 0.0) when the draft worker failed, and the round must verify without its
@@ -422,41 +422,41 @@ class Scheduler:
                            exc)
             self._unchainable.add((lease.key, rows[0].target.key))
             return None, 0.0
-        return result, self._take_drafts(rows, ks, members, calls, result["draft"], drafts, probs, costs)
+        return result, self._take_drafts(rows, ks, members, calls, result.draft, drafts, probs, costs)
 
     def _chainable(self, live: LiveRequest) -> bool:
         return (live.draft.key, live.target.key) not in self._unchainable
 
     def _take_drafts(self, rows: list[LiveRequest], ks: list[int], members: list[int], calls: list[DraftCall],
-                     result: dict, drafts: list[list[int]], probs: dict[int, np.ndarray], costs: list[tuple]
+                     result: DraftResult, drafts: list[list[int]], probs: dict[int, np.ndarray], costs: list[CostObservation]
                      ) -> float:
         """Fill a draft call's result into the round's `drafts` and `probs` (its cost observation into `costs`);
         returns its compute seconds."""
-        seconds = result.get("seconds", 0.0)
-        costs.append((rows[members[0]].draft, rows[members[0]].target, "draft", calls, max(ks[b] for b in members),
-                      seconds))
+        seconds = result.seconds
+        costs.append(CostObservation(rows[members[0]].draft, rows[members[0]].target, "draft", calls,
+                                     max(ks[b] for b in members), seconds))
         for i, b in enumerate(members):
-            drafts[b] = result["drafts"][i]
-            if i in result["probs"]:
-                probs[b] = result["probs"][i]
+            drafts[b] = result.drafts[i]
+            if i in result.probs:
+                probs[b] = result.probs[i]
         return seconds
 
     def _accept(self, rows: list[LiveRequest], drafts: list[list[int]], draft_probs: dict[int, np.ndarray],
-                result: dict) -> tuple[list[RequestOutput], list[int]]:
+                result: VerifyResult) -> tuple[list[RequestOutput], list[int]]:
         emitted: dict[int, tuple[list[int], int]] = {}
-        for b, argmax in result["argmax"].items():
+        for b, argmax in result.argmax.items():
             emitted[b] = greedy_accept(drafts[b], argmax)
-        sampled = sorted(result["probs"])
+        sampled = sorted(result.probs)
         if sampled:
             k_max = max(len(drafts[b]) for b in sampled)
-            vocab = result["probs"][sampled[0]].shape[-1]
+            vocab = result.probs[sampled[0]].shape[-1]
             draft_ids = torch.full((len(sampled), k_max), -1, dtype=torch.long)
             target_probs = torch.zeros(len(sampled), k_max + 1, vocab)
             q = torch.zeros(len(sampled), k_max, vocab) if self.ngram is None else None
             for i, b in enumerate(sampled):
                 n = len(drafts[b])
                 draft_ids[i, :n] = torch.tensor(drafts[b], dtype=torch.long)
-                target_probs[i, : n + 1] = torch.from_numpy(result["probs"][b])
+                target_probs[i, : n + 1] = torch.from_numpy(result.probs[b])
                 if q is not None and n:
                     q[i, :n] = torch.from_numpy(draft_probs[b][:n])
             res = rejection_sample(draft_ids, q, target_probs, torch.tensor([len(drafts[b]) for b in sampled]),

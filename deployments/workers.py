@@ -1,7 +1,7 @@
 """Model workers: the stateful halves of a speculative round, as plain classes (unit-testable) and Ray actors.
 
-A round sends only token deltas: each call names a sequence, the position `start` from which the router's
-committed tokens are new to this worker, and those tokens. The worker keeps the committed tokens it knows and its
+A round sends only token deltas (deployments/messages.py: the calls and results, and their wire form). The worker
+keeps the committed tokens it knows and its
 KV cache; `ModelRunner.sync` rolls the cache back to the common prefix, so rejected drafts disappear without
 bookkeeping. Replies carry token ids (greedy rows) or processed probabilities (sampled rows) only.
 
@@ -25,7 +25,6 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -41,67 +40,13 @@ from engine.shard_loading import load_shard, rank_device
 from engine.tensor_parallel import CollectiveError, full_num_parameters, num_parameters
 
 from .channel import ChannelClosed, ChannelRelay, ChannelSender, ChannelServer, Endpoint, Route
+from .errors import TensorParallelBroken
+from .messages import DraftCall, DraftResult, SeqDelta, VerifyCall, VerifyResult
 
 log = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class SeqDelta:
-    seq_id: str
-    start: int  # committed tokens [0, start) were sent to this worker before
-    tokens: list[int]  # committed tokens [start, ...)
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
-
-    def wire(self) -> tuple:
-        return (self.seq_id, self.start, self.tokens, self.temperature, self.top_k, self.top_p, self.seed)
-
-
-# Calls cross the channel as plain tuples (`wire()`, `from_wire`): a worker unpickles them right after its compute,
-# with its caches cold, and there plain tuples load ~4x faster than dataclass instances (bench/RESULTS.md).
-@dataclass(frozen=True)
-class DraftCall:
-    seq: SeqDelta
-    k: int
-
-    def wire(self) -> tuple:
-        return (self.seq.wire(), self.k)
-
-    @staticmethod
-    def from_wire(wire: tuple) -> "DraftCall":
-        return DraftCall(SeqDelta(*wire[0]), wire[1])
-
-
-@dataclass(frozen=True)
-class VerifyCall:
-    seq: SeqDelta
-    draft: list[int]  # the draft tokens to score (may be empty: plain decoding)
-
-    def wire(self) -> tuple:
-        return (self.seq.wire(), self.draft)
-
-    @staticmethod
-    def from_wire(wire: tuple) -> "VerifyCall":
-        return VerifyCall(SeqDelta(*wire[0]), wire[1])
-
-
-def draft_replies_directly(calls: list[DraftCall]) -> bool:
-    """Whether a chained round's draft result goes to the router straight from the draft worker: when some row
-    samples, since its draft probabilities ([K, V]) are large and the target does not need them. Greedy rows' drafts
-    are a few token ids, and travel with the target's reply (the router then wakes once per round)."""
-    return any(call.seq.temperature > 0 for call in calls)
-
-
 class UnknownSequenceError(KeyError):
     """A call continued a sequence this worker does not hold (the router must re-send it from 0)."""
-
-
-class TensorParallelBroken(RuntimeError):
-    """This target rank's tensor-parallel group cannot compute any more (a peer died): the replica must go."""
 
 
 def node_address() -> str:
@@ -254,15 +199,15 @@ class DraftWorkerCore:
         with self._cancel_lock:
             return ahead_id in self._cancelled
 
-    def propose(self, calls: list[tuple], ahead_id: int | None = None) -> dict:
-        """Draft for `calls` (DraftCall.wire() each)."""
+    def propose(self, calls: list[tuple], ahead_id: int | None = None) -> tuple:
+        """Draft for `calls` (DraftCall.wire() each); a DraftResult's wire()."""
         return self._model.call(self._timed_propose, calls, ahead_id)
 
-    def _timed_propose(self, calls: list[tuple], ahead_id: int | None) -> dict:
+    def _timed_propose(self, calls: list[tuple], ahead_id: int | None) -> tuple:
         with self.busy:
-            return self._propose([DraftCall.from_wire(call) for call in calls], ahead_id)
+            return self._propose([DraftCall.from_wire(call) for call in calls], ahead_id).wire()
 
-    def _propose(self, calls: list[DraftCall], ahead_id: int | None) -> dict:
+    def _propose(self, calls: list[DraftCall], ahead_id: int | None) -> DraftResult:
         start = time.perf_counter()
         requests = []
         for call in calls:
@@ -277,20 +222,17 @@ class DraftWorkerCore:
             with self._cancel_lock:
                 self._cancelled.discard(ahead_id)
             self.cancelled_drafts += 1
-            return {"cancelled": True, "seconds": time.perf_counter() - start}
+            return DraftResult([], {}, time.perf_counter() - start, cancelled=True)
         self.calls += 1
         self.rows += len(calls)
         sampled = [b for b, call in enumerate(calls) if call.seq.temperature > 0]
         ids, counts = proposal.token_ids.tolist(), proposal.num_tokens.tolist()
-        return {
-            "drafts": [row[:n] for row, n in zip(ids, counts)],  # per call, the drafted token ids
-            # greedy rows are one-hot: the router rebuilds them; only sampled rows' distributions travel
-            "probs": {b: proposal.probs[b].numpy() for b in sampled},
-            "seconds": time.perf_counter() - start,  # worker compute, so the router can tell RPC overhead apart
-        }
+        return DraftResult(drafts=[row[:n] for row, n in zip(ids, counts)],
+                           probs={b: proposal.probs[b].numpy() for b in sampled},
+                           seconds=time.perf_counter() - start)
 
     def propose_chained(self, calls: list[tuple], verify_calls: list[tuple], members: list[int], direct: bool,
-                        route: Route) -> dict | None:
+                        route: Route) -> tuple | None:
         """A chained round's first step (channel_client.AsyncChannels.chain): draft, then hand the drafts to the target
         worker at `route`, whose verify (`TargetWorkerCore.verify_chained`) answers the router. Row members[i] of
         `verify_calls` gets call i's drafts; the draft's whole result travels along for the router. Calls are in
@@ -303,7 +245,8 @@ class DraftWorkerCore:
         if not direct:
             self._relay.send(route, "verify_chained", verify_calls, members, draft)
             return None
-        self._relay.send(route, "verify_chained", verify_calls, members, {"drafts": draft["drafts"]})
+        drafts, _, seconds, _ = draft
+        self._relay.send(route, "verify_chained", verify_calls, members, DraftResult(drafts, {}, seconds).wire())
         return draft
 
     def release(self, seq_ids: list[str]) -> None:
@@ -434,25 +377,28 @@ class TargetWorkerCore:
             raise TensorParallelBroken(self.broken) from exc
 
     # ---- the round ------------------------------------------------------------------------------------------
-    def verify(self, calls: list[tuple]) -> dict | None:
-        """Verify `calls` (VerifyCall.wire() each; the other ranks get them in that form too)."""
+    def verify(self, calls: list[tuple]) -> tuple | None:
+        """Verify `calls` (VerifyCall.wire() each; the other ranks get them in that form too); a VerifyResult's
+        wire() (None on the other ranks)."""
         return self._in_group("verify", (calls,), self._timed_verify)
 
-    def verify_chained(self, calls: list[tuple], members: list[int], draft: dict) -> dict | None:
+    def verify_chained(self, calls: list[tuple], members: list[int], draft: tuple) -> tuple:
         """A chained round's last step, from the draft worker (`DraftWorkerCore.propose_chained`): verify `calls`
-        with call i of the draft for row members[i]; the reply (to the router) carries the draft's result too."""
+        with call i of the draft (a DraftResult's wire()) for row members[i]; the reply (to the router) carries the
+        draft's result too."""
         calls = list(calls)
+        drafts = draft[0]
         for i, b in enumerate(members):
-            calls[b] = (calls[b][0], draft["drafts"][i])
-        out = self.verify(calls)
-        out["draft"] = draft
-        return out
+            calls[b] = (calls[b][0], drafts[i])
+        argmax, probs, seconds, _ = self.verify(calls)
+        return argmax, probs, seconds, draft
 
-    def _timed_verify(self, calls: list[tuple]) -> dict | None:
+    def _timed_verify(self, calls: list[tuple]) -> tuple | None:
         with self.busy:
-            return self._verify([VerifyCall.from_wire(call) for call in calls])
+            result = self._verify([VerifyCall.from_wire(call) for call in calls])
+        return None if result is None else result.wire()
 
-    def _verify(self, calls: list[VerifyCall]) -> dict | None:
+    def _verify(self, calls: list[VerifyCall]) -> VerifyResult | None:
         start = time.perf_counter()
         runner = self.runner
         seq_ids, feeds, widths = [], [], []
@@ -471,17 +417,16 @@ class TargetWorkerCore:
         params = [c.seq.sampling() for c in calls]
         greedy_rows = [b for b, p in enumerate(params) if p.greedy]
         sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
-        out = {"argmax": {}, "probs": {}}
+        argmax, row_probs = {}, {}
         if greedy_rows:
             ids = logits[greedy_rows].argmax(dim=-1)
             for i, b in enumerate(greedy_rows):
-                out["argmax"][b] = ids[i, : widths[b]].tolist()
+                argmax[b] = ids[i, : widths[b]].tolist()
         if sampled_rows:
             probs = logits_to_probs(logits[sampled_rows], BatchSampling.from_params([params[b] for b in sampled_rows]))
             for i, b in enumerate(sampled_rows):
-                out["probs"][b] = probs[i, : widths[b]].cpu().numpy()
-        out["seconds"] = time.perf_counter() - start
-        return out
+                row_probs[b] = probs[i, : widths[b]].cpu().numpy()
+        return VerifyResult(argmax, row_probs, time.perf_counter() - start)
 
     def release(self, seq_ids: list[str]) -> None:
         self._in_group("release", (seq_ids,), self._release)
