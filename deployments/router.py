@@ -17,11 +17,13 @@ from engine.policy import CostProfile
 from engine.sampling import SamplingParams
 from engine.sequence import EmptyPromptError, PromptTooLongError
 
+from .admission import AdmissionSlot
 from .config import SpecServeConfig
+from .errors import Overloaded, ReplicaGone
 from .metrics import NullMetrics, observe
 from .openai_api import APIError, ChatCompletionRequest, CompletionRequest, create_app
 from .readiness import Readiness
-from .scheduler import AdmissionSlot, Overloaded, ReplicaGone, Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger("ray.serve")
 
