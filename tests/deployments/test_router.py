@@ -299,7 +299,7 @@ def test_worker_threads_default_to_the_cores_shared_by_concurrent_ranks():
 
     import torch
 
-    from deployments.workers import set_torch_threads
+    from deployments.worker_base import set_torch_threads
 
     before = torch.get_num_threads()
     try:
