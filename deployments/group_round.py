@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.factory import DraftMethod
 from engine.policy import AcceptanceTracker, load_adjusted_k
 from engine.proposers import DraftRequest, NgramProposer
 from engine.rejection import greedy_accept, rejection_sample
@@ -89,7 +90,9 @@ class GroupRound:
         self.recovery = recovery
         self._deliver = deliver  # hands the rows' outputs to their requests (and ends finished ones)
         self.metrics = NullMetrics()
-        self.ngram = NgramProposer(config.ngram_min, config.ngram_max) if config.draft_mode == "ngram" else None
+        # n-gram lookup runs here, in the router (no worker); a draft model's proposer runs in the Draft workers
+        self.ngram = (NgramProposer(config.ngram_min, config.ngram_max)
+                      if config.draft_mode is DraftMethod.NGRAM else None)
         self.ahead = AheadDrafts(stats, recovery.replace_live_drafts)
         self._unchainable: set[tuple[str, str]] = set()  # (Draft, Target) replica keys whose chained round failed
 
@@ -103,7 +106,7 @@ class GroupRound:
         """
         profile = self.costs.policy_profile(self.group_draft(rows), rows[0].target)
         caps = [live.seq.k if self._may_draft(live) else 0 for live in rows]
-        model = self.config.draft_mode == "model"
+        model = self.config.draft_mode is DraftMethod.MODEL
         if profile is not None:
             outlooks = [RowOutlook(acceptance=live.tracker.acceptance, cap=cap,
                                    # tokens the draft worker has not read yet (all, before the first Draft lease;
@@ -119,7 +122,7 @@ class GroupRound:
         return [live.seq.draft_len(k) for live, k in zip(rows, ks)]
 
     def _may_draft(self, live: LiveRequest) -> bool:
-        if self.config.draft_mode != "model" or live.draft is not None:
+        if self.config.draft_mode is not DraftMethod.MODEL or live.draft is not None:
             return True
         return time.monotonic() >= live.draft_retry_at  # a Draft lease can be taken when the plan wants drafts
 

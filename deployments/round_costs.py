@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from engine.calibrate import profile_from_costs
+from engine.factory import DraftMethod
 from engine.policy import CostCorrection, CostProfile
 
 from .messages import CostObservation
@@ -24,9 +25,9 @@ def pair_key(draft, target) -> tuple:
 
 
 class RoundCosts:
-    def __init__(self, adaptive: bool, draft_mode: str, calibration: CostProfile | None = None) -> None:
+    def __init__(self, adaptive: bool, draft_mode: DraftMethod | str, calibration: CostProfile | None = None) -> None:
         self.adaptive = adaptive
-        self.draft_mode = draft_mode  # "model" | "ngram" | "none"
+        self.draft_mode = DraftMethod(draft_mode)
         self.calibration = calibration
         self._measured: dict[tuple, CostProfile | None] = {}
         self._corrections: dict[tuple, CostCorrection] = {}
@@ -48,13 +49,13 @@ class RoundCosts:
 
     def measured(self, draft, target) -> CostProfile | None:
         """The costs the leased replicas measured at start (None: none reported, or no Draft lease taken yet)."""
-        if draft is None and self.draft_mode == "model":
+        if draft is None and self.draft_mode is DraftMethod.MODEL:
             return None  # the router has not leased a Draft replica yet: nothing known of the draft's costs
         key = pair_key(draft, target)
         if key not in self._measured:
             draft_costs = draft.costs if draft is not None else None
             profile = None
-            if target.costs is not None and (draft_costs is not None or self.draft_mode != "model"):
+            if target.costs is not None and (draft_costs is not None or self.draft_mode is not DraftMethod.MODEL):
                 profile = profile_from_costs(target.costs, draft_costs)
             if profile is None:
                 logger.warning("no measured costs for replicas %s; K follows max_batch_for_speculation", key)

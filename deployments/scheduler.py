@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from engine.factory import DraftMethod
 from engine.policy import AcceptanceTracker, CostProfile
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput, SequenceState
@@ -50,7 +51,7 @@ class SchedulerConfig:
     max_model_len: int
     eos_token_ids: frozenset[int]
     num_speculative_tokens: int
-    draft_mode: str  # "model" | "ngram" | "none"
+    draft_mode: DraftMethod
     ngram_min: int = 2
     ngram_max: int = 4
     max_batch_for_speculation: int = 4  # without `adaptive`

@@ -23,10 +23,10 @@ import time
 import torch
 
 from engine.calibrate import measure_draft_costs, measure_target_costs
-from engine.factory import EngineConfig, build_target, make_runner
-from engine.loading import load_causal_lm, load_tokenizer, resolve
+from engine.factory import EngineConfig, build_proposer, build_target
+from engine.loading import load_tokenizer, resolve
 from engine.model_runner import ModelRunner
-from engine.proposers import DraftModelProposer, DraftRequest, check_tokenizers_compatible
+from engine.proposers import DraftRequest
 from engine.runner import Runner, resolve_dtype
 from engine.sampling import BatchSampling, logits_to_probs
 from engine.sequence import draft_generator
@@ -63,14 +63,11 @@ class DraftWorkerCore(ModelWorker):
 
     def _start(self, config: EngineConfig, calibrate: bool) -> None:
         target = resolve(config.target)
-        draft = resolve(config.draft)
-        check_tokenizers_compatible(load_tokenizer(target), load_tokenizer(draft))
-        model = load_causal_lm(draft, resolve_dtype(config.draft_dtype, config.device), config.device,
-                               config.trust_remote_code)
         from transformers import AutoConfig
 
         target_vocab = AutoConfig.from_pretrained(target.directory).vocab_size
-        self.proposer = DraftModelProposer(make_runner(model, config), target_vocab)
+        # a Draft worker exists for DraftMethod.MODEL only: its proposer is a DraftModelProposer (`.runner`)
+        self.proposer = build_proposer(config, load_tokenizer(target, config.trust_remote_code), target_vocab)
         warm_up(self.proposer.runner, config.num_speculative_tokens, "draft")
         self._generators: dict[str, torch.Generator] = {}
         self._cancelled: set[int] = set()
