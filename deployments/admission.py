@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .errors import ReplicaFull
+from .errors import Overloaded, ReplicaFull
 
 T = TypeVar("T")
 
@@ -57,6 +57,49 @@ def min_capacity(capacities: list[int | None]) -> int | None:
     bounded one; None when none is bounded."""
     bounded = [c for c in capacities if c is not None]
     return min(bounded) if bounded else None
+
+
+class Admission:
+    """The router's admission limit: its live sequences, those admitted and waiting for their leases, and the
+    places taken at the door (`AdmissionSlot`) together stay under `max_live`; past it, Overloaded (503)."""
+
+    def __init__(self, max_live: int, max_queue_wait_s: float) -> None:
+        self.max_live = max_live
+        self.reserved = 0  # admission slots taken at the door, not yet in the scheduler's `generate`
+        self.waiting = 0  # admitted, waiting for leases (some of them for a free KV-cache slot: `space`)
+        self.space = SpaceWait(max_queue_wait_s)
+
+    def check(self, live: int) -> None:
+        """Raise Overloaded when `live` sequences and those starting fill the limit."""
+        if live + self.waiting + self.reserved >= self.max_live:
+            raise Overloaded(f"{live} live and {self.waiting + self.reserved} starting sequences: at the router's "
+                             "admission limit")
+
+    def slot(self, live: int) -> "AdmissionSlot":
+        """Take a place under the limit now (raises Overloaded when there is none)."""
+        self.check(live)
+        self.reserved += 1
+        return AdmissionSlot(self)
+
+    def joining(self) -> int:
+        """Requests admitted and about to join the rounds (taking their leases; not those waiting for a free
+        KV-cache slot: they join when a request ends)."""
+        return self.waiting - self.space.waiting
+
+
+class AdmissionSlot:
+    """A place under the router's admission limit, taken at the HTTP door before the body is parsed or tokenized,
+    so that a refusal costs no parsing; the request's `generate` consumes it. Released (idempotently) when the
+    request ends before reaching the scheduler (a 4xx, a dropped connection)."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self._admission.reserved -= 1
 
 
 class SpaceWait:

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from .errors import ReplicaGone
-from .workers import DraftCall
+from .messages import DraftCall
 
 logger = logging.getLogger("ray.serve")
 
@@ -83,11 +83,11 @@ class AheadDrafts:
                 if accepted is not None:
                     logger.warning("an ahead draft failed and was discarded: %r", exc)
                 continue
-            if result.get("cancelled"):
+            if result.cancelled:
                 self.stats.ahead_cancelled += 1
                 continue
             for i, b in enumerate(ahead.members):
-                guess = result["drafts"][i]
+                guess = result.drafts[i]
                 if usable(b) and guess and rows[b].seq.text.token_ids[-1] == guess[0]:
-                    probs = result["probs"].get(i)
+                    probs = result.probs.get(i)
                     rows[b].ready = (guess[1:], None if probs is None else probs[1:])

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.factory import DRAFT_NGRAM, DRAFT_NONE, EngineConfig
+from engine.factory import DraftMethod, EngineConfig
 from engine.loading import DTYPES
 
 # Ray Serve's AutoscalingConfig.metrics_interval_s default: how often load reports reach the autoscaler
@@ -41,8 +41,13 @@ class ModelSection(_Strict):
         return v
 
     @property
+    def draft_method(self) -> DraftMethod:
+        """`draft` parsed: a draft model, n-gram lookup or none."""
+        return DraftMethod.of(self.draft)
+
+    @property
     def uses_draft_model(self) -> bool:
-        return self.draft not in (DRAFT_NGRAM, DRAFT_NONE)
+        return self.draft_method is DraftMethod.MODEL
 
 
 class SpeculationSection(_Strict):

@@ -21,3 +21,8 @@ class Overloaded(RuntimeError):
 class ReplicaFull(Overloaded):
     """A replica refused a lease: its KV cache holds as many sequences as it has slots for (deployments/admission.py).
     The request waits for space and tries again; past its wait it is answered like any overload (503)."""
+
+
+class TensorParallelBroken(RuntimeError):
+    """A target rank's tensor-parallel group cannot compute any more (a peer died): the replica must go. Raised by
+    the worker (deployments/workers.py), it crosses the channel to the lease, which takes it as ReplicaGone."""

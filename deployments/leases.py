@@ -1,19 +1,21 @@
 """Leases on Draft/Target replicas through Ray Serve handles; rounds call the leased workers' channels directly.
 
-A lease's first item names the replica, its workers' actor handles (cancels go there, on the "control" thread)
-and the endpoint of the direct channel every round's call travels (deployments/channel.py; for a target, rank 0's,
-which passes each call on to the other ranks). A replica the router has seen fail (its channel closed, or its
-tensor-parallel group broken) is remembered. Until Serve's health check replaces it, a new target lease that lands
-there is given back and tried again (with a short pause), so a request re-leasing after a crash waits for a healthy
-replica instead of burning its retries on the broken one; past LEASE_RETRY_TIMEOUT_S it is answered 503. Draft
-leases are not retried: a request whose draft is gone goes on with plain decoding. A replica whose KV cache is full
-answers a lease with `admission.LeaseRefused`, raised here as ReplicaFull (the scheduler waits and tries again).
+A lease's first item (messages.LeaseInfo) names the replica, its workers' actor handles (cancels go there, on the
+"control" thread) and the endpoint of the direct channel every round's call travels (deployments/channel.py; for a
+target, rank 0's, which passes each call on to the other ranks). A replica the router has seen fail (its channel
+closed, or its tensor-parallel group broken) is remembered. Until Serve's health check replaces it, a new target
+lease that lands there is given back and tried again (with a short pause), so a request re-leasing after a crash
+waits for a healthy replica instead of burning its retries on the broken one; past LEASE_RETRY_TIMEOUT_S it is
+answered 503. Draft leases are not retried: a request whose draft is gone goes on with plain decoding. A replica
+whose KV cache is full answers a lease with `admission.LeaseRefused`, raised here as ReplicaFull (the scheduler
+waits and tries again).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
@@ -21,8 +23,8 @@ from ray.serve.exceptions import BackPressureError
 from .admission import LeaseRefused
 from .channel import ChannelClosed, RelayFailed
 from .channel_client import AsyncChannels
-from .errors import ChainBroken, DraftGone, Overloaded, ReplicaFull, ReplicaGone
-from .workers import DraftCall, TensorParallelBroken, VerifyCall, draft_replies_directly
+from .errors import ChainBroken, DraftGone, Overloaded, ReplicaFull, ReplicaGone, TensorParallelBroken
+from .messages import DraftCall, DraftResult, LeaseInfo, VerifyCall, VerifyResult, draft_replies_directly
 
 _DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
 # How long a lease waits for a replica that has not failed (Serve's health check every 5 s, then a new replica
@@ -32,12 +34,12 @@ LEASE_RETRY_PAUSE_S = 0.25
 
 
 class _RayLease:
-    def __init__(self, stream, first: dict, channels: AsyncChannels, dead: set) -> None:
+    def __init__(self, stream, first: LeaseInfo, channels: AsyncChannels, dead: set) -> None:
         self._stream = stream
-        self.key: str = first["replica"]
-        self.workers = first["workers"]
-        self.endpoint = first["endpoint"]
-        self.costs: dict | None = first.get("costs")  # measured by the replica at start, for the K policy
+        self.key: str = first.replica
+        self.workers = first.workers
+        self.endpoint = first.endpoint
+        self.costs: dict | None = first.costs  # measured by the replica at start, for the K policy
         self._channels = channels
         self._dead = dead  # the broker's keys of replicas seen failing
 
@@ -57,11 +59,11 @@ class _RayLease:
 
 
 class RayDraftLease(_RayLease):
-    async def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> dict:
-        return await self._call("propose", [call.wire() for call in calls], ahead_id)
+    async def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> DraftResult:
+        return DraftResult.from_wire(await self._call("propose", [call.wire() for call in calls], ahead_id))
 
     async def chain(self, calls: list[DraftCall], target: "RayTargetLease", verify_calls: list[VerifyCall],
-                    members: list[int]) -> dict:
+                    members: list[int]) -> VerifyResult:
         """One chained round trip (channel_client.AsyncChannels.chain): this worker drafts and hands the drafts to
         the target's rank 0, which verifies and answers here."""
         direct = draft_replies_directly(calls)
@@ -77,9 +79,8 @@ class RayDraftLease(_RayLease):
             raise target._failed(exc, ReplicaGone) from exc
         except RelayFailed as exc:
             raise ChainBroken(str(exc)) from exc
-        if direct:
-            result["draft"] = draft
-        return result
+        result = VerifyResult.from_wire(result)
+        return replace(result, draft=DraftResult.from_wire(draft)) if direct else result
 
     def cancel(self, ahead_id: int) -> None:
         # served on the worker's "control" thread while `propose` computes (workers.ray_actor_classes)
@@ -87,13 +88,13 @@ class RayDraftLease(_RayLease):
 
 
 class RayTargetLease(_RayLease):
-    async def verify(self, calls: list[VerifyCall]) -> dict:
+    async def verify(self, calls: list[VerifyCall]) -> VerifyResult:
         """Rank 0 runs the verify with every rank in lockstep and answers.
 
         A dead rank 0 closes the channel; a dead peer fails rank 0's collectives (gloo: at once; NCCL: when Serve's
         health check tears the replica down). Either way the call ends with ReplicaGone.
         """
-        return await self._call("verify", [call.wire() for call in calls])
+        return VerifyResult.from_wire(await self._call("verify", [call.wire() for call in calls]))
 
 
 class RayLeaseBroker:
@@ -119,10 +120,10 @@ class RayLeaseBroker:
                 if isinstance(first, LeaseRefused):
                     stream.cancel()
                     raise ReplicaFull(first.message())
-                if not wait_for_healthy or first["replica"] not in self.dead_replicas:
+                if not wait_for_healthy or first.replica not in self.dead_replicas:
                     return cls(stream, first, self.channels, self.dead_replicas)
                 stream.cancel()
-                error = RuntimeError(f"replica {first['replica']} failed and awaits replacement")
+                error = RuntimeError(f"replica {first.replica} failed and awaits replacement")
             if time.monotonic() >= deadline:
                 raise ReplicaGone(f"no healthy replica within {LEASE_RETRY_TIMEOUT_S:.0f} s: {error}") from error
             await asyncio.sleep(LEASE_RETRY_PAUSE_S)

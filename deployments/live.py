@@ -12,19 +12,19 @@ import numpy as np
 from engine.policy import AcceptanceTracker
 from engine.sequence import SequenceState
 
-from .workers import DraftCall, SeqDelta, VerifyCall
+from .messages import DraftCall, DraftResult, SeqDelta, VerifyCall, VerifyResult
 
 
 class DraftLease(Protocol):
     key: str
     costs: dict | None  # {"batch_sizes": [...], "draft_step_seconds": [...]} measured by the replica, or None
 
-    async def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> dict: ...
+    async def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> DraftResult: ...
 
     async def chain(self, calls: list[DraftCall], target: "TargetLease", verify_calls: list[VerifyCall],
-                    members: list[int]) -> dict:
+                    members: list[int]) -> VerifyResult:
         """Draft `calls`, then verify `verify_calls` at `target` with call i's drafts for row members[i], the draft
-        worker handing them straight to the target's: the verify result, the draft's under "draft". Raises DraftGone,
+        worker handing them straight to the target's: the verify result, with the draft's as `draft`. Raises DraftGone,
         ReplicaGone (the target) or ChainBroken."""
         ...
 
@@ -37,7 +37,7 @@ class TargetLease(Protocol):
     key: str
     costs: dict | None  # {"batch_sizes": [...], "verify_seconds": [[...]]} measured by the replica, or None
 
-    async def verify(self, calls: list[VerifyCall]) -> dict: ...
+    async def verify(self, calls: list[VerifyCall]) -> VerifyResult: ...
 
     async def close(self) -> None: ...
 

@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.factory import EngineConfig
 
 from .admission import min_capacity, refusal
+from .messages import LeaseInfo
 from .workers import ray_actor_classes
 
 HEALTH_PING_TIMEOUT_S = 20.0  # a worker not answering a ping this long fails the health check (Serve's own: 30 s)
@@ -91,7 +92,7 @@ class _LeasedReplica:
             return
         self.leases += 1
         try:
-            yield {"replica": self.replica_id, "workers": workers, "endpoint": endpoint, "costs": self.costs}
+            yield LeaseInfo(self.replica_id, workers, endpoint, self.costs)
             await asyncio.Event().wait()  # until the router cancels the lease
         finally:
             try:  # a target's rank 0 passes it on to the other ranks, in order

@@ -11,7 +11,10 @@ from __future__ import annotations
 import logging
 
 from engine.calibrate import profile_from_costs
+from engine.factory import DraftMethod
 from engine.policy import CostCorrection, CostProfile
+
+from .messages import CostObservation
 
 logger = logging.getLogger("ray.serve")
 
@@ -22,9 +25,9 @@ def pair_key(draft, target) -> tuple:
 
 
 class RoundCosts:
-    def __init__(self, adaptive: bool, draft_mode: str, calibration: CostProfile | None = None) -> None:
+    def __init__(self, adaptive: bool, draft_mode: DraftMethod | str, calibration: CostProfile | None = None) -> None:
         self.adaptive = adaptive
-        self.draft_mode = draft_mode  # "model" | "ngram" | "none"
+        self.draft_mode = DraftMethod(draft_mode)
         self.calibration = calibration
         self._measured: dict[tuple, CostProfile | None] = {}
         self._corrections: dict[tuple, CostCorrection] = {}
@@ -46,32 +49,32 @@ class RoundCosts:
 
     def measured(self, draft, target) -> CostProfile | None:
         """The costs the leased replicas measured at start (None: none reported, or no Draft lease taken yet)."""
-        if draft is None and self.draft_mode == "model":
+        if draft is None and self.draft_mode is DraftMethod.MODEL:
             return None  # the router has not leased a Draft replica yet: nothing known of the draft's costs
         key = pair_key(draft, target)
         if key not in self._measured:
             draft_costs = draft.costs if draft is not None else None
             profile = None
-            if target.costs is not None and (draft_costs is not None or self.draft_mode != "model"):
+            if target.costs is not None and (draft_costs is not None or self.draft_mode is not DraftMethod.MODEL):
                 profile = profile_from_costs(target.costs, draft_costs)
             if profile is None:
                 logger.warning("no measured costs for replicas %s; K follows max_batch_for_speculation", key)
             self._measured[key] = profile
         return self._measured[key]
 
-    def observe(self, draft, target, kind: str, calls: list, k: int, seconds: float) -> None:
-        """Feed a round's measured draft or verify seconds (`kind`) to the pairing's correction.
+    def observe(self, seen: CostObservation) -> None:
+        """Feed a round's measured draft or verify seconds to the pairing's correction.
 
         Calls that carry a prompt (a new or re-sent sequence: a prefill) are not a round's steady-state cost and
         are left out.
         """
-        if not self.corrects or not seconds or any(len(call.seq.tokens) > k + 2 for call in calls):
+        if not self.corrects or not seen.seconds or any(len(call.seq.tokens) > seen.k + 2 for call in seen.calls):
             return
-        profile = self.measured(draft, target)
+        profile = self.measured(seen.draft, seen.target)
         if profile is not None:
-            correction = self._correction(draft, target)
-            (correction.observe_draft if kind == "draft" else correction.observe_verify)(profile, len(calls), k,
-                                                                                         seconds)
+            correction = self._correction(seen.draft, seen.target)
+            observe = correction.observe_draft if seen.kind == "draft" else correction.observe_verify
+            observe(profile, len(seen.calls), seen.k, seen.seconds)
 
     def observe_overhead(self, draft, target, seconds: float) -> None:
         """A round's time outside the workers' own compute (RPC, serialization, event-loop hops)."""

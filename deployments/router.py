@@ -12,16 +12,19 @@ import os
 import time
 from dataclasses import dataclass
 
+from engine.factory import DraftMethod
 from engine.loading import eos_token_ids, load_tokenizer, resolve
 from engine.policy import CostProfile
 from engine.sampling import SamplingParams
 from engine.sequence import EmptyPromptError, PromptTooLongError
 
+from .admission import AdmissionSlot
 from .config import SpecServeConfig
+from .errors import Overloaded, ReplicaGone
 from .metrics import NullMetrics, observe
 from .openai_api import APIError, ChatCompletionRequest, CompletionRequest, create_app
 from .readiness import Readiness
-from .scheduler import AdmissionSlot, Overloaded, ReplicaGone, Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger("ray.serve")
 
@@ -68,15 +71,16 @@ class Router:
         eos = set(eos_token_ids(resolved.directory))
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
-        mode = "model" if config.model.uses_draft_model else config.model.draft
+        mode = config.model.draft_method
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=config.model.max_model_len, eos_token_ids=frozenset(eos),
-                num_speculative_tokens=config.speculation.num_speculative_tokens if mode != "none" else 0,
+                num_speculative_tokens=config.speculation.num_speculative_tokens if mode is not DraftMethod.NONE else 0,
                 draft_mode=mode, ngram_min=config.speculation.ngram_min, ngram_max=config.speculation.ngram_max,
                 max_batch_for_speculation=config.speculation.max_batch_for_speculation,
                 max_live_sequences=config.limits.max_live_sequences_per_router,
-                adaptive=config.speculation.adaptive, overlap=config.speculation.overlap and mode == "model",
+                adaptive=config.speculation.adaptive,
+                overlap=config.speculation.overlap and mode is DraftMethod.MODEL,
                 max_queue_wait_s=config.limits.max_queue_wait_s, prefill_chunk=config.runner.prefill_chunk,
                 profile=(CostProfile.from_json(config.speculation.calibration)
                          if config.speculation.calibration else None),
@@ -85,7 +89,7 @@ class Router:
         )
         self.scheduler.metrics = self.metrics
         self.api_key = load_api_key(config)
-        self.readiness = Readiness(broker, ("draft", "target") if mode == "model" else ("target",))
+        self.readiness = Readiness(broker, ("draft", "target") if mode is DraftMethod.MODEL else ("target",))
 
     @property
     def model_name(self) -> str:

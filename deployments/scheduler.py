@@ -1,15 +1,14 @@
 """The router's round loop: batches live requests into speculative rounds over their leased Draft/Target workers.
 
 One asyncio task per router replica. Each round groups the live sequences by the Target replica they are pinned to
-and, per group, makes one chained call (the Draft worker drafts for the batch and hands its tokens to the Target
-worker, which verifies and answers: deployments/channel_client.py), or one batched draft call per Draft replica and
-one batched verify call where a group's rows draft on several Draft replicas, draft ahead, or use n-gram lookup; the
-rejection sampler (engine/, pure) runs here. A request leases its Target replica when it starts (waiting while
-its KV cache is full: deployments/admission.py) and its Draft replica on the first round its plan gives it drafts:
-one that never drafts (under load the plan keeps K at 0) never holds a Draft lease. Requests join between rounds
-and leave when finished or cancelled, closing their leases, which frees their caches at once. A replica that dies
-mid-request is replaced by a new lease and the sequence is re-sent from token 0 (re-prefill); committed tokens never
-change, so the output does not either.
+and runs one round per group at once (deployments/group_round.py: plan, draft, verify, accept, top to bottom); a
+long prompt is sent one `prefill_chunk` per round instead. A request is admitted under the router's limit
+(deployments/admission.py), leases its Target replica when it starts (waiting while its KV cache is full) and its
+Draft replica on the first round its plan gives it drafts: one that never drafts (under load the plan keeps K at 0)
+never holds a Draft lease. Requests join between rounds and leave when finished or cancelled, closing their leases,
+which frees their caches at once. A replica that dies mid-request is replaced by a new lease and the sequence is
+re-sent from token 0 (re-prefill: deployments/recovery.py); committed tokens never change, so the output does not
+either.
 
 Each request's K comes from engine/policy.py: with `adaptive`, from its observed acceptance and the measured cost
 of a round at the group's batch size (the replicas measure their costs at start, or a calibration file gives
@@ -27,45 +26,24 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-
-from engine.policy import AcceptanceTracker, CostProfile, load_adjusted_k
-from engine.round_plan import RowOutlook, plan_round
-from engine.proposers import DraftRequest, NgramProposer
-from engine.rejection import greedy_accept, rejection_sample
+from engine.factory import DraftMethod
+from engine.policy import AcceptanceTracker, CostProfile
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput, SequenceState
 from engine.stats import EngineTimings, SpecStats
 
-from .admission import SpaceWait
-from .ahead import AheadDrafts
-from .errors import ChainBroken, DraftGone, Overloaded, ReplicaGone
-from .metrics import NullMetrics, observe
+from .admission import Admission, AdmissionSlot
+from .errors import ReplicaGone
+from .group_round import GroupRound
+from .live import LeaseBroker, LiveRequest
+from .messages import VerifyCall
+from .metrics import observe
+from .recovery import Recovery
 from .round_costs import RoundCosts
-from .live import DraftLease, LeaseBroker, LiveRequest
-from .workers import DraftCall, VerifyCall
 
 logger = logging.getLogger("ray.serve")
 
-MAX_REPLICA_FAILURES = 3  # per request, before it is answered with an error
-DRAFT_LEASE_RETRY_S = 5.0  # after a failed Draft lease, the request decodes plainly this long before trying again
 GAUGE_REFRESH_S = 1.0  # while idle, the load gauges are set again this often
-
-
-class AdmissionSlot:
-    """A place under the router's admission limit, taken at the HTTP door before the body is parsed or tokenized,
-    so that a refusal costs no parsing; the request's `generate` consumes it. Released (idempotently) when the
-    request ends before reaching the scheduler (a 4xx, a dropped connection)."""
-
-    def __init__(self, scheduler: "Scheduler") -> None:
-        self._scheduler = scheduler
-        self.held = True
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self._scheduler._reserved -= 1
 
 
 @dataclass
@@ -73,7 +51,7 @@ class SchedulerConfig:
     max_model_len: int
     eos_token_ids: frozenset[int]
     num_speculative_tokens: int
-    draft_mode: str  # "model" | "ngram" | "none"
+    draft_mode: DraftMethod
     ngram_min: int = 2
     ngram_max: int = 4
     max_batch_for_speculation: int = 4  # without `adaptive`
@@ -106,24 +84,28 @@ class Scheduler:
         self.config = config
         self.tokenizer = tokenizer
         self.broker = broker
-        self.ngram = NgramProposer(config.ngram_min, config.ngram_max) if config.draft_mode == "ngram" else None
         self.stats = SchedulerStats()
-        self.metrics = NullMetrics()  # the Serve router replaces it with deployments.metrics.ServingMetrics
         self._live: dict[str, LiveRequest] = {}
-        self._waiting = 0  # admitted, waiting for leases (some of them for a free KV-cache slot: `space`)
-        self.space = SpaceWait(config.max_queue_wait_s)
-        self._reserved = 0  # admission slots taken at the door, not yet in `generate`
+        self.admission = Admission(config.max_live_sequences, config.max_queue_wait_s)
+        self.space = self.admission.space  # requests waiting for a free KV-cache slot
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
-        self.ahead = AheadDrafts(self.stats, self._replace_live_drafts)
-        self._relets: set[asyncio.Task] = set()
         self.costs = RoundCosts(config.adaptive, config.draft_mode, config.profile)
         # acceptance over all requests: a new request's prior, so it starts where its predecessors ended
         self.population = AcceptanceTracker()
+        self.recovery = Recovery(broker, self._live, self.space, self.stats, lambda: self._wakeup.set())
+        self.round = GroupRound(config, self.stats, self.costs, self.population, self.recovery, self._deliver)
         self.last_mean_k = 0.0  # mean K over the last round's rows (the `spec_decode_k` gauge)
-        self._last_draft: DraftLease | None = None  # the latest Draft lease taken (its replica's measured costs)
-        self._unchainable: set[tuple[str, str]] = set()  # (Draft, Target) replica keys whose chained round failed
+
+    @property
+    def metrics(self):
+        """The Serve router replaces it with deployments.metrics.ServingMetrics."""
+        return self.round.metrics
+
+    @metrics.setter
+    def metrics(self, metrics) -> None:
+        self.round.metrics = metrics
 
     @property
     def num_live(self) -> int:
@@ -133,17 +115,14 @@ class Scheduler:
         """Mean K of the last round's rows (0 while rounds decode plainly)."""
         return self.last_mean_k if self._live else 0.0
 
-    # ---- requests -------------------------------------------------------------------------------------------
-    def _check_admission(self) -> None:
-        if len(self._live) + self._waiting + self._reserved >= self.config.max_live_sequences:
-            raise Overloaded(f"{len(self._live)} live and {self._waiting + self._reserved} starting sequences: at "
-                             "the router's admission limit")
+    def cost_profiles(self) -> dict[str, dict | None]:
+        """The costs K is chosen by, for /stats (round_costs.RoundCosts.shown)."""
+        return self.costs.shown()
 
+    # ---- requests -------------------------------------------------------------------------------------------
     def admit(self) -> AdmissionSlot:
         """Take a place under the admission limit now (raises Overloaded when there is none)."""
-        self._check_admission()
-        self._reserved += 1
-        return AdmissionSlot(self)
+        return self.admission.slot(len(self._live))
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, k: int | None = None,
                        request_id: str | None = None, adaptive: bool | None = None, overlap: bool | None = None,
@@ -158,15 +137,15 @@ class Scheduler:
         if slot is not None and slot.held:
             slot.release()  # becomes a waiting sequence below, with no await in between
         else:
-            self._check_admission()
+            self.admission.check(len(self._live))
         k = self.config.num_speculative_tokens if k is None else k
         seq = SequenceState.create(request_id, prompt_ids, params, k, self.config.max_model_len,
                                    self.config.eos_token_ids, self.tokenizer)
-        self._waiting += 1
+        self.admission.waiting += 1
         try:
             live = await self._open(seq)
         finally:
-            self._waiting -= 1
+            self.admission.waiting -= 1
         live.fixed_k = adaptive is False
         live.overlap = self.config.overlap and overlap is not False
         self._live[request_id] = live
@@ -184,10 +163,22 @@ class Scheduler:
             await self._finish(request_id)
 
     async def _open(self, seq: SequenceState) -> LiveRequest:
-        """A request's Target lease; its Draft lease comes with its first drafting round (`_lease_drafts`)."""
+        """A request's Target lease; its Draft lease comes with its first drafting round (recovery.lease_drafts)."""
         target = await self.space.lease(lambda: self.broker.target(seq.request_id))
         return LiveRequest(seq=seq, queue=asyncio.Queue(), target=target,
                            tracker=AcceptanceTracker(prior=self.population.acceptance))
+
+    async def _deliver(self, rows: list[LiveRequest], outputs: list[RequestOutput]) -> None:
+        """A round's outputs to their requests; finished ones leave now, not when their consumer next runs (no
+        round for a finished request)."""
+        finished = []
+        for live, out in zip(rows, outputs):
+            if live.seq.request_id in self._live:  # not aborted while the round was in flight
+                live.queue.put_nowait(out)
+                if out.finished:
+                    finished.append(live.seq.request_id)
+        for request_id in finished:
+            await self._finish(request_id)
 
     async def _finish(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
@@ -208,7 +199,7 @@ class Scheduler:
     async def _run(self) -> None:
         while True:
             if not any(not live.reletting for live in self._live.values()):  # nothing can run a round now
-                observe(self.metrics.load, len(self._live), self._waiting, 0.0)
+                observe(self.metrics.load, len(self._live), self.admission.waiting, 0.0)
                 self._wakeup.clear()
                 try:  # Ray ages out a gauge that is not set again within ~2 export intervals: refresh while idle
                     await asyncio.wait_for(self._wakeup.wait(), GAUGE_REFRESH_S)
@@ -236,9 +227,14 @@ class Scheduler:
         plans = [(rows, self._ks(rows)) for rows in groups.values()]
         all_ks = [k for _, ks in plans for k in ks]
         self.last_mean_k = sum(all_ks) / len(all_ks) if all_ks else 0.0
-        observe(self.metrics.load, len(self._live), self._waiting, self.last_mean_k)
-        await asyncio.gather(*(self._round_group(rows, ks) for rows, ks in plans),
+        observe(self.metrics.load, len(self._live), self.admission.waiting, self.last_mean_k)
+        await asyncio.gather(*(self.round.run(rows, ks) for rows, ks in plans),
                              *(self._prefill_chunk(live) for live in prefilling))
+
+    def _ks(self, rows: list[LiveRequest]) -> list[int]:
+        """Each row's draft length this round (GroupRound.plan), counting the requests about to join."""
+        joining = self.admission.joining()
+        return self.round.plan(rows, joining, len(self._live) + joining)
 
     async def _prefill_chunk(self, live: LiveRequest) -> None:
         """Send the next `prefill_chunk` tokens of a long prompt to its target worker (chunked prefill, as vLLM's
@@ -248,297 +244,7 @@ class Scheduler:
         try:
             await live.target.verify([VerifyCall(live.delta(live.target_sent, end), [])])
         except ReplicaGone:
-            await self._replace_target([live])
+            await self.recovery.replace_target([live])
             return
         live.target_sent = end
         self.stats.prefill_chunks += 1
-
-    def _ks(self, rows: list[LiveRequest]) -> list[int]:
-        """Each row's draft length this round: with a cost profile, planned for the group as a whole
-        (engine/round_plan.py), else the fixed `max_batch_for_speculation` threshold.
-
-        The batch the costs are taken at counts the requests already admitted and waiting for their leases: they join
-        the next round, and a draft started now (its prefill first) would pay only at the batch size they make. Those
-        waiting for a free KV-cache slot are not counted: they join when a request ends.
-        """
-        joining = self._waiting - self.space.waiting
-        profile = self.costs.policy_profile(self._group_draft(rows), rows[0].target)
-        caps = [live.seq.k if self._may_draft(live) else 0 for live in rows]
-        model = self.config.draft_mode == "model"
-        if profile is not None:
-            outlooks = [RowOutlook(acceptance=live.tracker.acceptance, cap=cap,
-                                   # tokens the draft worker has not read yet (all, before the first Draft lease;
-                                   # n-gram lookup reads nothing)
-                                   behind=live.seq.num_tokens - live.draft_sent if model else 0,
-                                   remaining=live.seq.remaining(), fixed=live.fixed_k,
-                                   wants_probe=live.tracker.wants_probe)
-                        for live, cap in zip(rows, caps)]
-            ks = plan_round(profile, outlooks, len(rows) + joining)
-        else:
-            live_now = len(self._live) + joining
-            ks = [cap if live.fixed_k else load_adjusted_k(cap, live_now, self.config.max_batch_for_speculation)
-                  for live, cap in zip(rows, caps)]
-        return [live.seq.draft_len(k) for live, k in zip(rows, ks)]
-
-    def cost_profiles(self) -> dict[str, dict | None]:
-        """The costs K is chosen by, for /stats (round_costs.RoundCosts.shown)."""
-        return self.costs.shown()
-
-    def _may_draft(self, live: LiveRequest) -> bool:
-        if self.config.draft_mode != "model" or live.draft is not None:
-            return True
-        return time.monotonic() >= live.draft_retry_at  # a Draft lease can be taken when the plan wants drafts
-
-    def _group_draft(self, rows: list[LiveRequest]) -> DraftLease | None:
-        """The Draft lease a group's costs are planned with: one of its rows', else the last one this router took
-        (Draft replicas of one deployment measure alike); None before any."""
-        return next((live.draft for live in rows if live.draft is not None), self._last_draft)
-
-    async def _round_group(self, rows: list[LiveRequest], ks: list[int]) -> None:
-        if self.ngram is None and any(ks):  # rows drafting for the first time take their Draft lease (set-up work,
-            start = time.perf_counter()  # once per request: counted apart from the round's orchestration)
-            await self._lease_drafts([live for live, k in zip(rows, ks)
-                                      if k > 0 and live.ready is None and live.draft is None])
-            self.stats.draft_lease_seconds += time.perf_counter() - start
-        t0 = time.perf_counter()
-        drafts, draft_probs, by_lease = self._plan_drafts(rows, ks)
-        target = rows[0].target
-        result, aheads = None, []
-        costs: list[tuple] = []  # the round's cost observations, made once its result is in hand
-        members = next(iter(by_lease.values())) if len(by_lease) == 1 and not self.config.overlap else None
-        if members is not None and self._chainable(rows[members[0]]):
-            calls = [VerifyCall(live.delta(live.target_sent), []) for live in rows]  # drafts are filled in there
-            try:  # one draft worker: it hands its drafts straight to the target worker
-                result, draft_compute = await self._chained(rows, ks, members, calls, drafts, draft_probs, costs)
-            except ReplicaGone:
-                await self._replace_target(rows)
-                return
-            t1 = t0 + draft_compute  # the router sees no boundary between drafting and verifying: the compute
-        else:
-            draft_compute = await self._draft_calls(rows, ks, by_lease, drafts, draft_probs, costs)
-            t1 = time.perf_counter()
-        if result is None:
-            calls = [VerifyCall(live.delta(live.target_sent), drafts[b]) for b, live in enumerate(rows)]
-            aheads = self.ahead.start(rows, drafts) if self.config.overlap else []
-            try:
-                result = await target.verify(calls)
-            except ReplicaGone:
-                await self.ahead.settle(aheads, rows, drafts, None, None)
-                await self._replace_target(rows)
-                return
-            except BaseException:
-                await self.ahead.settle(aheads, rows, drafts, None, None)
-                raise
-        else:
-            self.stats.chained_rounds += 1
-        for live in rows:
-            live.target_sent = live.seq.num_tokens
-        t2 = time.perf_counter()
-        costs.append((self._group_draft(rows), target, "verify", calls, max(len(d) for d in drafts),
-                      result.get("seconds", 0.0)))
-        for observation in costs:
-            self.costs.observe(*observation)
-        outputs, accepted = self._accept(rows, drafts, draft_probs, result)
-        finished = []
-        for live, out in zip(rows, outputs):
-            if live.seq.request_id in self._live:  # not aborted while the round was in flight
-                live.queue.put_nowait(out)
-                if out.finished:
-                    finished.append(live.seq.request_id)
-        for request_id in finished:  # leave now, not when the consumer next runs: no round for a finished request
-            await self._finish(request_id)
-        await self.ahead.settle(aheads, rows, drafts, accepted, [out.finished for out in outputs])
-        t3 = time.perf_counter()
-        self.stats.timings.record(len(rows), t1 - t0, t2 - t1, t3 - t2)
-        # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
-        orchestration = (t2 - t0) - draft_compute - result.get("seconds", 0.0)
-        self.stats.orchestration_seconds += orchestration
-        self.costs.observe_overhead(self._group_draft(rows), target, orchestration)
-        observe(self.metrics.round, [len(d) for d in drafts], accepted, t1 - t0, t2 - t1, orchestration)
-        self.stats.draft_compute_seconds += draft_compute
-        self.stats.verify_compute_seconds += result.get("seconds", 0.0)
-
-    def _plan_drafts(self, rows: list[LiveRequest], ks: list[int]
-                     ) -> tuple[list[list[int]], dict[int, np.ndarray], dict[str, list[int]]]:
-        """The round's drafts that need no draft call (made ahead, or n-gram lookup), with their probabilities, and
-        the rows that draft by Draft lease."""
-        drafts: list[list[int]] = [[] for _ in rows]
-        probs: dict[int, np.ndarray] = {}
-        by_lease: dict[str, list[int]] = {}
-        ready = [live.ready for live in rows]
-        for live in rows:
-            live.ready = None  # a draft made ahead serves the round right after it, or nobody
-        if not any(ks):
-            return drafts, probs, by_lease
-        if self.ngram is not None:
-            asked = [b for b, k in enumerate(ks) if k > 0]
-            # the generator is unused: lookup is deterministic
-            proposal = self.ngram.propose([DraftRequest(rows[b].seq.request_id, rows[b].seq.tokens, ks[b],
-                                                        rows[b].seq.params, rows[b].seq.generator) for b in asked])
-            for i, b in enumerate(asked):
-                drafts[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
-            return drafts, probs, by_lease
-        for b, (live, k) in enumerate(zip(rows, ks)):
-            if k > 0 and ready[b] is not None:
-                self.stats.ahead_used += 1
-                drafts[b] = ready[b][0][:k]
-                if ready[b][1] is not None:
-                    probs[b] = ready[b][1][:k]
-            elif k > 0 and live.draft is not None:
-                by_lease.setdefault(live.draft.key, []).append(b)
-        return drafts, probs, by_lease
-
-    async def _draft_calls(self, rows: list[LiveRequest], ks: list[int], by_lease: dict[str, list[int]],
-                           drafts: list[list[int]], probs: dict[int, np.ndarray], costs: list[tuple]) -> float:
-        """Each Draft lease's rows drafted by a call of their own (filled into `drafts`, `probs`); returns the draft
-        workers' compute seconds."""
-        compute = 0.0
-        for members in by_lease.values():
-            calls = [DraftCall(rows[b].draft_delta([]), ks[b]) for b in members]
-            try:
-                result = await rows[members[0]].draft.propose(calls)
-            except ReplicaGone:
-                await self._replace_draft([rows[b] for b in members])
-                continue  # these rows verify without drafts this round: output unchanged
-            compute += self._take_drafts(rows, ks, members, calls, result, drafts, probs, costs)
-        return compute
-
-    async def _chained(self, rows: list[LiveRequest], ks: list[int], members: list[int], verify_calls: list[VerifyCall],
-                       drafts: list[list[int]], probs: dict[int, np.ndarray], costs: list[tuple]
-                       ) -> tuple[dict | None, float]:
-        """Draft `members` and verify every row in one chained call (the draft worker hands its drafts straight to
-        the target worker, which answers: channel_client.AsyncChannels.chain). Returns the verify result and the
-        draft's compute seconds; (None, 0.0) when the draft worker failed, and the round must verify without its
-        drafts. Raises ReplicaGone when the target worker failed."""
-        lease = rows[members[0]].draft
-        calls = [DraftCall(rows[b].draft_delta([]), ks[b]) for b in members]
-        try:
-            result = await lease.chain(calls, rows[0].target, verify_calls, members)
-        except DraftGone:
-            await self._replace_draft([rows[b] for b in members])
-            return None, 0.0
-        except ChainBroken as exc:  # the draft is fine but cannot reach the target: a verify of its own tells more
-            logger.warning("chained round failed (%s); this Draft/Target pair's rounds make two calls from now on",
-                           exc)
-            self._unchainable.add((lease.key, rows[0].target.key))
-            return None, 0.0
-        return result, self._take_drafts(rows, ks, members, calls, result["draft"], drafts, probs, costs)
-
-    def _chainable(self, live: LiveRequest) -> bool:
-        return (live.draft.key, live.target.key) not in self._unchainable
-
-    def _take_drafts(self, rows: list[LiveRequest], ks: list[int], members: list[int], calls: list[DraftCall],
-                     result: dict, drafts: list[list[int]], probs: dict[int, np.ndarray], costs: list[tuple]
-                     ) -> float:
-        """Fill a draft call's result into the round's `drafts` and `probs` (its cost observation into `costs`);
-        returns its compute seconds."""
-        seconds = result.get("seconds", 0.0)
-        costs.append((rows[members[0]].draft, rows[members[0]].target, "draft", calls, max(ks[b] for b in members),
-                      seconds))
-        for i, b in enumerate(members):
-            drafts[b] = result["drafts"][i]
-            if i in result["probs"]:
-                probs[b] = result["probs"][i]
-        return seconds
-
-    def _accept(self, rows: list[LiveRequest], drafts: list[list[int]], draft_probs: dict[int, np.ndarray],
-                result: dict) -> tuple[list[RequestOutput], list[int]]:
-        emitted: dict[int, tuple[list[int], int]] = {}
-        for b, argmax in result["argmax"].items():
-            emitted[b] = greedy_accept(drafts[b], argmax)
-        sampled = sorted(result["probs"])
-        if sampled:
-            k_max = max(len(drafts[b]) for b in sampled)
-            vocab = result["probs"][sampled[0]].shape[-1]
-            draft_ids = torch.full((len(sampled), k_max), -1, dtype=torch.long)
-            target_probs = torch.zeros(len(sampled), k_max + 1, vocab)
-            q = torch.zeros(len(sampled), k_max, vocab) if self.ngram is None else None
-            for i, b in enumerate(sampled):
-                n = len(drafts[b])
-                draft_ids[i, :n] = torch.tensor(drafts[b], dtype=torch.long)
-                target_probs[i, : n + 1] = torch.from_numpy(result["probs"][b])
-                if q is not None and n:
-                    q[i, :n] = torch.from_numpy(draft_probs[b][:n])
-            res = rejection_sample(draft_ids, q, target_probs, torch.tensor([len(drafts[b]) for b in sampled]),
-                                   [rows[b].seq.generator for b in sampled])
-            for i, b in enumerate(sampled):
-                emitted[b] = (res.tokens(i), int(res.num_accepted[i]))
-        outputs, accepted_counts = [], []
-        for b, live in enumerate(rows):
-            tokens, accepted = emitted[b]
-            live.tracker.record(len(drafts[b]), accepted)
-            self.population.record(len(drafts[b]), accepted)
-            out = live.seq.commit(tokens, len(drafts[b]), accepted)
-            self.stats.spec.record(len(drafts[b]), accepted, len(out.new_token_ids))
-            outputs.append(out)
-            accepted_counts.append(accepted)
-        return outputs, accepted_counts
-
-    async def _replace_target(self, rows: list[LiveRequest]) -> None:
-        """Lease another Target replica for these rows in a task of its own: taking a lease can wait for Serve
-        to replace the dead replica, and meanwhile the round loop goes on for every other request."""
-        self.stats.replica_failures += 1
-        for live in rows:
-            live.failures += 1
-            live.reletting = True
-            await live.target.close()
-        task = asyncio.get_running_loop().create_task(self._relet(rows))
-        self._relets.add(task)  # keep a reference until it is done
-        task.add_done_callback(self._relets.discard)
-
-    async def _relet(self, rows: list[LiveRequest]) -> None:
-        for live in rows:
-            request_id = live.seq.request_id
-            if self._live.get(request_id) is not live:
-                continue  # aborted meanwhile
-            if live.failures > MAX_REPLICA_FAILURES:
-                await self._drop(live, ReplicaGone("the target replica failed repeatedly; giving up on this request"))
-                continue
-            try:
-                target = await self.space.lease(lambda: self.broker.target(request_id), starting=False)
-            except Exception as exc:
-                await self._drop(live, exc)
-                continue
-            if self._live.get(request_id) is not live:
-                await target.close()  # aborted while the lease was being taken
-                continue
-            live.target, live.target_sent, live.reletting = target, 0, False  # re-prefill from token 0
-        self._wakeup.set()
-
-    async def _drop(self, live: LiveRequest, exc: BaseException) -> None:
-        """End a request with an error; its target lease is already closed."""
-        self._live.pop(live.seq.request_id, None)
-        live.queue.put_nowait(exc)
-        if live.draft is not None:
-            await live.draft.close()
-
-    async def _replace_live_drafts(self, rows: list[LiveRequest]) -> None:
-        """A draft worker died under an ahead draft: new draft leases for those of `rows` still live."""
-        await self._replace_draft([live for live in rows if live.seq.request_id in self._live])
-
-    async def _lease_drafts(self, rows: list[LiveRequest]) -> None:
-        """Draft leases for rows about to draft for the first time (or again after losing theirs). A row that gets
-        none decodes plainly this round and for DRAFT_LEASE_RETRY_S."""
-        async def lease(live: LiveRequest) -> None:
-            request_id = live.seq.request_id
-            try:
-                draft = await self.broker.draft(request_id)
-            except Exception as exc:  # no Draft replica right now (overloaded, restarting): decode plainly meanwhile
-                logger.warning("no draft lease (%s); the request decodes plainly for %.0f s", exc, DRAFT_LEASE_RETRY_S)
-                live.draft_retry_at = time.monotonic() + DRAFT_LEASE_RETRY_S
-                return
-            if self._live.get(request_id) is not live:
-                await draft.close()  # the request ended while the lease was being taken
-                return
-            live.draft, live.draft_sent, live.draft_extra = draft, 0, []
-            self._last_draft = draft
-
-        await asyncio.gather(*(lease(live) for live in rows))
-
-    async def _replace_draft(self, rows: list[LiveRequest]) -> None:
-        """The rows' Draft worker died: they verify without drafts this round and take a new Draft lease the next
-        time their plan gives them drafts (reading their whole context again: the plan weighs that catch-up)."""
-        self.stats.replica_failures += 1
-        for live in rows:
-            await live.draft.close()
-            live.draft, live.ready, live.draft_extra, live.draft_sent = None, None, [], 0

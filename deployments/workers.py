@@ -1,13 +1,10 @@
 """Model workers: the stateful halves of a speculative round, as plain classes (unit-testable) and Ray actors.
 
-A round sends only token deltas: each call names a sequence, the position `start` from which the router's
-committed tokens are new to this worker, and those tokens. The worker keeps the committed tokens it knows and its
-KV cache; `ModelRunner.sync` rolls the cache back to the common prefix, so rejected drafts disappear without
-bookkeeping. Replies carry token ids (greedy rows) or processed probabilities (sampled rows) only.
-
-The round's calls reach a worker through its direct channel (deployments/channel.py), Ray methods serve set-up,
-statistics, health pings and cancels. Everything that touches a model or its caches runs on the worker's one model
-thread, the one that serves its channel (`ChannelServer.call`), so calls take turns.
+A round sends only token deltas (deployments/messages.py: the calls and results, and their wire form). A worker
+keeps the committed tokens it knows and its KV cache; `Runner.sync` rolls the cache back to the common prefix, so
+rejected drafts disappear without bookkeeping. Replies carry token ids (greedy rows) or processed probabilities
+(sampled rows) only. What both workers share (the channel on the model thread, the busy clock, known tokens,
+counters, ping, stats, release) is deployments/worker_base.py's ModelWorker.
 
 Tensor parallelism: rank 0 is the target's only entry point. It forwards each verify and release to the other
 ranks over one ordered channel connection each, then runs its own share, so every rank applies the same calls in
@@ -18,188 +15,31 @@ A collective that fails (a peer died) marks the rank broken: its calls and healt
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import logging
 import os
 import socket
-import tempfile
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
 from engine.calibrate import measure_draft_costs, measure_target_costs
-from engine.factory import EngineConfig, build_target, make_runner
-from engine.loading import load_causal_lm, load_tokenizer, resolve
+from engine.factory import EngineConfig, build_proposer, build_target
+from engine.loading import load_tokenizer, resolve
 from engine.model_runner import ModelRunner
+from engine.proposers import DraftRequest
 from engine.runner import Runner, resolve_dtype
-from engine.proposers import DraftModelProposer, DraftRequest, check_tokenizers_compatible
-from engine.sampling import BatchSampling, SamplingParams, logits_to_probs
+from engine.sampling import BatchSampling, logits_to_probs
 from engine.sequence import draft_generator
 from engine.shard_loading import load_shard, rank_device
 from engine.tensor_parallel import CollectiveError, full_num_parameters, num_parameters
 
-from .channel import ChannelClosed, ChannelRelay, ChannelSender, ChannelServer, Endpoint, Route
-
-log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class SeqDelta:
-    seq_id: str
-    start: int  # committed tokens [0, start) were sent to this worker before
-    tokens: list[int]  # committed tokens [start, ...)
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
-
-    def wire(self) -> tuple:
-        return (self.seq_id, self.start, self.tokens, self.temperature, self.top_k, self.top_p, self.seed)
+from .channel import ChannelClosed, ChannelRelay, ChannelSender, Endpoint, Route
+from .errors import TensorParallelBroken
+from .messages import DraftCall, DraftResult, VerifyCall, VerifyResult
+from .worker_base import ModelWorker, cpu_startup_turn, warm_up
 
 
-# Calls cross the channel as plain tuples (`wire()`, `from_wire`): a worker unpickles them right after its compute,
-# with its caches cold, and there plain tuples load ~4x faster than dataclass instances (bench/RESULTS.md).
-@dataclass(frozen=True)
-class DraftCall:
-    seq: SeqDelta
-    k: int
-
-    def wire(self) -> tuple:
-        return (self.seq.wire(), self.k)
-
-    @staticmethod
-    def from_wire(wire: tuple) -> "DraftCall":
-        return DraftCall(SeqDelta(*wire[0]), wire[1])
-
-
-@dataclass(frozen=True)
-class VerifyCall:
-    seq: SeqDelta
-    draft: list[int]  # the draft tokens to score (may be empty: plain decoding)
-
-    def wire(self) -> tuple:
-        return (self.seq.wire(), self.draft)
-
-    @staticmethod
-    def from_wire(wire: tuple) -> "VerifyCall":
-        return VerifyCall(SeqDelta(*wire[0]), wire[1])
-
-
-def draft_replies_directly(calls: list[DraftCall]) -> bool:
-    """Whether a chained round's draft result goes to the router straight from the draft worker: when some row
-    samples, since its draft probabilities ([K, V]) are large and the target does not need them. Greedy rows' drafts
-    are a few token ids, and travel with the target's reply (the router then wakes once per round)."""
-    return any(call.seq.temperature > 0 for call in calls)
-
-
-class UnknownSequenceError(KeyError):
-    """A call continued a sequence this worker does not hold (the router must re-send it from 0)."""
-
-
-class TensorParallelBroken(RuntimeError):
-    """This target rank's tensor-parallel group cannot compute any more (a peer died): the replica must go."""
-
-
-def node_address() -> str:
-    """The address other nodes reach this worker at: Ray's node IP inside a Ray worker, else the host name's."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return socket.gethostbyname(socket.gethostname())
-
-
-class _KnownTokens:
-    """The committed tokens each sequence has sent to a worker."""
-
-    def __init__(self) -> None:
-        self.tokens: dict[str, list[int]] = {}
-
-    def apply(self, delta: SeqDelta) -> list[int]:
-        known = self.tokens.get(delta.seq_id)
-        if known is None:
-            if delta.start != 0:
-                raise UnknownSequenceError(delta.seq_id)
-            known = self.tokens[delta.seq_id] = []
-        if delta.start > len(known):
-            raise UnknownSequenceError(delta.seq_id)
-        del known[delta.start :]
-        known.extend(delta.tokens)
-        return known
-
-    def pop(self, seq_id: str) -> None:
-        self.tokens.pop(seq_id, None)
-
-
-class BusyClock:
-    """How long the worker's current model call has been running, readable from another thread (the health check's
-    ping runs on the "control" thread, so it answers while a long call computes instead of queueing behind it)."""
-
-    def __init__(self) -> None:
-        self._since: float | None = None
-
-    def __enter__(self) -> None:  # `with clock:` around a model call (a class, not a generator: it runs every call)
-        self._since = time.monotonic()
-
-    def __exit__(self, *exc) -> None:
-        self._since = None
-
-    def seconds(self) -> float:
-        since = self._since
-        return 0.0 if since is None else time.monotonic() - since
-
-
-def set_torch_threads(threads: int | None, concurrent_workers: int = 1) -> int:
-    """Set torch's intra-op threads for this worker process and return the number.
-
-    Ray starts workers with OMP_NUM_THREADS=1 unless told otherwise, which makes a CPU model run on one core. None
-    means: this node's cores, shared among the workers that compute at the same time (the ranks of one
-    tensor-parallel target, plus the draft when it drafts ahead during the verify; without that overlap draft
-    and target take turns within a round, so each gets all cores).
-    """
-    if threads is None:
-        threads = max(1, len(os.sched_getaffinity(0)) // concurrent_workers)
-    torch.set_num_threads(threads)
-    return threads
-
-
-def warm_up(runner: Runner, max_k: int, what: str) -> None:
-    """Compile the static runner's step shapes now (or load them from inductor's on-disk cache), logging progress,
-    so the first requests do not wait for compilation."""
-    if not getattr(runner, "compiled", False):
-        return
-    start = time.monotonic()
-    shapes = runner.warm_up(max_k, progress=lambda message: log.info("%s runner: %s", what, message))
-    log.info("%s runner: %d step shapes ready in %.1f s", what, shapes, time.monotonic() - start)
-
-
-@contextlib.contextmanager
-def cpu_startup_turn(config: EngineConfig):
-    """One model worker at a time per node loads and measures its costs, when they compute on CPU.
-
-    Cost measurements taken while another worker on the same cores loads a model or measures its own would
-    be inflated, and the draft/verify ratio the K policy decides by would be wrong. A node-local file lock
-    serializes these start-up phases (GPU workers do not share their compute, so they skip it).
-    """
-    if config.device != "cpu":
-        yield
-        return
-    with open(os.path.join(tempfile.gettempdir(), "specserve-cpu-startup.lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-class DraftWorkerCore:
+class DraftWorkerCore(ModelWorker):
     """Holds the draft model, its KV caches and each sequence's draft random stream.
 
     A draft made *ahead* (overlapped with the target's verify of the previous round) carries an id; `cancel(id)`,
@@ -211,35 +51,27 @@ class DraftWorkerCore:
 
     def __init__(self, config: EngineConfig, torch_threads: int | None = None, calibrate: bool = False,
                  concurrent_workers: int = 1) -> None:
-        self._model = ChannelServer({"propose": self.propose, "propose_chained": self.propose_chained,
-                                     "release": self.release}, node_address())
+        super().__init__({"propose": self.propose, "propose_chained": self.propose_chained}, torch_threads,
+                         concurrent_workers)
         self._relay = ChannelRelay()  # to target workers, for chained rounds
-        self.torch_threads = self._model.call(set_torch_threads, torch_threads, concurrent_workers)
-        self.busy = BusyClock()
         with cpu_startup_turn(config):
-            self._model.call(self._start, config, calibrate)
+            self.on_model_thread(self._start, config, calibrate)
 
-    def start_channel(self) -> Endpoint:
-        """The endpoint of this worker's channel (`propose`, `release`; deployments/channel.py)."""
-        return self._model.endpoint
+    def model_runner(self) -> Runner | None:
+        proposer = getattr(self, "proposer", None)
+        return None if proposer is None else proposer.runner
 
     def _start(self, config: EngineConfig, calibrate: bool) -> None:
         target = resolve(config.target)
-        draft = resolve(config.draft)
-        check_tokenizers_compatible(load_tokenizer(target), load_tokenizer(draft))
-        model = load_causal_lm(draft, resolve_dtype(config.draft_dtype, config.device), config.device,
-                               config.trust_remote_code)
         from transformers import AutoConfig
 
         target_vocab = AutoConfig.from_pretrained(target.directory).vocab_size
-        self.proposer = DraftModelProposer(make_runner(model, config), target_vocab)
+        # a Draft worker exists for DraftMethod.MODEL only: its proposer is a DraftModelProposer (`.runner`)
+        self.proposer = build_proposer(config, load_tokenizer(target, config.trust_remote_code), target_vocab)
         warm_up(self.proposer.runner, config.num_speculative_tokens, "draft")
-        self._known = _KnownTokens()
         self._generators: dict[str, torch.Generator] = {}
         self._cancelled: set[int] = set()
         self._cancel_lock = threading.Lock()
-        self.calls = 0
-        self.rows = 0
         self.cancelled_drafts = 0
         # draft step and prefill seconds by batch size, for the router's K policy (engine/policy.py)
         self.costs = measure_draft_costs(self.proposer.runner) if calibrate else None
@@ -254,15 +86,15 @@ class DraftWorkerCore:
         with self._cancel_lock:
             return ahead_id in self._cancelled
 
-    def propose(self, calls: list[tuple], ahead_id: int | None = None) -> dict:
-        """Draft for `calls` (DraftCall.wire() each)."""
+    def propose(self, calls: list[tuple], ahead_id: int | None = None) -> tuple:
+        """Draft for `calls` (DraftCall.wire() each); a DraftResult's wire()."""
         return self._model.call(self._timed_propose, calls, ahead_id)
 
-    def _timed_propose(self, calls: list[tuple], ahead_id: int | None) -> dict:
+    def _timed_propose(self, calls: list[tuple], ahead_id: int | None) -> tuple:
         with self.busy:
-            return self._propose([DraftCall.from_wire(call) for call in calls], ahead_id)
+            return self._propose([DraftCall.from_wire(call) for call in calls], ahead_id).wire()
 
-    def _propose(self, calls: list[DraftCall], ahead_id: int | None) -> dict:
+    def _propose(self, calls: list[DraftCall], ahead_id: int | None) -> DraftResult:
         start = time.perf_counter()
         requests = []
         for call in calls:
@@ -277,20 +109,16 @@ class DraftWorkerCore:
             with self._cancel_lock:
                 self._cancelled.discard(ahead_id)
             self.cancelled_drafts += 1
-            return {"cancelled": True, "seconds": time.perf_counter() - start}
-        self.calls += 1
-        self.rows += len(calls)
+            return DraftResult([], {}, time.perf_counter() - start, cancelled=True)
+        self._counted(len(calls))
         sampled = [b for b, call in enumerate(calls) if call.seq.temperature > 0]
         ids, counts = proposal.token_ids.tolist(), proposal.num_tokens.tolist()
-        return {
-            "drafts": [row[:n] for row, n in zip(ids, counts)],  # per call, the drafted token ids
-            # greedy rows are one-hot: the router rebuilds them; only sampled rows' distributions travel
-            "probs": {b: proposal.probs[b].numpy() for b in sampled},
-            "seconds": time.perf_counter() - start,  # worker compute, so the router can tell RPC overhead apart
-        }
+        return DraftResult(drafts=[row[:n] for row, n in zip(ids, counts)],
+                           probs={b: proposal.probs[b].numpy() for b in sampled},
+                           seconds=time.perf_counter() - start)
 
     def propose_chained(self, calls: list[tuple], verify_calls: list[tuple], members: list[int], direct: bool,
-                        route: Route) -> dict | None:
+                        route: Route) -> tuple | None:
         """A chained round's first step (channel_client.AsyncChannels.chain): draft, then hand the drafts to the target
         worker at `route`, whose verify (`TargetWorkerCore.verify_chained`) answers the router. Row members[i] of
         `verify_calls` gets call i's drafts; the draft's whole result travels along for the router. Calls are in
@@ -303,50 +131,37 @@ class DraftWorkerCore:
         if not direct:
             self._relay.send(route, "verify_chained", verify_calls, members, draft)
             return None
-        self._relay.send(route, "verify_chained", verify_calls, members, {"drafts": draft["drafts"]})
+        drafts, _, seconds, _ = draft
+        self._relay.send(route, "verify_chained", verify_calls, members, DraftResult(drafts, {}, seconds).wire())
         return draft
 
-    def release(self, seq_ids: list[str]) -> None:
-        self._model.call(self._release, seq_ids)
-
-    def _release(self, seq_ids: list[str]) -> None:
-        for seq_id in seq_ids:
-            self._known.pop(seq_id)
-            self._generators.pop(seq_id, None)
-            self.proposer.release(seq_id)
+    def _forget(self, seq_id: str) -> None:
+        self._generators.pop(seq_id, None)
+        self.proposer.release(seq_id)
 
     def stats(self) -> dict:
-        return {"live_sequences": self.proposer.runner.num_live, "calls": self.calls, "rows": self.rows,
-                "kv_capacity": getattr(self.proposer.runner, "capacity", None),
-                "cancelled_drafts": self.cancelled_drafts, "pid": os.getpid(), "torch_threads": self.torch_threads,
-                "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "costs": self.costs}
-
-    def ping(self) -> float:
-        """Seconds the current model call has been running (0: idle); served on the "control" thread."""
-        return self.busy.seconds()
+        return {**super().stats(), "cancelled_drafts": self.cancelled_drafts, "costs": self.costs}
 
 
-class TargetWorkerCore:
+class TargetWorkerCore(ModelWorker):
     """One tensor-parallel rank of the target: a shard of the weights and of every KV cache."""
 
     def __init__(self, config: EngineConfig, rank: int = 0, world: int = 1, torch_threads: int | None = None,
                  concurrent_workers: int | None = None) -> None:
-        self._model = ChannelServer({"verify": self.verify, "verify_chained": self.verify_chained,
-                                     "release": self.release}, node_address())
-        self.torch_threads = self._model.call(set_torch_threads, torch_threads, concurrent_workers or world)
-        self.busy = BusyClock()
+        super().__init__({"verify": self.verify, "verify_chained": self.verify_chained}, torch_threads,
+                         concurrent_workers or world)
         self._peers: list[ChannelSender] = []  # rank 0 only: the other ranks, in rank order
         self.broken: str | None = None  # why this rank's group can no longer compute
         self.rank, self.world = rank, world
         self.config = config
         self.runner: Runner | None = None
         self.costs: dict | None = None
-        self._known = _KnownTokens()
-        self.calls = 0
-        self.rows = 0
         if world == 1:
             with cpu_startup_turn(config):
-                self._model.call(self.load)
+                self.on_model_thread(self.load)
+
+    def model_runner(self) -> Runner | None:
+        return self.runner
 
     # ---- tensor-parallel set-up (world > 1) -------------------------------------------------------------------
     @staticmethod
@@ -379,10 +194,10 @@ class TargetWorkerCore:
         options = {}
         if cuda:
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-            options["device_id"] = self._model.call(rank_device, self.config.device)
+            options["device_id"] = self.on_model_thread(rank_device, self.config.device)
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
                                 world_size=self.world, timeout=datetime.timedelta(seconds=timeout_s), **options)
-        self._model.call(self.load)
+        self.on_model_thread(self.load)
 
     def load(self) -> None:
         """The whole target (world 1), or this rank's shard read straight from the safetensors files
@@ -399,11 +214,6 @@ class TargetWorkerCore:
         self.full_parameters = full_num_parameters(model, self.world)
         self.runner = ModelRunner(model, max_model_len=self.config.max_model_len, vocab_size=model.config.vocab_size)
 
-    def start_channel(self) -> Endpoint:
-        """The endpoint of this rank's channel (`verify`, `release`; deployments/channel.py). Routers call rank 0's;
-        the other ranks' serve rank 0 alone."""
-        return self._model.endpoint
-
     def connect_peers(self, endpoints: list[Endpoint]) -> None:
         """Rank 0: connect to ranks 1.. (in order), which from then on take their calls from rank 0 alone."""
         assert self.rank == 0 and len(endpoints) == self.world - 1
@@ -414,13 +224,13 @@ class TargetWorkerCore:
         before any router calls)."""
         # with several ranks only rank 0 takes the node's turn: the others must not block its collectives
         with cpu_startup_turn(self.config) if self.rank == 0 else contextlib.nullcontext():
-            self.costs = self._model.call(measure_target_costs, self.runner, max_k)
+            self.costs = self.on_model_thread(measure_target_costs, self.runner, max_k)
         return self.costs
 
     def _in_group(self, method: str, args: tuple, run):
         """Run a call on this rank's model thread; rank 0 first forwards it to the other ranks (the one ordering
         source), in the same turn."""
-        return self._model.call(self._forward_and_run, method, args, run)
+        return self.on_model_thread(self._forward_and_run, method, args, run)
 
     def _forward_and_run(self, method: str, args: tuple, run):
         if self.broken is not None:
@@ -434,25 +244,28 @@ class TargetWorkerCore:
             raise TensorParallelBroken(self.broken) from exc
 
     # ---- the round ------------------------------------------------------------------------------------------
-    def verify(self, calls: list[tuple]) -> dict | None:
-        """Verify `calls` (VerifyCall.wire() each; the other ranks get them in that form too)."""
+    def verify(self, calls: list[tuple]) -> tuple | None:
+        """Verify `calls` (VerifyCall.wire() each; the other ranks get them in that form too); a VerifyResult's
+        wire() (None on the other ranks)."""
         return self._in_group("verify", (calls,), self._timed_verify)
 
-    def verify_chained(self, calls: list[tuple], members: list[int], draft: dict) -> dict | None:
+    def verify_chained(self, calls: list[tuple], members: list[int], draft: tuple) -> tuple:
         """A chained round's last step, from the draft worker (`DraftWorkerCore.propose_chained`): verify `calls`
-        with call i of the draft for row members[i]; the reply (to the router) carries the draft's result too."""
+        with call i of the draft (a DraftResult's wire()) for row members[i]; the reply (to the router) carries the
+        draft's result too."""
         calls = list(calls)
+        drafts = draft[0]
         for i, b in enumerate(members):
-            calls[b] = (calls[b][0], draft["drafts"][i])
-        out = self.verify(calls)
-        out["draft"] = draft
-        return out
+            calls[b] = (calls[b][0], drafts[i])
+        argmax, probs, seconds, _ = self.verify(calls)
+        return argmax, probs, seconds, draft
 
-    def _timed_verify(self, calls: list[tuple]) -> dict | None:
+    def _timed_verify(self, calls: list[tuple]) -> tuple | None:
         with self.busy:
-            return self._verify([VerifyCall.from_wire(call) for call in calls])
+            result = self._verify([VerifyCall.from_wire(call) for call in calls])
+        return None if result is None else result.wire()
 
-    def _verify(self, calls: list[VerifyCall]) -> dict | None:
+    def _verify(self, calls: list[VerifyCall]) -> VerifyResult | None:
         start = time.perf_counter()
         runner = self.runner
         seq_ids, feeds, widths = [], [], []
@@ -464,47 +277,36 @@ class TargetWorkerCore:
             feeds.append(runner.sync(call.seq.seq_id, known) + list(call.draft))
             widths.append(len(call.draft) + 1)
         logits = runner.forward(seq_ids, feeds, widths)  # [B, K+1, V]; every rank runs it (collectives)
-        self.calls += 1
-        self.rows += len(calls)
+        self._counted(len(calls))
         if self.rank != 0:
             return None
         params = [c.seq.sampling() for c in calls]
         greedy_rows = [b for b, p in enumerate(params) if p.greedy]
         sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
-        out = {"argmax": {}, "probs": {}}
+        argmax, row_probs = {}, {}
         if greedy_rows:
             ids = logits[greedy_rows].argmax(dim=-1)
             for i, b in enumerate(greedy_rows):
-                out["argmax"][b] = ids[i, : widths[b]].tolist()
+                argmax[b] = ids[i, : widths[b]].tolist()
         if sampled_rows:
             probs = logits_to_probs(logits[sampled_rows], BatchSampling.from_params([params[b] for b in sampled_rows]))
             for i, b in enumerate(sampled_rows):
-                out["probs"][b] = probs[i, : widths[b]].cpu().numpy()
-        out["seconds"] = time.perf_counter() - start
-        return out
+                row_probs[b] = probs[i, : widths[b]].cpu().numpy()
+        return VerifyResult(argmax, row_probs, time.perf_counter() - start)
 
     def release(self, seq_ids: list[str]) -> None:
+        """Rank 0 passes the release on to the other ranks, in order with the verifies."""
         self._in_group("release", (seq_ids,), self._release)
 
-    def _release(self, seq_ids: list[str]) -> None:
-        for seq_id in seq_ids:
-            self._known.pop(seq_id)
-            if self.runner is not None:
-                self.runner.release(seq_id)
-
     def stats(self) -> dict:
-        return {"rank": self.rank, "live_sequences": self.runner.num_live if self.runner else 0,
-                "calls": self.calls, "rows": self.rows, "parameters": num_parameters(self.runner.model),
-                "full_parameters": self.full_parameters, "pid": os.getpid(), "torch_threads": self.torch_threads,
-                "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
-                "kv_capacity": getattr(self.runner, "capacity", None) if self.runner else None}
+        return {"rank": self.rank, **super().stats(), "parameters": num_parameters(self.runner.model),
+                "full_parameters": self.full_parameters}
 
     def ping(self) -> float:
-        """Seconds the current model call has been running (0: idle); served on the "control" thread. A rank
-        whose group broke fails its health check at once."""
+        """As ModelWorker.ping; a rank whose group broke fails its health check at once."""
         if self.broken is not None:
             raise TensorParallelBroken(self.broken)
-        return self.busy.seconds()
+        return super().ping()
 
 
 def ray_actor_classes():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 
@@ -17,8 +18,21 @@ from .static_runner import KVBudget, StaticRunner
 
 log = logging.getLogger(__name__)
 
-DRAFT_NGRAM = "ngram"
-DRAFT_NONE = "none"
+
+
+class DraftMethod(str, enum.Enum):
+    """How a deployment drafts: the one vocabulary for it, parsed once from the config's `draft` (a model source,
+    "ngram" or "none": `EngineConfig.draft_method`). A new kind of proposer is a member here, a branch in
+    `build_proposer`, and its module in engine/."""
+
+    MODEL = "model"  # a draft model (engine/proposers.DraftModelProposer), served by Draft workers
+    NGRAM = "ngram"  # prompt lookup (engine/proposers.NgramProposer), in the router: no model, no worker
+    NONE = "none"  # no drafts: plain decoding
+
+    @classmethod
+    def of(cls, draft: str) -> "DraftMethod":
+        """The method a config's `draft` names: "ngram", "none", anything else a draft model's source."""
+        return {cls.NGRAM.value: cls.NGRAM, cls.NONE.value: cls.NONE}.get(draft, cls.MODEL)
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,10 @@ class EngineConfig:
     kv_cache_fraction: float = 0.2
     max_num_seqs: int = 32  # KV-cache slots at most (sequences a worker holds at once)
     prefill_chunk: int = 256  # prompt tokens per forward; the scheduler sends a long prompt this much per round
+
+    @property
+    def draft_method(self) -> DraftMethod:
+        return DraftMethod.of(self.draft)
 
     def budget(self) -> KVBudget:
         return KVBudget(gib=self.kv_cache_gib, fraction=self.kv_cache_fraction, max_num_seqs=self.max_num_seqs)
@@ -75,9 +93,12 @@ def build_target(config: EngineConfig):
 
 
 def build_proposer(config: EngineConfig, target_tokenizer, target_vocab_size: int) -> Proposer | None:
-    if config.draft == DRAFT_NONE:
+    """The proposer of the config's draft method (None: no drafts); the one place proposers are chosen (the engine,
+    the CLI, calibration and the Draft workers all build theirs here)."""
+    method = config.draft_method
+    if method is DraftMethod.NONE:
         return None
-    if config.draft == DRAFT_NGRAM:
+    if method is DraftMethod.NGRAM:
         return NgramProposer(config.ngram_min, config.ngram_max)
     resolved = resolve(config.draft)
     check_tokenizers_compatible(target_tokenizer, load_tokenizer(resolved, config.trust_remote_code))

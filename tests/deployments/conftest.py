@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 
 import pytest
@@ -11,7 +12,8 @@ import pytest
 from deployments.admission import refusal
 from deployments.config import SpecServeConfig
 from deployments.errors import ChainBroken, DraftGone, ReplicaFull, ReplicaGone
-from deployments.workers import DraftWorkerCore, TargetWorkerCore, draft_replies_directly
+from deployments.messages import DraftResult, VerifyResult, draft_replies_directly
+from deployments.workers import DraftWorkerCore, TargetWorkerCore
 from tests.conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
 
@@ -71,7 +73,8 @@ class _Lease:
     async def propose(self, calls, ahead_id=None):
         self._maybe_fail()
         await asyncio.sleep(0)  # like a remote call: the round's verify can start before the draft is done
-        return self.core.propose([call.wire() for call in calls], ahead_id)  # as the channel carries them
+        # as the channel carries them, and as RayDraftLease reads the reply
+        return DraftResult.from_wire(self.core.propose([call.wire() for call in calls], ahead_id))
 
     async def chain(self, calls, target, verify_calls, members):
         """What RayDraftLease.chain does, in-process: the worker cores' own chained handlers, with the draft's
@@ -89,9 +92,7 @@ class _Lease:
             raise ChainBroken("could not pass verify_chained on")
         method, args = relay.sent
         result = await target._verify(lambda: getattr(target.core, method)(*args))
-        if direct:
-            result["draft"] = draft
-        return result
+        return dataclasses.replace(result, draft=DraftResult.from_wire(draft)) if direct else result
 
     def cancel(self, ahead_id) -> None:
         self.broker.cancels += 1
@@ -100,11 +101,11 @@ class _Lease:
     async def verify(self, calls):
         return await self._verify(lambda: self.core.verify([call.wire() for call in calls]))
 
-    async def _verify(self, run):
+    async def _verify(self, run) -> VerifyResult:
         self._maybe_fail()
         if self.broker.verify_delay:  # a slower "replica", so a test can act while a request is mid-generation
             await asyncio.sleep(self.broker.verify_delay)
-        return run()
+        return VerifyResult.from_wire(run())
 
     async def close(self) -> None:
         self.closed = True

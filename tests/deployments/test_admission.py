@@ -21,6 +21,22 @@ def test_a_replica_refuses_only_past_its_capacity():
     assert min_capacity([None, None]) is None and min_capacity([8, None, 6]) == 6
 
 
+def test_the_admission_limit_counts_live_waiting_and_reserved_sequences_and_a_slot_frees_its_place_once():
+    gate = admission.Admission(max_live=3, max_queue_wait_s=1.0)
+    first, second = gate.slot(live=0), gate.slot(live=0)
+    assert gate.reserved == 2
+    with pytest.raises(Overloaded, match="1 live and 2 starting"):
+        gate.slot(live=1)
+    first.release()
+    first.release()  # idempotent: a 4xx after the place was given back frees nothing more
+    assert gate.reserved == 1 and not first.held and second.held
+    gate.waiting = 1  # admitted, taking its leases
+    with pytest.raises(Overloaded):
+        gate.check(live=1)
+    gate.space.waiting = 1  # ... and it waits for a free KV-cache slot: it does not join the next round
+    assert gate.joining() == 0
+
+
 def test_the_wait_tries_again_until_a_slot_is_free(monkeypatch):
     monkeypatch.setattr(admission, "FIRST_PAUSE_S", 0.001)
     space, tries = SpaceWait(max_wait_s=5.0), []

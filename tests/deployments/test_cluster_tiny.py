@@ -151,7 +151,8 @@ def test_health_check_answers_during_a_long_model_call_and_fails_a_hung_one(ray_
     import ray
 
     from deployments import model_deployments
-    from deployments.workers import BusyClock, ray_actor_classes
+    from deployments.worker_base import BusyClock
+    from deployments.workers import ray_actor_classes
 
     # the real workers answer pings on their "control" thread (an unknown group would raise here)
     engine_config = tiny_config(tiny_model_dirs).engine_config()

@@ -11,8 +11,8 @@ from deployments.channel import ChannelRelay, ChannelServer, Endpoint
 from deployments.channel_client import AsyncChannels
 from deployments.errors import ChainBroken, DraftGone
 from deployments.leases import RayDraftLease, RayLeaseBroker, RayTargetLease
-from deployments.scheduler import Overloaded, ReplicaGone
-from deployments.workers import DraftCall, SeqDelta, TensorParallelBroken, VerifyCall
+from deployments.errors import Overloaded, ReplicaGone, TensorParallelBroken
+from deployments.messages import DraftCall, DraftResult, LeaseInfo, SeqDelta, VerifyCall, VerifyResult
 
 
 def _verify_call(seq_id: str = "s") -> VerifyCall:
@@ -26,7 +26,7 @@ def _rank0(behaviour: str = "ok") -> ChannelServer:
             raise TensorParallelBroken("tensor-parallel rank 0 of 2: all_reduce failed: connection closed by peer")
         if behaviour == "error":
             raise ValueError("a bad call")
-        return {"rank": 0, "rows": len(calls)}
+        return VerifyResult({b: [0, len(calls)] for b in range(len(calls))}, {}, 0.5).wire()
 
     return ChannelServer({"verify": verify}, "127.0.0.1", bind_host="127.0.0.1")
 
@@ -68,15 +68,15 @@ class _Lease:
 
 
 def _lease(endpoint, dead=None) -> RayTargetLease:
-    first = {"replica": "r", "workers": [], "endpoint": endpoint}
-    return RayTargetLease(FakeStream(None), first, AsyncChannels(), set() if dead is None else dead)
+    return RayTargetLease(FakeStream(None), LeaseInfo("r", [], endpoint), AsyncChannels(),
+                          set() if dead is None else dead)
 
 
 def test_rank_zero_answers_through_its_channel_and_a_plain_error_stays_an_error():
     server, failing = _rank0(), _rank0("error")
     dead = set()
-    assert asyncio.run(_lease(server.endpoint, dead).verify([_verify_call(), _verify_call()])) == {"rank": 0,
-                                                                                                   "rows": 2}
+    answer = asyncio.run(_lease(server.endpoint, dead).verify([_verify_call(), _verify_call()]))
+    assert answer == VerifyResult({0: [0, 2], 1: [0, 2]}, {}, 0.5), "read back from the wire as a VerifyResult"
     with pytest.raises(ValueError, match="a bad call"):  # the replica is fine: the caller's problem, not a failure
         asyncio.run(_lease(failing.endpoint, dead).verify([]))
     assert dead == set()
@@ -97,27 +97,27 @@ def test_a_failed_replica_ends_the_verify_with_replica_gone_and_is_remembered(ho
 
 def test_a_target_lease_skips_a_failed_replica_until_a_healthy_one_answers(monkeypatch):
     monkeypatch.setattr(leases, "LEASE_RETRY_PAUSE_S", 0.001)
-    broken = {"replica": "old", "workers": [], "endpoint": None}
-    healthy = {"replica": "new", "workers": [], "endpoint": _rank0().endpoint}
+    broken = LeaseInfo("old", [], None)
+    healthy = LeaseInfo("new", [], _rank0().endpoint)
     handle = FakeHandle([broken, broken, ActorDiedError(), healthy])
     broker = RayLeaseBroker(None, handle)
     broker.dead_replicas.add("old")
     lease = asyncio.run(broker.target("seq"))
-    assert lease.key == "new" and lease.endpoint == healthy["endpoint"]
+    assert lease.key == "new" and lease.endpoint == healthy.endpoint
     assert [s.cancelled for s in handle.streams] == [True, True, False, False], "broken leases were given back"
 
 
 def test_a_target_lease_gives_up_with_replica_gone_after_the_deadline(monkeypatch):
     monkeypatch.setattr(leases, "LEASE_RETRY_PAUSE_S", 0.001)
     monkeypatch.setattr(leases, "LEASE_RETRY_TIMEOUT_S", 0.05)
-    broker = RayLeaseBroker(None, FakeHandle([{"replica": "old", "workers": [], "endpoint": None}]))
+    broker = RayLeaseBroker(None, FakeHandle([LeaseInfo("old", [], None)]))
     broker.dead_replicas.add("old")
     with pytest.raises(ReplicaGone, match="no healthy replica"):
         asyncio.run(broker.target("seq"))
 
 
 def test_draft_leases_are_not_retried_and_back_pressure_is_overload():
-    broker = RayLeaseBroker(FakeHandle([{"replica": "d", "workers": [], "endpoint": None}]),
+    broker = RayLeaseBroker(FakeHandle([LeaseInfo("d", [], None)]),
                             FakeHandle([BackPressureError(num_queued_requests=3, max_queued_requests=2)]))
     broker.dead_replicas.add("d")
     assert asyncio.run(broker.draft("seq")).key == "d"  # the round finds it dead and decodes plainly
@@ -134,7 +134,7 @@ def _chain_workers(how: str):
     def verify_chained(calls, members, draft):
         if how == "target broken":
             raise TensorParallelBroken("tensor-parallel rank 0 of 2: all_reduce failed")
-        return {"rows": len(calls), "members": members, "draft": draft}
+        return VerifyResult({b: [len(calls)] for b in members}, {}, 0.0, DraftResult.from_wire(draft)).wire()
 
     target = ChannelServer({"verify_chained": verify_chained}, "127.0.0.1", bind_host="127.0.0.1")
     relay = ChannelRelay()
@@ -142,8 +142,9 @@ def _chain_workers(how: str):
     def propose_chained(calls, verify_calls, members, direct, route):
         if how == "relay fails":  # the target is unreachable from the draft worker (not from the router)
             route = (gone.endpoint.wire(), route[1])
-        relay.send(route, "verify_chained", verify_calls, members, {"drafts": calls})
-        return {"drafts": calls, "direct": True} if direct else None
+        drafts = [list(call[0][2]) for call in calls]  # "drafts": each call's tokens
+        relay.send(route, "verify_chained", verify_calls, members, DraftResult(drafts, {}, 0.0).wire())
+        return DraftResult(drafts, {}, 1.0).wire() if direct else None  # 1.0: this one came straight here
 
     draft = ChannelServer({"propose_chained": propose_chained}, "127.0.0.1", bind_host="127.0.0.1")
     return (gone.endpoint if how == "draft gone" else draft.endpoint,
@@ -161,14 +162,13 @@ def _chain_workers(how: str):
 def test_a_chained_round_names_the_replica_that_failed(how, error, blamed, temperature):
     draft_endpoint, target_endpoint = _chain_workers(how)
     channels, dead = AsyncChannels(), set()
-    draft = RayDraftLease(FakeStream(None), {"replica": "d", "workers": [], "endpoint": draft_endpoint}, channels, dead)
-    target = RayTargetLease(FakeStream(None), {"replica": "t", "workers": [], "endpoint": target_endpoint}, channels,
-                            dead)
+    draft = RayDraftLease(FakeStream(None), LeaseInfo("d", [], draft_endpoint), channels, dead)
+    target = RayTargetLease(FakeStream(None), LeaseInfo("t", [], target_endpoint), channels, dead)
     draft_calls = [DraftCall(SeqDelta("b", 0, [7, 8], temperature, 0, 1.0, None), 3)]
     run = draft.chain(draft_calls, target, [_verify_call("a"), _verify_call("b")], [1])
     if error is None:  # the calls travel in their wire form; a sampled row's draft comes straight from the draft
-        expected_draft = {"drafts": [draft_calls[0].wire()], **({"direct": True} if temperature else {})}
-        assert asyncio.run(run) == {"rows": 2, "members": [1], "draft": expected_draft}
+        expected_draft = DraftResult([[7, 8]], {}, 1.0 if temperature else 0.0)
+        assert asyncio.run(run) == VerifyResult({1: [2]}, {}, 0.0, expected_draft)
     else:
         with pytest.raises(error) as info:
             asyncio.run(asyncio.wait_for(run, 30))
@@ -184,6 +184,25 @@ def test_calls_cross_the_channel_as_plain_tuples_and_come_back_equal():
         wire = call.wire()
         assert b"deployments" not in pickle.dumps(wire, protocol=5), "no class travels, only builtins"
         assert cls.from_wire(pickle.loads(pickle.dumps(wire, protocol=5))) == call
+
+
+def test_results_cross_the_channel_as_plain_tuples_and_come_back_equal():
+    import pickle
+
+    import numpy as np
+
+    draft = DraftResult([[3, 4], []], {0: np.full((2, 5), 0.2, dtype=np.float32)}, 0.01)
+    verify = VerifyResult({1: [7]}, {0: np.full((3, 5), 0.2, dtype=np.float32)}, 0.02, draft)
+    for result, cls in ((draft, DraftResult), (verify, VerifyResult), (DraftResult([], {}, 0.0, True), DraftResult)):
+        wire = pickle.dumps(result.wire(), protocol=5)
+        assert b"deployments" not in wire, "no class travels, only builtins (and numpy arrays)"
+        back = cls.from_wire(pickle.loads(wire))
+        assert type(back) is cls and back.seconds == result.seconds
+    back = VerifyResult.from_wire(pickle.loads(pickle.dumps(verify.wire(), protocol=5)))
+    assert back.argmax == {1: [7]} and back.draft.drafts == [[3, 4], []] and not back.draft.cancelled
+    np.testing.assert_array_equal(back.probs[0], verify.probs[0])
+    np.testing.assert_array_equal(back.draft.probs[0], draft.probs[0])
+    assert DraftResult.from_wire(DraftResult([], {}, 0.0, True).wire()).cancelled
 
 
 def test_a_full_replica_s_refusal_is_replica_full_and_the_stream_is_given_back():

@@ -3,6 +3,7 @@
 import asyncio
 
 from deployments.admission import LeaseRefused
+from deployments.messages import LeaseInfo
 from deployments.model_deployments import _LeasedReplica
 
 
@@ -40,11 +41,11 @@ def test_a_replica_refuses_leases_past_its_capacity_and_frees_the_slot_once_the_
         return grant, refused, releasing, released, again, replica.leases
 
     grant, refused, releasing, released, again, leases = asyncio.run(go())
-    assert grant["replica"] == replica.replica_id and grant["endpoint"] == "endpoint"
+    assert grant == LeaseInfo(replica.replica_id, [worker], "endpoint", None)
     assert refused == [LeaseRefused(replica.replica_id, 1, 1)], "refused, and the refusal ends the stream"
     assert releasing == ([], 1), "the slot stays taken until the worker has released the sequence"
     assert released == (["a"], 0)
-    assert again["replica"] == replica.replica_id and leases == 1, "the freed slot is leased again"
+    assert again.replica == replica.replica_id and leases == 1, "the freed slot is leased again"
 
 
 def test_an_unbounded_replica_never_refuses():
@@ -55,4 +56,4 @@ def test_an_unbounded_replica_never_refuses():
         return [await hold.__anext__() for hold in holds], replica.leases
 
     grants, leases = asyncio.run(go())
-    assert all(isinstance(g, dict) for g in grants) and leases == 5
+    assert all(isinstance(g, LeaseInfo) for g in grants) and leases == 5

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from deployments.messages import CostObservation
 from deployments.round_costs import RoundCosts, pair_key
 from engine.calibrate import profile_from
 
@@ -21,10 +22,10 @@ def test_measured_costs_are_corrected_by_steady_rounds_only():
     costs = RoundCosts(adaptive=True, draft_mode="model")
     before = costs.policy_profile(DRAFT, TARGET)
     assert before == costs.measured(DRAFT, TARGET) and costs.corrects
-    costs.observe(DRAFT, TARGET, "verify", [call(list(range(40)))], 1, 10.0)  # a prefill: left out
+    costs.observe(CostObservation(DRAFT, TARGET, "verify", [call(list(range(40)))], 1, 10.0))  # a prefill: left out
     assert costs.policy_profile(DRAFT, TARGET) == before
-    costs.observe(DRAFT, TARGET, "verify", [call([5, 6])], 1, 2 * before.verify(1, 1))
-    costs.observe(DRAFT, TARGET, "draft", [call([5, 6])], 1, 3 * before.draft(1, 1))
+    costs.observe(CostObservation(DRAFT, TARGET, "verify", [call([5, 6])], 1, 2 * before.verify(1, 1)))
+    costs.observe(CostObservation(DRAFT, TARGET, "draft", [call([5, 6])], 1, 3 * before.draft(1, 1)))
     costs.observe_overhead(DRAFT, TARGET, 0.004)
     after = costs.policy_profile(DRAFT, TARGET)
     assert after.verify(1, 1) == pytest.approx(2 * before.verify(1, 1))
@@ -39,7 +40,7 @@ def test_measured_costs_are_corrected_by_steady_rounds_only():
 def test_a_calibration_file_is_taken_as_given_and_no_policy_means_no_costs():
     calibration = profile_from(BATCHES, [[0.1, 0.2]] * 3, [0.05] * 3)
     costs = RoundCosts(adaptive=True, draft_mode="model", calibration=calibration)
-    costs.observe(DRAFT, TARGET, "verify", [call([5, 6])], 1, 9.0)
+    costs.observe(CostObservation(DRAFT, TARGET, "verify", [call([5, 6])], 1, 9.0))
     assert costs.policy_profile(DRAFT, TARGET) == calibration and not costs.corrects
     assert list(costs.shown()) == ["calibration file"]
     assert RoundCosts(adaptive=False, draft_mode="model").policy_profile(DRAFT, TARGET) is None

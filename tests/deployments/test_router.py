@@ -274,7 +274,7 @@ def test_refusal_comes_at_the_door_before_parsing_or_tokenizing(tiny_model_dirs)
     for r in (refused_text, refused_junk):
         assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"
     assert calls == [], "a refused request was never tokenized"
-    assert router.scheduler._reserved == 0
+    assert router.scheduler.admission.reserved == 0
 
 
 def test_requests_rejected_after_the_door_give_their_place_back(tiny_model_dirs):
@@ -291,7 +291,7 @@ def test_requests_rejected_after_the_door_give_their_place_back(tiny_model_dirs)
     bad, good = asyncio.run(go())
     assert [r.status_code for r in bad] == [400, 404, 400, 400]
     assert good.status_code == 200, good.text
-    assert router.scheduler._reserved == 0 and router.scheduler.num_live == 0
+    assert router.scheduler.admission.reserved == 0 and router.scheduler.num_live == 0
 
 
 def test_worker_threads_default_to_the_cores_shared_by_concurrent_ranks():
@@ -299,7 +299,7 @@ def test_worker_threads_default_to_the_cores_shared_by_concurrent_ranks():
 
     import torch
 
-    from deployments.workers import set_torch_threads
+    from deployments.worker_base import set_torch_threads
 
     before = torch.get_num_threads()
     try:

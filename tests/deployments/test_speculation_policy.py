@@ -230,7 +230,7 @@ def test_k_is_chosen_for_the_batch_that_requests_waiting_for_leases_are_about_to
     seq = SequenceState.create("r", [5, 6, 7, 8], params, 3, 512, frozenset(), router.tokenizer)
     row = LiveRequest(seq=seq, queue=None, target=lease, draft=lease)
     assert router.scheduler._ks([row]) == [3], "alone: drafting pays"
-    router.scheduler._waiting = 3  # admitted, taking leases: next round has 4 rows, past the knee (2)
+    router.scheduler.admission.waiting = 3  # admitted, taking leases: next round has 4 rows, past the knee (2)
     assert router.scheduler._ks([row]) == [0]
 
 
@@ -253,9 +253,9 @@ def test_a_drafting_request_takes_its_draft_lease_at_its_first_drafting_round(ti
 
 
 def test_without_a_draft_lease_a_request_decodes_plainly_then_tries_again(tiny_model_dirs, monkeypatch):
-    from deployments import scheduler
+    from deployments import recovery
 
-    monkeypatch.setattr(scheduler, "DRAFT_LEASE_RETRY_S", 0.0)
+    monkeypatch.setattr(recovery, "DRAFT_LEASE_RETRY_S", 0.0)
     router, broker = router_for(tiny_model_dirs)  # fixed K: every round wants drafts
     broker.refuse_draft_leases = 2
     tokens = asyncio.run(generate(router, PROMPTS[1], GREEDY))

@@ -11,7 +11,8 @@ import random
 import socket
 
 from deployments.channel_client import AsyncChannels
-from deployments.workers import SeqDelta, TargetWorkerCore, VerifyCall
+from deployments.messages import SeqDelta, VerifyCall, VerifyResult
+from deployments.workers import TargetWorkerCore
 from engine.rejection import greedy_accept
 from tests.deployments.conftest import tiny_config
 
@@ -61,7 +62,7 @@ async def _router(call, router: int) -> dict[str, list[int]]:
         result = await call("verify", [c.wire() for c in calls])
         for b, s in enumerate(seqs):
             sent[s] = len(live[s])
-            tokens, _ = greedy_accept(drafts[s], result["argmax"][b])
+            tokens, _ = greedy_accept(drafts[s], VerifyResult.from_wire(result).argmax[b])
             live[s].extend(tokens)
         if round_no % 4 == 3 and queue:  # a sequence ends, its caches are freed, a new one joins
             done = seqs[round_no % len(seqs)]
@@ -114,7 +115,7 @@ def test_a_rank_whose_peer_is_gone_fails_its_calls_and_health_pings_from_then_on
     import pytest
 
     from deployments.channel import ChannelClosed
-    from deployments.workers import TensorParallelBroken
+    from deployments.errors import TensorParallelBroken
 
     class GonePeer:
         def send(self, *args):
@@ -122,7 +123,7 @@ def test_a_rank_whose_peer_is_gone_fails_its_calls_and_health_pings_from_then_on
 
     core = TargetWorkerCore(tiny_config(tiny_model_dirs).engine_config())
     call = VerifyCall(SeqDelta("a", 0, [5, 6, 7], 0.0, 0, 1.0, None), [])
-    assert core.verify([call.wire()])["argmax"][0]  # healthy
+    assert VerifyResult.from_wire(core.verify([call.wire()])).argmax[0]  # healthy
     assert core.ping() == 0.0
     core._peers = [GonePeer()]
     for attempt in range(2):  # the first call finds out; later ones fail at once
@@ -163,7 +164,7 @@ def test_a_stuck_peer_fails_rank_0s_call_after_the_collective_timeout(tiny_model
 
     import pytest
 
-    from deployments.workers import TensorParallelBroken
+    from deployments.errors import TensorParallelBroken
 
     timeout_s = 3
     config = tiny_config(tiny_model_dirs).engine_config()
@@ -186,7 +187,7 @@ def test_a_stuck_peer_fails_rank_0s_call_after_the_collective_timeout(tiny_model
                 call = VerifyCall(SeqDelta(seq_id, 0, [5, 6, 7], 0.0, 0, 1.0, None), [])
                 return await asyncio.wait_for(channels.call(rank0, "verify", [call.wire()]), 60)
 
-            assert (await verify("a"))["argmax"][0]  # healthy
+            assert VerifyResult.from_wire(await verify("a")).argmax[0]  # healthy
             stuck.set()
             start = time.monotonic()
             with pytest.raises(TensorParallelBroken, match="[Tt]imed out"):

@@ -1,0 +1,299 @@
+"""One speculative round for the live requests leased to one Target replica, top to bottom.
+
+1. Plan: each row's K (engine/round_plan.py with a cost profile, else the fixed `max_batch_for_speculation`
+   threshold); rows drafting for the first time take their Draft lease (deployments/recovery.py).
+2. Draft: drafts at hand need no call (made ahead during the last round's verify: deployments/ahead.py, or n-gram
+   lookup); the others come from the rows' Draft workers.
+3. Verify: with one Draft worker and no overlap, one chained call (the Draft worker drafts and hands its tokens to
+   the Target worker, which verifies and answers: channel_client.AsyncChannels.chain); else one draft call per
+   Draft lease, then one verify call (with `overlap`, while the next round's drafts are made ahead).
+4. Accept: greedy rows compare tokens, sampled rows run the rejection sampler (engine/, pure); each row commits
+   its tokens and the outputs are delivered.
+A dead Target replica ends the round for its rows (they re-lease and re-prefill); a dead Draft replica's rows verify
+without drafts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.factory import DraftMethod
+from engine.policy import AcceptanceTracker, load_adjusted_k
+from engine.proposers import DraftRequest, NgramProposer
+from engine.rejection import greedy_accept, rejection_sample
+from engine.round_plan import RowOutlook, plan_round
+from engine.sequence import RequestOutput
+
+from .ahead import AheadDrafts
+from .errors import ChainBroken, DraftGone, ReplicaGone
+from .live import DraftLease, LiveRequest
+from .messages import CostObservation, DraftCall, DraftResult, VerifyCall, VerifyResult
+from .metrics import NullMetrics, observe
+from .recovery import Recovery
+from .round_costs import RoundCosts
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class Drafts:
+    """A round's drafts by row, as they come in: made ahead or looked up, then each draft call's result."""
+
+    tokens: list[list[int]]  # per row, its draft (empty: the row verifies without drafts)
+    probs: dict[int, np.ndarray] = field(default_factory=dict)  # row -> [K, V]: model drafts of sampled rows
+    by_lease: dict[str, list[int]] = field(default_factory=dict)  # rows still to draft, by Draft lease key
+    compute_seconds: float = 0.0  # the draft workers' own compute
+    costs: list[CostObservation] = field(default_factory=list)  # the draft calls' measured costs
+
+    def take(self, rows: list[LiveRequest], members: list[int], calls: list[DraftCall], result: DraftResult) -> None:
+        """A draft call's result for rows `members` (call i drafted for row members[i])."""
+        lease = rows[members[0]]
+        self.costs.append(CostObservation(lease.draft, lease.target, "draft", calls, max(c.k for c in calls),
+                                          result.seconds))
+        self.compute_seconds += result.seconds
+        for i, b in enumerate(members):
+            self.tokens[b] = result.drafts[i]
+            if i in result.probs:
+                self.probs[b] = result.probs[i]
+
+
+@dataclass
+class RoundResult:
+    """What one group's round did."""
+
+    drafts: list[list[int]]  # per row, the drafts it verified
+    outputs: list[RequestOutput]  # per row, what it emitted
+    accepted: list[int]  # per row, drafts accepted
+    chained: bool  # drafted and verified in one chained call
+    draft_seconds: float  # from the round's start to the drafts in hand
+    verify_seconds: float  # from there to the verify's answer
+    draft_compute: float  # the draft workers' own compute
+    verify_compute: float  # the target worker's own compute
+
+
+class GroupRound:
+    """Runs rounds for groups of live requests that share a Target replica (the scheduler's round loop runs one per
+    group at once)."""
+
+    def __init__(self, config, stats, costs: RoundCosts, population: AcceptanceTracker, recovery: Recovery,
+                 deliver: Callable[[list[LiveRequest], list[RequestOutput]], Awaitable[None]]) -> None:
+        self.config = config  # scheduler.SchedulerConfig
+        self.stats = stats  # scheduler.SchedulerStats
+        self.costs = costs
+        self.population = population  # acceptance over all requests (a new request's prior)
+        self.recovery = recovery
+        self._deliver = deliver  # hands the rows' outputs to their requests (and ends finished ones)
+        self.metrics = NullMetrics()
+        # n-gram lookup runs here, in the router (no worker); a draft model's proposer runs in the Draft workers
+        self.ngram = (NgramProposer(config.ngram_min, config.ngram_max)
+                      if config.draft_mode is DraftMethod.NGRAM else None)
+        self.ahead = AheadDrafts(stats, recovery.replace_live_drafts)
+        self._unchainable: set[tuple[str, str]] = set()  # (Draft, Target) replica keys whose chained round failed
+
+    # ---- 1. plan ------------------------------------------------------------------------------------------------
+    def plan(self, rows: list[LiveRequest], joining: int, live_now: int) -> list[int]:
+        """Each row's draft length this round: with a cost profile, planned for the group as a whole
+        (engine/round_plan.py), else the fixed `max_batch_for_speculation` threshold over `live_now` sequences.
+
+        The batch the costs are taken at counts the `joining` requests (admitted, taking their leases): they join
+        the next round, and a draft started now (its prefill first) would pay only at the batch size they make.
+        """
+        profile = self.costs.policy_profile(self.group_draft(rows), rows[0].target)
+        caps = [live.seq.k if self._may_draft(live) else 0 for live in rows]
+        model = self.config.draft_mode is DraftMethod.MODEL
+        if profile is not None:
+            outlooks = [RowOutlook(acceptance=live.tracker.acceptance, cap=cap,
+                                   # tokens the draft worker has not read yet (all, before the first Draft lease;
+                                   # n-gram lookup reads nothing)
+                                   behind=live.seq.num_tokens - live.draft_sent if model else 0,
+                                   remaining=live.seq.remaining(), fixed=live.fixed_k,
+                                   wants_probe=live.tracker.wants_probe)
+                        for live, cap in zip(rows, caps)]
+            ks = plan_round(profile, outlooks, len(rows) + joining)
+        else:
+            ks = [cap if live.fixed_k else load_adjusted_k(cap, live_now, self.config.max_batch_for_speculation)
+                  for live, cap in zip(rows, caps)]
+        return [live.seq.draft_len(k) for live, k in zip(rows, ks)]
+
+    def _may_draft(self, live: LiveRequest) -> bool:
+        if self.config.draft_mode is not DraftMethod.MODEL or live.draft is not None:
+            return True
+        return time.monotonic() >= live.draft_retry_at  # a Draft lease can be taken when the plan wants drafts
+
+    def group_draft(self, rows: list[LiveRequest]) -> DraftLease | None:
+        """The Draft lease a group's costs are planned with: one of its rows', else the last one this router took
+        (Draft replicas of one deployment measure alike); None before any."""
+        return next((live.draft for live in rows if live.draft is not None), self.recovery.last_draft)
+
+    # ---- the round ----------------------------------------------------------------------------------------------
+    async def run(self, rows: list[LiveRequest], ks: list[int]) -> RoundResult | None:
+        """One round for `rows` (all leased to one Target replica) with `ks` drafts each; None when the Target
+        replica failed (the rows re-lease and re-prefill: deployments/recovery.py)."""
+        if self.ngram is None and any(ks):  # rows drafting for the first time take their Draft lease (set-up work,
+            start = time.perf_counter()  # once per request: counted apart from the round's orchestration)
+            await self.recovery.lease_drafts([live for live, k in zip(rows, ks)
+                                              if k > 0 and live.ready is None and live.draft is None])
+            self.stats.draft_lease_seconds += time.perf_counter() - start
+        t0 = time.perf_counter()
+        drafts = self._drafts_at_hand(rows, ks)
+        target = rows[0].target
+        verified: VerifyResult | None = None
+        aheads = []
+        by_lease = list(drafts.by_lease.values())
+        members = by_lease[0] if len(by_lease) == 1 and not self.config.overlap else None
+        if members is not None and self._chainable(rows[members[0]]):
+            calls = [VerifyCall(live.delta(live.target_sent), []) for live in rows]  # drafts are filled in there
+            try:  # one draft worker: it hands its drafts straight to the target worker
+                verified = await self._chained(rows, ks, members, calls, drafts)
+            except ReplicaGone:
+                await self.recovery.replace_target(rows)
+                return None
+            t1 = t0 + drafts.compute_seconds  # the router sees no boundary between drafting and verifying
+        else:
+            await self._draft_calls(rows, ks, drafts)
+            t1 = time.perf_counter()
+        chained = verified is not None
+        if verified is None:
+            calls = [VerifyCall(live.delta(live.target_sent), drafts.tokens[b]) for b, live in enumerate(rows)]
+            aheads = self.ahead.start(rows, drafts.tokens) if self.config.overlap else []
+            try:
+                verified = await target.verify(calls)
+            except ReplicaGone:
+                await self.ahead.settle(aheads, rows, drafts.tokens, None, None)
+                await self.recovery.replace_target(rows)
+                return None
+            except BaseException:
+                await self.ahead.settle(aheads, rows, drafts.tokens, None, None)
+                raise
+        else:
+            self.stats.chained_rounds += 1
+        for live in rows:
+            live.target_sent = live.seq.num_tokens
+        t2 = time.perf_counter()
+        for seen in drafts.costs + [CostObservation(self.group_draft(rows), target, "verify", calls,
+                                                    max(len(d) for d in drafts.tokens), verified.seconds)]:
+            self.costs.observe(seen)
+        outputs, accepted = self._accept(rows, drafts, verified)
+        await self._deliver(rows, outputs)
+        await self.ahead.settle(aheads, rows, drafts.tokens, accepted, [out.finished for out in outputs])
+        result = RoundResult(drafts.tokens, outputs, accepted, chained, t1 - t0, t2 - t1, drafts.compute_seconds,
+                             verified.seconds)
+        self._record(rows, result, time.perf_counter() - t2)
+        return result
+
+    # ---- 2. draft -----------------------------------------------------------------------------------------------
+    def _drafts_at_hand(self, rows: list[LiveRequest], ks: list[int]) -> Drafts:
+        """The round's drafts that need no draft call (made ahead, or n-gram lookup), and the rows that draft by
+        Draft lease."""
+        drafts = Drafts([[] for _ in rows])
+        ready = [live.ready for live in rows]
+        for live in rows:
+            live.ready = None  # a draft made ahead serves the round right after it, or nobody
+        if not any(ks):
+            return drafts
+        if self.ngram is not None:
+            asked = [b for b, k in enumerate(ks) if k > 0]
+            # the generator is unused: lookup is deterministic
+            proposal = self.ngram.propose([DraftRequest(rows[b].seq.request_id, rows[b].seq.tokens, ks[b],
+                                                        rows[b].seq.params, rows[b].seq.generator) for b in asked])
+            for i, b in enumerate(asked):
+                drafts.tokens[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
+            return drafts
+        for b, (live, k) in enumerate(zip(rows, ks)):
+            if k > 0 and ready[b] is not None:
+                self.stats.ahead_used += 1
+                drafts.tokens[b] = ready[b][0][:k]
+                if ready[b][1] is not None:
+                    drafts.probs[b] = ready[b][1][:k]
+            elif k > 0 and live.draft is not None:
+                drafts.by_lease.setdefault(live.draft.key, []).append(b)
+        return drafts
+
+    async def _draft_calls(self, rows: list[LiveRequest], ks: list[int], drafts: Drafts) -> None:
+        """Each Draft lease's rows drafted by a call of their own."""
+        for members in drafts.by_lease.values():
+            calls = [DraftCall(rows[b].draft_delta([]), ks[b]) for b in members]
+            try:
+                result = await rows[members[0]].draft.propose(calls)
+            except ReplicaGone:
+                await self.recovery.replace_draft([rows[b] for b in members])
+                continue  # these rows verify without drafts this round: output unchanged
+            drafts.take(rows, members, calls, result)
+
+    # ---- 3. verify (chained) ------------------------------------------------------------------------------------
+    async def _chained(self, rows: list[LiveRequest], ks: list[int], members: list[int],
+                       verify_calls: list[VerifyCall], drafts: Drafts) -> VerifyResult | None:
+        """Draft `members` and verify every row in one chained call (the draft worker hands its drafts straight to
+        the target worker, which answers). None when the draft worker failed, and the round must verify without
+        its drafts. Raises ReplicaGone when the target worker failed."""
+        lease = rows[members[0]].draft
+        calls = [DraftCall(rows[b].draft_delta([]), ks[b]) for b in members]
+        try:
+            result = await lease.chain(calls, rows[0].target, verify_calls, members)
+        except DraftGone:
+            await self.recovery.replace_draft([rows[b] for b in members])
+            return None
+        except ChainBroken as exc:  # the draft is fine but cannot reach the target: a verify of its own tells more
+            logger.warning("chained round failed (%s); this Draft/Target pair's rounds make two calls from now on",
+                           exc)
+            self._unchainable.add((lease.key, rows[0].target.key))
+            return None
+        drafts.take(rows, members, calls, result.draft)
+        return result
+
+    def _chainable(self, live: LiveRequest) -> bool:
+        return (live.draft.key, live.target.key) not in self._unchainable
+
+    # ---- 4. accept ----------------------------------------------------------------------------------------------
+    def _accept(self, rows: list[LiveRequest], drafts: Drafts, verified: VerifyResult
+                ) -> tuple[list[RequestOutput], list[int]]:
+        tokens = drafts.tokens
+        emitted: dict[int, tuple[list[int], int]] = {}
+        for b, argmax in verified.argmax.items():
+            emitted[b] = greedy_accept(tokens[b], argmax)
+        sampled = sorted(verified.probs)
+        if sampled:
+            k_max = max(len(tokens[b]) for b in sampled)
+            vocab = verified.probs[sampled[0]].shape[-1]
+            draft_ids = torch.full((len(sampled), k_max), -1, dtype=torch.long)
+            target_probs = torch.zeros(len(sampled), k_max + 1, vocab)
+            draft_probs = torch.zeros(len(sampled), k_max, vocab) if self.ngram is None else None
+            for i, b in enumerate(sampled):
+                n = len(tokens[b])
+                draft_ids[i, :n] = torch.tensor(tokens[b], dtype=torch.long)
+                target_probs[i, : n + 1] = torch.from_numpy(verified.probs[b])
+                if draft_probs is not None and n:
+                    draft_probs[i, :n] = torch.from_numpy(drafts.probs[b][:n])
+            res = rejection_sample(draft_ids, draft_probs, target_probs,
+                                   torch.tensor([len(tokens[b]) for b in sampled]),
+                                   [rows[b].seq.generator for b in sampled])
+            for i, b in enumerate(sampled):
+                emitted[b] = (res.tokens(i), int(res.num_accepted[i]))
+        outputs, accepted_counts = [], []
+        for b, live in enumerate(rows):
+            new, accepted = emitted[b]
+            live.tracker.record(len(tokens[b]), accepted)
+            self.population.record(len(tokens[b]), accepted)
+            out = live.seq.commit(new, len(tokens[b]), accepted)
+            self.stats.spec.record(len(tokens[b]), accepted, len(out.new_token_ids))
+            outputs.append(out)
+            accepted_counts.append(accepted)
+        return outputs, accepted_counts
+
+    def _record(self, rows: list[LiveRequest], result: RoundResult, delivery_seconds: float) -> None:
+        """The round's timings into the scheduler's statistics, the costs' overhead correction and the metrics."""
+        self.stats.timings.record(len(rows), result.draft_seconds, result.verify_seconds, delivery_seconds)
+        # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
+        orchestration = (result.draft_seconds + result.verify_seconds) - result.draft_compute - result.verify_compute
+        self.stats.orchestration_seconds += orchestration
+        self.costs.observe_overhead(self.group_draft(rows), rows[0].target, orchestration)
+        observe(self.metrics.round, [len(d) for d in result.drafts], result.accepted, result.draft_seconds,
+                result.verify_seconds, orchestration)
+        self.stats.draft_compute_seconds += result.draft_compute
+        self.stats.verify_compute_seconds += result.verify_compute

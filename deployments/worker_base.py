@@ -1,0 +1,183 @@
+"""What the draft and the target model workers share: the channel server on their one model thread, the busy
+clock the health check reads, the committed tokens each sequence has sent, call counters, ping, stats and release.
+
+Everything that touches a model or its caches runs on the worker's one model thread, the one that serves its
+channel (`ChannelServer.call`), so calls take turns; Ray methods (set-up, statistics, health pings, cancels) reach
+it through `ModelWorker.on_model_thread`. The workers call their model through engine/runner.py's Runner protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.factory import EngineConfig
+from engine.runner import Runner
+
+from .channel import ChannelServer, Endpoint
+from .messages import SeqDelta
+
+log = logging.getLogger(__name__)
+
+
+class UnknownSequenceError(KeyError):
+    """A call continued a sequence this worker does not hold (the router must re-send it from 0)."""
+
+
+def node_address() -> str:
+    """The address other nodes reach this worker at: Ray's node IP inside a Ray worker, else the host name's."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+class KnownTokens:
+    """The committed tokens each sequence has sent to a worker."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+
+    def apply(self, delta: SeqDelta) -> list[int]:
+        known = self.tokens.get(delta.seq_id)
+        if known is None:
+            if delta.start != 0:
+                raise UnknownSequenceError(delta.seq_id)
+            known = self.tokens[delta.seq_id] = []
+        if delta.start > len(known):
+            raise UnknownSequenceError(delta.seq_id)
+        del known[delta.start :]
+        known.extend(delta.tokens)
+        return known
+
+    def pop(self, seq_id: str) -> None:
+        self.tokens.pop(seq_id, None)
+
+
+class BusyClock:
+    """How long the worker's current model call has been running, readable from another thread (the health check's
+    ping runs on the "control" thread, so it answers while a long call computes instead of queueing behind it)."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+
+    def __enter__(self) -> None:  # `with clock:` around a model call (a class, not a generator: it runs every call)
+        self._since = time.monotonic()
+
+    def __exit__(self, *exc) -> None:
+        self._since = None
+
+    def seconds(self) -> float:
+        since = self._since
+        return 0.0 if since is None else time.monotonic() - since
+
+
+def set_torch_threads(threads: int | None, concurrent_workers: int = 1) -> int:
+    """Set torch's intra-op threads for this worker process and return the number.
+
+    Ray starts workers with OMP_NUM_THREADS=1 unless told otherwise, which makes a CPU model run on one core. None
+    means: this node's cores, shared among the workers that compute at the same time (the ranks of one
+    tensor-parallel target, plus the draft when it drafts ahead during the verify; without that overlap draft
+    and target take turns within a round, so each gets all cores).
+    """
+    if threads is None:
+        threads = max(1, len(os.sched_getaffinity(0)) // concurrent_workers)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def warm_up(runner: Runner, max_k: int, what: str) -> None:
+    """Compile the static runner's step shapes now (or load them from inductor's on-disk cache), logging progress,
+    so the first requests do not wait for compilation."""
+    if not getattr(runner, "compiled", False):
+        return
+    start = time.monotonic()
+    shapes = runner.warm_up(max_k, progress=lambda message: log.info("%s runner: %s", what, message))
+    log.info("%s runner: %d step shapes ready in %.1f s", what, shapes, time.monotonic() - start)
+
+
+@contextlib.contextmanager
+def cpu_startup_turn(config: EngineConfig):
+    """One model worker at a time per node loads and measures its costs, when they compute on CPU.
+
+    Cost measurements taken while another worker on the same cores loads a model or measures its own would
+    be inflated, and the draft/verify ratio the K policy decides by would be wrong. A node-local file lock
+    serializes these start-up phases (GPU workers do not share their compute, so they skip it).
+    """
+    if config.device != "cpu":
+        yield
+        return
+    with open(os.path.join(tempfile.gettempdir(), "specserve-cpu-startup.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+
+class ModelWorker:
+    """The base of DraftWorkerCore and TargetWorkerCore (deployments/workers.py): a channel served on the model
+    thread with the worker's `handlers` plus "release", torch's threads, the busy clock, the known tokens and the
+    counters. A subclass says which runner holds its sequences (`model_runner`) and what else a released sequence
+    frees (`_forget`)."""
+
+    def __init__(self, handlers: dict[str, Callable], torch_threads: int | None, concurrent_workers: int) -> None:
+        self._model = ChannelServer({**handlers, "release": self.release}, node_address())
+        self.torch_threads = self._model.call(set_torch_threads, torch_threads, concurrent_workers)
+        self.busy = BusyClock()
+        self._known = KnownTokens()
+        self.calls = 0  # model calls served
+        self.rows = 0  # sequences in them, summed
+
+    def model_runner(self) -> Runner | None:
+        """The runner holding this worker's sequences (None before it is loaded)."""
+        raise NotImplementedError
+
+    def start_channel(self) -> Endpoint:
+        """The endpoint of this worker's channel (deployments/channel.py)."""
+        return self._model.endpoint
+
+    def on_model_thread(self, fn: Callable, *args):
+        """Run `fn(*args)` on the model thread, in turn with the channel's calls."""
+        return self._model.call(fn, *args)
+
+    def _counted(self, rows: int) -> None:
+        self.calls += 1
+        self.rows += rows
+
+    def release(self, seq_ids: list[str]) -> None:
+        """Forget the sequences: their known tokens and caches (a lease ended)."""
+        self._model.call(self._release, seq_ids)
+
+    def _release(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            self._known.pop(seq_id)
+            self._forget(seq_id)
+
+    def _forget(self, seq_id: str) -> None:
+        runner = self.model_runner()
+        if runner is not None:
+            runner.release(seq_id)
+
+    def stats(self) -> dict:
+        runner = self.model_runner()
+        return {"live_sequences": runner.num_live if runner else 0, "calls": self.calls, "rows": self.rows,
+                "kv_capacity": getattr(runner, "capacity", None) if runner else None, "pid": os.getpid(),
+                "torch_threads": self.torch_threads, "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
+
+    def ping(self) -> float:
+        """Seconds the current model call has been running (0: idle); served on the "control" thread."""
+        return self.busy.seconds()
