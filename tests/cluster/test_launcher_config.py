@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from deployments.app import deployment_options
-from k8s.manifests import app_config, load_overlay
+from k8s.overlay import app_config, load_overlay
 from tests import REPO
 from tests.k8s.fit import Node
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from k8s.manifests import load_overlay, overlays
+from k8s.overlay import load_overlay, overlays
 from tests import REPO
 
 from .checks import load_all

@@ -7,12 +7,12 @@ import copy
 import pytest
 import yaml
 
-from k8s import manifests as m
+from k8s import overlay
 from tests import REPO
 
 from . import checks, fit
 
-PROD = m.load_overlay(REPO / "k8s/overlays/prod.yaml")
+PROD = overlay.load_overlay(REPO / "k8s/overlays/prod.yaml")
 
 
 def _rs() -> dict:
@@ -32,7 +32,7 @@ def _group(rs: dict, name: str) -> dict:
 
 def _with_args(rs: dict, **sections) -> dict:
     doc = yaml.safe_load(rs["spec"]["serveConfigV2"])
-    doc["applications"][0]["args"] = m.deep_merge(doc["applications"][0]["args"], sections)
+    doc["applications"][0]["args"] = overlay.deep_merge(doc["applications"][0]["args"], sections)
     rs["spec"]["serveConfigV2"] = yaml.safe_dump(doc, sort_keys=False)
     return rs
 

@@ -11,7 +11,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
-from k8s.manifests import load_overlay, overlays
+from k8s.overlay import load_overlay, overlays
 from tests import REPO
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from k8s import manifests as m
+from k8s import overlay
 from tests import REPO
 
 from . import checks
@@ -39,7 +40,7 @@ def test_staleness_check_finds_an_edited_file(tmp_path):
 
 
 def test_the_generator_reads_and_writes_under_the_root_it_is_given(tmp_path):
-    shutil.copytree(REPO / m.OVERLAYS_DIR, tmp_path / m.OVERLAYS_DIR)
+    shutil.copytree(REPO / overlay.OVERLAYS_DIR, tmp_path / overlay.OVERLAYS_DIR)
     shutil.copy(REPO / m.SERVE_CONFIG, tmp_path / m.SERVE_CONFIG)
     assert m.main(["--check", "--root", str(tmp_path)]) == 1  # nothing generated there yet
     assert m.main(["--root", str(tmp_path)]) == 0
@@ -52,7 +53,7 @@ def test_the_generator_reads_and_writes_under_the_root_it_is_given(tmp_path):
 
 def test_the_expected_kinds_are_there():
     kinds = sorted(doc["kind"] for _, doc in manifests())
-    assert kinds.count("RayService") == len(m.overlays(REPO)) >= 2
+    assert kinds.count("RayService") == len(overlay.overlays(REPO)) >= 2
     for kind in ("Ingress", "PodMonitor", "PersistentVolumeClaim"):
         assert kind in kinds
 
@@ -80,7 +81,7 @@ def test_serve_config_v2_parses_with_rays_schema_and_the_app_config(name, rs):
 
 
 def test_serve_config_for_ray_up_is_the_rayservices():
-    prod = m.load_overlay(REPO / "k8s/overlays/prod.yaml")
+    prod = overlay.load_overlay(REPO / "k8s/overlays/prod.yaml")
     rs = checks.load_all(REPO / prod.output_dir / "rayservice.yaml")[0]
     committed = yaml.safe_load((REPO / prod.serve_config_out).read_text())
     assert committed == yaml.safe_load(rs["spec"]["serveConfigV2"])
@@ -111,7 +112,7 @@ def test_head_gets_no_model_work_and_groups_autoscale(overlay_case):
 
 
 def test_prod_draft_pods_have_one_gpu_and_target_pods_tp_size():
-    ov = m.load_overlay(REPO / "k8s/overlays/prod.yaml")
+    ov = overlay.load_overlay(REPO / "k8s/overlays/prod.yaml")
     rs = checks.load_all(REPO / ov.output_dir / "rayservice.yaml")[0]
     _, cfg = checks.app_config_of(rs)
     groups = {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
@@ -152,7 +153,7 @@ def test_probes_ports_and_resources_are_set(overlay_case):
 
 
 def test_ingress_streams_to_the_operators_serve_service():
-    ov = m.load_overlay(REPO / "k8s/overlays/prod.yaml")
+    ov = overlay.load_overlay(REPO / "k8s/overlays/prod.yaml")
     ing = checks.load_all(REPO / ov.output_dir / "ingress.yaml")[0]
     rs = checks.load_all(REPO / ov.output_dir / "rayservice.yaml")[0]
     doc, cfg = checks.app_config_of(rs)
@@ -168,7 +169,7 @@ def test_ingress_streams_to_the_operators_serve_service():
 
 
 def test_podmonitor_selects_every_ray_pod_on_its_metrics_port():
-    ov = m.load_overlay(REPO / "k8s/overlays/prod.yaml")
+    ov = overlay.load_overlay(REPO / "k8s/overlays/prod.yaml")
     pm = checks.load_all(REPO / ov.output_dir / "podmonitor.yaml")[0]
     rs = checks.load_all(REPO / ov.output_dir / "rayservice.yaml")[0]
     assert pm["spec"]["namespaceSelector"]["matchNames"] == [rs["metadata"]["namespace"]]
@@ -191,7 +192,7 @@ def test_api_key_comes_from_a_secret_under_the_apps_variable(overlay_case):
 
 
 def test_prod_weights_come_from_the_read_only_volume():
-    ov = m.load_overlay(REPO / "k8s/overlays/prod.yaml")
+    ov = overlay.load_overlay(REPO / "k8s/overlays/prod.yaml")
     rs = checks.load_all(REPO / ov.output_dir / "rayservice.yaml")[0]
     _, cfg = checks.app_config_of(rs)
     for path in (cfg.model.target, cfg.model.draft):
@@ -211,11 +212,11 @@ def test_a_new_model_pair_rolls_a_new_cluster_and_a_setting_does_not(tmp_path):
     base = yaml.safe_load((REPO / "k8s/overlays/prod.yaml").read_text())
 
     def rayservice(args_over):
-        over = m.deep_merge(base, {"args": args_over})
+        over = overlay.deep_merge(base, {"args": args_over})
         path = tmp_path / "o.yaml"
         path.write_text(yaml.safe_dump(over))
-        ov = m.load_overlay(path)
-        doc, cfg = m.app_config(ov, REPO / "serve_config.yaml")
+        ov = overlay.load_overlay(path)
+        doc, cfg = overlay.app_config(ov, REPO / "serve_config.yaml")
         return m.build_rayservice(ov, doc, cfg)
 
     before = rayservice({})
@@ -231,14 +232,14 @@ def test_a_new_model_pair_rolls_a_new_cluster_and_a_setting_does_not(tmp_path):
 def test_overlay_ray_version_is_the_installed_one():
     import ray
 
-    for path in m.overlays(REPO):
-        assert m.load_overlay(path).ray_version == ray.__version__, path
+    for path in overlay.overlays(REPO):
+        assert overlay.load_overlay(path).ray_version == ray.__version__, path
 
 
 def test_grafana_dashboard_configmap_is_the_dashboard():
     from deployments.dashboard import build_dashboard
 
-    ov = m.load_overlay(REPO / "k8s/overlays/prod.yaml")
+    ov = overlay.load_overlay(REPO / "k8s/overlays/prod.yaml")
     cm = checks.load_all(REPO / ov.output_dir / "grafana-dashboard.configmap.yaml")[0]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     (text,) = cm["data"].values()
