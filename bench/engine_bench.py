@@ -50,7 +50,7 @@ import torch
 from tqdm import tqdm
 
 from engine.factory import EngineConfig
-from engine.loading import load_causal_lm, load_tokenizer, resolve
+from engine.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve
 from engine.model_runner import ModelRunner
 from engine.proposers import DraftModelProposer, NgramProposer
 from engine.sampling import SamplingParams
@@ -362,8 +362,7 @@ def main() -> None:
     draft.generation_config.num_assistant_tokens = k  # HF reads these from the assistant's own config
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0  # 0 = no early stop of the draft
-    eos_cfg = target.generation_config.eos_token_id
-    eos = [eos_cfg] if isinstance(eos_cfg, int) else list(eos_cfg or [])
+    eos = sorted(eos_token_ids(resolved.directory, tokenizer))
     prompts = [encode(tokenizer, r["messages"]) for r in records]
     vocab = target.get_input_embeddings().weight.shape[0]
 

@@ -25,7 +25,7 @@ logger = logging.getLogger("ray.serve")
 
 @dataclass
 class AheadDraft:
-    lease: object  # the draft lease drafting ahead (scheduler.DraftLease)
+    lease: object  # the draft lease drafting ahead (live.DraftLease)
     ahead_id: int
     members: list[int]  # the round's rows it drafts for
     task: asyncio.Future  # the lease's propose call

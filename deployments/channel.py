@@ -3,7 +3,7 @@
 Ray places, owns, health-checks and kills the model workers; the per-round calls (draft, verify, release) travel
 here instead of as Ray actor calls. Measured on this project's 2-core VM (bench/RESULTS.md): while a worker's torch
 threads hold both cores, a Ray actor call costs ~2.5 ms beyond the worker's compute, and a blocking socket read
-by a worker thread ~0.35 ms; a speculative round makes two such calls.
+by a worker thread ~0.35 ms; a speculative round is one chained call through both workers (below).
 
 Wire format: after the handshake, frames of an 8-byte big-endian length and a pickle (protocol 5). A request is
 (method, args, reply); a reply is (ok, value), value being the result or the exception the method raised. `reply`

@@ -17,11 +17,14 @@ from engine.loading import DTYPES
 RAY_METRICS_INTERVAL_S = 10.0
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """Unknown fields are errors and a parsed config never changes: the base of every config model here and of
+    the Kubernetes overlays (k8s/manifests.py)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ModelSection(_Strict):
+class ModelSection(StrictModel):
     target: str = Field("smollm2", description="alias 'smollm2', a .gguf file, an HF directory or a cached HF id")
     target_dtype: str = Field("auto", description="dtype of the target weights; 'auto': bfloat16 where the hardware "
                                                   "computes it natively (CUDA, a CPU with avx512_bf16 or AMX), else "
@@ -50,7 +53,7 @@ class ModelSection(_Strict):
         return self.draft_method is DraftMethod.MODEL
 
 
-class SpeculationSection(_Strict):
+class SpeculationSection(StrictModel):
     num_speculative_tokens: int = Field(3, ge=0, le=16, description="draft tokens per round (K); 0 = plain")
     ngram_min: int = Field(2, ge=1, description="shortest n-gram prompt lookup tries")
     ngram_max: int = Field(4, ge=1, description="longest n-gram prompt lookup tries")
@@ -70,7 +73,7 @@ class SpeculationSection(_Strict):
                            "accepted (used when the guess is right, discarded otherwise)")
 
 
-class RunnerSection(_Strict):
+class RunnerSection(StrictModel):
     """The model runner of the Draft and Target workers (engine/runner.py)."""
 
     kind: Literal["auto", "static", "transformers"] = Field(
@@ -89,14 +92,14 @@ class RunnerSection(_Strict):
                                                        "several rounds, so running streams wait at most one chunk")
 
 
-class SamplingDefaults(_Strict):
+class SamplingDefaults(StrictModel):
     temperature: float = Field(1.0, ge=0.0, description="default when a request gives none (OpenAI's default)")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     max_tokens: int = Field(256, ge=1, description="default max_tokens when a request gives none")
 
 
-class LimitsSection(_Strict):
+class LimitsSection(StrictModel):
     max_tokens: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
     max_prompt_tokens: int = Field(2000, ge=1)
     max_stop_strings: int = Field(8, ge=0)
@@ -107,7 +110,7 @@ class LimitsSection(_Strict):
                                 "answered 503 with Retry-After (deployments/admission.py)")
 
 
-class ScalingSection(_Strict):
+class ScalingSection(StrictModel):
     """Replica count, load targets and resources of one deployment."""
 
     min_replicas: int = Field(1, ge=0)
@@ -142,7 +145,7 @@ class ScalingSection(_Strict):
         return self
 
 
-class SpecServeConfig(_Strict):
+class SpecServeConfig(StrictModel):
     model: ModelSection = Field(default_factory=ModelSection)
     speculation: SpeculationSection = Field(default_factory=SpeculationSection)
     runner: RunnerSection = Field(default_factory=RunnerSection)

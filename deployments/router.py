@@ -68,13 +68,10 @@ class Router:
         self.metrics = metrics or NullMetrics()
         resolved = resolve(config.model.target)
         self.tokenizer = tokenizer or load_tokenizer(resolved, config.model.trust_remote_code)
-        eos = set(eos_token_ids(resolved.directory))
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
         mode = config.model.draft_method
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_model_len=config.model.max_model_len, eos_token_ids=frozenset(eos),
+                max_model_len=config.model.max_model_len, eos_token_ids=eos_token_ids(resolved.directory, self.tokenizer),
                 num_speculative_tokens=config.speculation.num_speculative_tokens if mode is not DraftMethod.NONE else 0,
                 draft_mode=mode, ngram_min=config.speculation.ngram_min, ngram_max=config.speculation.ngram_max,
                 max_batch_for_speculation=config.speculation.max_batch_for_speculation,

@@ -9,10 +9,8 @@ import time
 
 from tqdm import tqdm
 
-from .factory import EngineConfig, build_proposer, build_target
-from .loading import eos_token_ids, resolve
+from .factory import EngineConfig, build_engine
 from .sampling import SamplingParams
-from .speculative import SpeculativeEngine
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,13 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         stop=tuple(args.stop), seed=args.seed,
     )
     with tqdm(total=2, desc="loading models", unit="model", file=sys.stderr) as bar:
-        bar.set_postfix_str(f"target {args.target}")
-        target, tokenizer = build_target(config)
+        def loading(role: str, source: str) -> None:
+            if role != "target":
+                bar.update()  # the model before this one is loaded
+            bar.set_postfix_str(f"{role} {source}")
+
+        engine = build_engine(config, on_loading=loading)
         bar.update()
-        bar.set_postfix_str(f"draft {args.draft}")
-        proposer = build_proposer(config, tokenizer, target.vocab_size)
-        bar.update()
-    engine = SpeculativeEngine(target, tokenizer, proposer, args.k, sorted(eos_token_ids(resolve(args.target).directory)))
+    tokenizer = engine.tokenizer
     prompts = [encode_prompt(tokenizer, p, args.chat) for p in args.prompt]
     stream = len(prompts) == 1 and not args.json
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -107,9 +108,14 @@ def build_proposer(config: EngineConfig, target_tokenizer, target_vocab_size: in
     return DraftModelProposer(make_runner(model, config), target_vocab_size)
 
 
-def build_engine(config: EngineConfig) -> SpeculativeEngine:
+def build_engine(config: EngineConfig,
+                 on_loading: Callable[[str, str], None] = lambda role, source: None) -> SpeculativeEngine:
+    """The in-process engine of `config`: target, proposer, EOS ids and speculation limits, all from the config.
+    `on_loading(role, source)` is called before each model loads ("target", then "draft"), for a progress bar."""
+    on_loading("target", config.target)
     target, tokenizer = build_target(config)
+    on_loading("draft", config.draft)
     proposer = build_proposer(config, tokenizer, target.vocab_size)
-    eos_ids = sorted(eos_token_ids(resolve(config.target).directory))
+    eos_ids = sorted(eos_token_ids(resolve(config.target).directory, tokenizer))
     return SpeculativeEngine(target, tokenizer, proposer, config.num_speculative_tokens, eos_ids,
                              config.max_batch_for_speculation)

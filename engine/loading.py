@@ -170,12 +170,19 @@ def load_causal_lm(
     return lm.to(device).eval()
 
 
-def eos_token_ids(model_dir: Path) -> frozenset[int]:
-    """The model's end-of-sequence ids from its generation config (none when it has no such file)."""
+def eos_token_ids(model_dir: Path, tokenizer=None) -> frozenset[int]:
+    """The ids that end a sequence: those of the model's generation config (none when it has no such file) and the
+    tokenizer's end-of-sequence token. The one place EOS ids are computed (CLI, engine, router, benchmarks)."""
     from transformers import GenerationConfig
 
     try:
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     except OSError:
         eos = None
-    return frozenset([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset([eos] if isinstance(eos, int) else (eos or [])) | tokenizer_eos_ids(tokenizer)
+
+
+def tokenizer_eos_ids(tokenizer) -> frozenset[int]:
+    """The tokenizer's end-of-sequence id (none without a tokenizer or an eos token)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return frozenset() if eos is None else frozenset([int(eos)])

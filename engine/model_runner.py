@@ -15,12 +15,12 @@ import torch
 from .cpu_kernels import use_small_batch_linear
 from .kv_cache import SlotKVCache, WritePlan
 from .llama_fast import FastLlamaForward, supports
-from .runner import ContextWindowError, SlotTable, config_context_window
+from .runner import ContextWindowError, SlotTable, SlotTableAccess, config_context_window
 
 PREFILL_THRESHOLD = 32  # rows with more new tokens than this run in their own forward, not padded together
 
 
-class ModelRunner:
+class ModelRunner(SlotTableAccess):
     """Owns a model, its slotted KV cache and the slot table of the live sequences."""
 
     def __init__(self, model: torch.nn.Module, max_model_len: int | None = None,
@@ -53,16 +53,6 @@ class ModelRunner:
     def capacity(self) -> None:
         return None  # the cache grows with the live sequences
 
-    @property
-    def num_live(self) -> int:
-        return len(self._seqs)
-
-    def has(self, seq_id: str) -> bool:
-        return seq_id in self._seqs
-
-    def cached_tokens(self, seq_id: str) -> list[int]:
-        return list(self._seqs[seq_id].tokens)
-
     @torch.inference_mode()
     def add(self, seq_id: str) -> None:
         slot = self._seqs.add(seq_id)
@@ -72,10 +62,6 @@ class ModelRunner:
     def release(self, seq_id: str) -> None:
         """Free a sequence's slot now; the last slot moves into the hole so slots stay compact."""
         self._seqs.release(seq_id)
-
-    def sync(self, seq_id: str, committed: Sequence[int]) -> list[int]:
-        """Roll the cache back to its longest prefix agreeing with `committed`; return the tokens to feed."""
-        return self._seqs.sync(seq_id, committed)
 
     # ---- forward --------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -112,6 +112,27 @@ class SlotTable:
         return list(committed[common:])
 
 
+class SlotTableAccess:
+    """The sequence-table queries of the Runner protocol, the same for every runner that keeps its live sequences
+    in a `SlotTable` at `self._seqs` (both runners do; each adds its own `add`, `release` and `capacity`)."""
+
+    _seqs: SlotTable
+
+    @property
+    def num_live(self) -> int:
+        return len(self._seqs)
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def cached_tokens(self, seq_id: str) -> list[int]:
+        return list(self._seqs[seq_id].tokens)
+
+    def sync(self, seq_id: str, committed: Sequence[int]) -> list[int]:
+        """Roll the cache back to its longest prefix agreeing with `committed`; return the tokens to feed."""
+        return self._seqs.sync(seq_id, committed)
+
+
 class Runner(Protocol):
     vocab_size: int  # logits width
     max_model_len: int  # the longest sequence (prompt + output) a slot holds

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .loading import tokenizer_eos_ids
 from .model_runner import ModelRunner
 from .policy import load_adjusted_k
 from .proposers import DraftRequest, Proposer
@@ -41,10 +42,7 @@ class SpeculativeEngine:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.max_batch_for_speculation = max_batch_for_speculation  # see engine/policy.py
-        eos = set(eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = frozenset(eos_token_ids) | tokenizer_eos_ids(tokenizer)  # see engine.loading
         self.timings = EngineTimings()
         self.stats = SpecStats()
         self._seqs: dict[str, SequenceState] = {}

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .runner import ContextWindowError, SlotTable, SeqSlot, config_context_window
+from .runner import ContextWindowError, SlotTable, SlotTableAccess, SeqSlot, config_context_window
 from .static_llama import StaticLlama
 
 MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks, alone
@@ -115,7 +115,7 @@ def forbid_host_sync(device: torch.device) -> Iterator[None]:
             setattr(torch.Tensor, name, method)
 
 
-class StaticRunner:
+class StaticRunner(SlotTableAccess):
     """Runner protocol (engine/runner.py) over `StaticLlama`."""
 
     def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, vocab_size: int | None = None,
@@ -152,25 +152,12 @@ class StaticRunner:
     def capacity(self) -> int:
         return self.model.num_slots
 
-    @property
-    def num_live(self) -> int:
-        return len(self._seqs)
-
-    def has(self, seq_id: str) -> bool:
-        return seq_id in self._seqs
-
-    def cached_tokens(self, seq_id: str) -> list[int]:
-        return list(self._seqs[seq_id].tokens)
-
     def add(self, seq_id: str) -> None:
         self._seqs.add(seq_id)  # KVCacheFull when every slot is taken
 
     def release(self, seq_id: str) -> None:
         """Free a sequence's slot now; the last slot moves into the hole so slots stay compact."""
         self._seqs.release(seq_id)
-
-    def sync(self, seq_id: str, committed: Sequence[int]) -> list[int]:
-        return self._seqs.sync(seq_id, committed)
 
     # ---- forward --------------------------------------------------------------------------------------------
     @torch.inference_mode()

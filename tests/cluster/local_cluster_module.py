@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from deployments.manifests import REPO
+from tests import REPO
 
 
 def load():

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from deployments.app import deployment_options
-from deployments.manifests import REPO, app_config, load_overlay
+from k8s.overlay import app_config, load_overlay
+from tests import REPO
 from tests.k8s.fit import Node
 
 LAUNCHER = REPO / "cluster" / "aws.yaml"
@@ -59,7 +60,7 @@ def _nodes(config: dict) -> dict[str, dict[str, float]]:
 def test_prod_app_fits_the_node_types_meant_for_it():
     config = _config()
     overlay = load_overlay(PROD)
-    _, cfg = app_config(overlay)
+    _, cfg = app_config(overlay, REPO / "serve_config.yaml")
     options = deployment_options(cfg)
     types = _nodes(config)
     assert types["head"].get("CPU", 0) == 0 and types["head"].get("GPU", 0) == 0
@@ -83,7 +84,7 @@ def test_prod_app_fits_the_node_types_meant_for_it():
 def test_launcher_runs_the_image_and_volume_layout_of_the_prod_overlay():
     config = _config()
     overlay = load_overlay(PROD)
-    _, cfg = app_config(overlay)
+    _, cfg = app_config(overlay, REPO / "serve_config.yaml")
     assert config["docker"]["image"] == overlay.image
     run = " ".join(config["docker"]["run_options"])
     assert f":{overlay.models.mount_path}:ro" in run and f"HF_HOME={overlay.models.hf_home}" in run

@@ -36,7 +36,7 @@ def config_variant(base: Path, overrides: dict, out: Path) -> Path:
     """`base` (a serve config file) with `overrides` deep-merged into its application's args, written to `out`."""
     import yaml
 
-    from deployments.manifests import deep_merge
+    from k8s.overlay import deep_merge
 
     doc = yaml.safe_load(Path(base).read_text())
     app = doc["applications"][0]

@@ -4,6 +4,8 @@ The app runs under uvicorn in a thread with the tiny models. Over 1,000 generate
 requests): no 5xx, no hang (each call has a timeout), and the server still answers a normal request afterwards.
 """
 
+from dataclasses import dataclass, field
+
 import httpx
 import pytest
 import schemathesis
@@ -14,7 +16,12 @@ from deployments.router import Router
 from tests.deployments.conftest import TINY_CHAT_TEMPLATE, LocalBroker, http_server, tiny_config
 
 CASES_PER_OPERATION = 300  # per operation and mode (valid / invalid bodies)
-CALLS = {"n": 0}
+
+
+@dataclass
+class FuzzRun:
+    cases: int = 0  # requests sent
+    failures: list[str] = field(default_factory=list)  # per operation and mode, hypothesis' (shrunk) failing case
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +33,11 @@ def server(tiny_model_dirs):
         yield base, router
 
 
-def test_no_server_errors(server):
+@pytest.fixture(scope="module")
+def fuzzed(server) -> FuzzRun:
+    """Every operation fuzzed once per module, whichever of the tests below runs first (or alone)."""
     base, _ = server
+    run = FuzzRun()
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {(op.method.upper(), op.path) for op in operations} >= {("POST", "/v1/completions"),
@@ -40,7 +50,7 @@ def test_no_server_errors(server):
         @settings(max_examples=CASES_PER_OPERATION, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
         def check(case):
-            CALLS["n"] += 1
+            run.cases += 1
             response = case.call(timeout=30)
             assert response.status_code < 500, (case.method, case.path, case.body, response.status_code,
                                                 response.text[:500])
@@ -48,12 +58,21 @@ def test_no_server_errors(server):
                 error = response.json()["error"]  # OpenAI's error JSON
                 assert error["message"] and error["type"]
 
-        check()
+        try:
+            check()
+        except Exception as exc:  # hypothesis re-raises the shrunk failing case once it is done
+            run.failures.append(f"{operation.method.upper()} {operation.path} ({mode.name}): {exc!r}")
+    return run
 
 
-def test_after_fuzzing_a_normal_request_still_works(server):
+def test_no_server_errors(fuzzed):
+    assert not fuzzed.failures, "\n".join(fuzzed.failures)
+    assert fuzzed.cases >= 1000, f"only {fuzzed.cases} fuzz cases ran"
+
+
+def test_after_fuzzing_a_normal_request_still_works(server, fuzzed):
     base, router = server
-    assert CALLS["n"] >= 1000, f"only {CALLS['n']} fuzz cases ran"
+    assert fuzzed.cases > 0
     r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 8,
                                                    "temperature": 0, "ignore_eos": True}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import DraftModelProposer, IncompatibleDraftError, ModelRunner, SamplingParams, SpeculativeEngine
-from engine.loading import ModelLoadError, load_causal_lm, load_tokenizer, resolve
+from engine.loading import ModelLoadError, eos_token_ids, load_causal_lm, load_tokenizer, resolve
 from engine.proposers import check_tokenizers_compatible
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
@@ -101,3 +101,14 @@ def test_draft_with_padded_vocabulary_is_exact(tiny_tokenizer):
     assert spec.token_ids == plain.token_ids
     assert spec.stats.acceptance_rate > 0.5
     assert all(t < 64 for t in spec.token_ids)
+
+
+def test_eos_ids_are_the_generation_configs_and_the_tokenizers(tiny_dir, tiny_tokenizer, tmp_path):
+    path, model = tiny_dir
+    model.generation_config.eos_token_id = [3, 4]
+    model.generation_config.save_pretrained(path)
+    assert eos_token_ids(path, tiny_tokenizer) == {1, 3, 4}  # the tiny tokenizer's </s> is id 1
+    assert eos_token_ids(path) == {3, 4}
+    (tmp_path / "bare").mkdir()  # no generation_config.json
+    assert eos_token_ids(tmp_path / "bare", tiny_tokenizer) == {1}
+    assert eos_token_ids(tmp_path / "bare") == frozenset()

@@ -3,12 +3,10 @@ only the shard's bytes read, and (2 gloo ranks) the same logits as the unsharded
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import engine.shard_loading as shard_loading
 from engine.loading import load_causal_lm, resolve
@@ -17,6 +15,7 @@ from engine.shard_loading import load_shard, rank_device
 from engine.tensor_parallel import (COLUMNS, ROWS, ColumnParallelLinear, TensorParallelError, full_num_parameters,
                                     num_parameters, split_part)
 from tests.conftest import make_tiny_model
+from tests.engine.spawn_ranks import run_ranks
 
 CASES = ["llama", "llama-sharded", "llama-tied", "qwen2"]
 WORLD = 2
@@ -211,12 +210,6 @@ PROMPTS = {"a": [2, 3, 4, 5, 6, 7], "b": [9, 8, 7]}
 NEXT = {"a": [11, 12], "b": [13]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _logits(model, vocab):
     runner = ModelRunner(model, vocab_size=vocab)
     runner.add("a")
@@ -225,12 +218,12 @@ def _logits(model, vocab):
     return first, runner.forward(["a", "b"], [NEXT["a"], NEXT["b"]], [2, 1])
 
 
-def _rank_worker(rank, port, dirs, results):
+def _rank_worker(rank, world, port, dirs, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         for case, directory in dirs.items():
-            model = load_shard(resolve(str(directory)), "float32", "cpu", rank, WORLD)
+            model = load_shard(resolve(str(directory)), "float32", "cpu", rank, world)
             results[(case, rank)] = _logits(model, model.config.vocab_size)
     finally:
         dist.destroy_process_group()
@@ -238,17 +231,7 @@ def _rank_worker(rank, port, dirs, results):
 
 @pytest.fixture(scope="module")
 def two_rank_logits(model_dirs):
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        port = _free_port()
-        procs = [ctx.Process(target=_rank_worker, args=(r, port, dict(model_dirs), results)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=240)
-            assert p.exitcode == 0
-        return dict(results)
+    return run_ranks(_rank_worker, WORLD, dict(model_dirs), timeout=240)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,22 +1,15 @@
 """Megatron-style sharding over torch.distributed (gloo, 2 processes): same logits, 1/world of the weights."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from engine.model_runner import ModelRunner
 from engine.tensor_parallel import TensorParallelError, check_shardable, num_parameters, shard_model
 from tests.conftest import make_tiny_model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.engine.spawn_ranks import run_ranks
 
 
 def _worker(rank, world, port, family, results):
@@ -39,17 +32,7 @@ def _worker(rank, world, port, family, results):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_two_ranks_match_the_unsharded_model(family):
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, 2, port, family, results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=120)
-            assert p.exitcode == 0
-        results = dict(results)
+    results = run_ranks(_worker, 2, family)
     reference = ModelRunner(make_tiny_model(family, seed=0))
     reference.add("a")
     reference.add("b")
@@ -87,17 +70,7 @@ def _worker_with_diverging_slots(rank, world, port, results):
 
 
 def test_ranks_whose_cache_slots_differ_still_agree():
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker_with_diverging_slots, args=(r, 2, port, results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=120)
-            assert p.exitcode == 0
-        results = dict(results)
+    results = run_ranks(_worker_with_diverging_slots, 2)
     reference = ModelRunner(make_tiny_model("llama", seed=0))
     for seq_id in ("a", "b", "c", "d"):
         reference.add(seq_id)

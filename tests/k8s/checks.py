@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from deployments.manifests import REPO
+from tests import REPO
 
 SCHEMAS = REPO / "k8s" / "schemas" / "kuberay-v1.7.0"
 K8S_VERSION = "1.31"  # core kinds are validated against this Kubernetes version's schemas

@@ -6,11 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from deployments.manifests import OVERLAYS, REPO, load_overlay
+from k8s.overlay import load_overlay, overlays
+from tests import REPO
 
 from .checks import load_all
 
 K8S = REPO / "k8s"
+OVERLAYS = overlays(REPO)
 
 
 def manifest_files() -> list[Path]:

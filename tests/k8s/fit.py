@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deployments.app import deployment_options
-from deployments.manifests import GPU_RESOURCE, Overlay, quantity_bytes
+from k8s.manifests import GPU_RESOURCE
+from k8s.overlay import Overlay, quantity_bytes
 
 from .checks import app_config_of
 

@@ -7,19 +7,20 @@ import copy
 import pytest
 import yaml
 
-from deployments import manifests as m
+from k8s import overlay
+from tests import REPO
 
 from . import checks, fit
 
-PROD = m.load_overlay(m.REPO / "k8s/overlays/prod.yaml")
+PROD = overlay.load_overlay(REPO / "k8s/overlays/prod.yaml")
 
 
 def _rs() -> dict:
-    return copy.deepcopy(checks.load_all(m.REPO / PROD.output_dir / "rayservice.yaml")[0])
+    return copy.deepcopy(checks.load_all(REPO / PROD.output_dir / "rayservice.yaml")[0])
 
 
 def _doc(name: str) -> dict:
-    return copy.deepcopy(checks.load_all(m.REPO / PROD.output_dir / f"{name}.yaml")[0])
+    return copy.deepcopy(checks.load_all(REPO / PROD.output_dir / f"{name}.yaml")[0])
 
 
 def _group(rs: dict, name: str) -> dict:
@@ -31,7 +32,7 @@ def _group(rs: dict, name: str) -> dict:
 
 def _with_args(rs: dict, **sections) -> dict:
     doc = yaml.safe_load(rs["spec"]["serveConfigV2"])
-    doc["applications"][0]["args"] = m.deep_merge(doc["applications"][0]["args"], sections)
+    doc["applications"][0]["args"] = overlay.deep_merge(doc["applications"][0]["args"], sections)
     rs["spec"]["serveConfigV2"] = yaml.safe_dump(doc, sort_keys=False)
     return rs
 

@@ -11,7 +11,8 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
-from deployments.manifests import OVERLAYS, REPO, load_overlay
+from k8s.overlay import load_overlay, overlays
+from tests import REPO
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 
@@ -33,7 +34,7 @@ def test_base_image_is_rays_at_the_tested_version():
     assert re.search(r"^FROM rayproject/ray:\$\{RAY_VERSION\}-\$\{PYTHON_TAG\}-\$\{VARIANT\}$", DOCKERFILE, re.MULTILINE)
     assert args["VARIANT"] == "gpu" and re.fullmatch(r"py3\d+", args["PYTHON_TAG"])
     assert '"ray[serve]==${RAY_VERSION}"' in DOCKERFILE
-    for overlay in OVERLAYS:
+    for overlay in overlays(REPO):
         assert load_overlay(overlay).ray_version == args["RAY_VERSION"]
 
 

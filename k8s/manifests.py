@@ -1,11 +1,17 @@
 """KubeRay manifests generated from serve_config.yaml plus an overlay; never edited by hand.
 
-    python -m deployments.manifests           # (re)write every overlay's outputs (k8s/prod/, k8s/kind/, ...)
-    python -m deployments.manifests --check   # exit 1 and name the files that differ from what would be written
+Run from the repository root (every path below and in an overlay is relative to it; `--root` names another):
+
+    python -m k8s.manifests           # (re)write every overlay's outputs (k8s/prod/, k8s/kind/, ...)
+    python -m k8s.manifests --check   # exit 1 and name the files that differ from what would be written
+
+This is a build tool beside the manifests it writes, not serving code: it is not part of the installed package
+(the image holds engine/ and deployments/ only). It validates with the application's own config model.
 
 An overlay (k8s/overlays/*.yaml) holds two things: `args`, merged over the application args of serve_config.yaml
 and validated by `deployments.config.SpecServeConfig` (the one config model of the application), and the cluster
-layout that is not the application's business (image, pod sizes, volumes, ingress), validated by `Overlay` below.
+layout that is not the application's business (image, pod sizes, volumes, ingress), validated by `Overlay`
+(k8s/overlay.py).
 Pod resources follow the Serve options `deployments.app.deployment_options` computes from the config: a draft pod
 advertises one draft worker's GPUs and custom resources, a target pod `tp_size` workers' (its STRICT_PACK group).
 """
@@ -13,23 +19,20 @@ advertises one draft worker's GPUs and custom resources, a target pod `tp_size` 
 from __future__ import annotations
 
 import argparse
-import copy
 import difflib
 import hashlib
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from deployments.config import ScalingSection, SpecServeConfig
+from deployments.dashboard import build_dashboard
 
-from .config import ScalingSection, SpecServeConfig
+from .overlay import OVERLAYS_DIR, Overlay, app_config, load_overlay, overlays, quantity_bytes
 
-REPO = Path(__file__).resolve().parent.parent
-SERVE_CONFIG = REPO / "serve_config.yaml"
-OVERLAYS = sorted((REPO / "k8s" / "overlays").glob("*.yaml"))
+SERVE_CONFIG = Path("serve_config.yaml")  # relative to the repository root, like every path here
 GPU_RESOURCE = "nvidia.com/gpu"
 SERVE_PORT, METRICS_PORT, DASHBOARD_PORT, AGENT_PORT, GCS_PORT, CLIENT_PORT = 8000, 8080, 8265, 52365, 6379, 10001
 GROUPS = ("draft", "target")  # worker group name == the Serve deployment it hosts
@@ -43,118 +46,6 @@ SERVE_PROXY_HEALTH = _HEALTH.format(port=SERVE_PORT, path="-/healthz")  # Serve'
 # (deployments/readiness.py); wget exits non-zero on a 503
 APP_READY = f"wget -T 2 -q -O /dev/null http://localhost:{SERVE_PORT}/health"
 APP_START_PROBES = 360  # x 5 s: how long the application may take to start (load its models) before a restart
-_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "": 1}
-
-
-def quantity_bytes(q: str | int) -> int:
-    """A Kubernetes memory quantity ('64Gi', '512M', 1000) in bytes."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T|)", str(q))
-    if not match:
-        raise ValueError(f"not a memory quantity: {q!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class PodSize(_Strict):
-    cpu: int = Field(ge=1, description="whole CPUs: k8s requests = limits; Ray's num-cpus (0 on the head)")
-    memory: str = Field(description="k8s memory quantity, requests = limits (Ray's `memory` follows the limit)")
-    object_store: str = Field(description="Ray object store (/dev/shm), part of `memory`")
-    host_memory_per_worker: str | None = Field(None, description="host RAM one model worker needs (fit check)")
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, str]] = Field(default_factory=list)
-
-    @field_validator("memory", "object_store", "host_memory_per_worker")
-    @classmethod
-    def _quantity(cls, v):
-        if v is not None:
-            quantity_bytes(v)
-        return v
-
-
-class ModelsVolume(_Strict):
-    pvc: str
-    storage: str = "100Gi"
-    storage_class: str = Field("", description="'' = the cluster's default class")
-    mount_path: str = "/models"
-    hf_home: str | None = Field(None, description="HF_HOME on the volume: cached HF ids resolve offline")
-
-
-class SecretRef(_Strict):
-    name: str
-    key: str
-
-
-class IngressSpec(_Strict):
-    host: str
-    class_name: str = "nginx"
-    tls_secret: str | None = None
-    read_timeout_s: int = Field(3600, ge=60, description="longest a stream may stay open")
-
-
-class Monitoring(_Strict):
-    labels: dict[str, str] = Field(default_factory=dict, description="labels Prometheus' selectors match")
-    interval: str = "15s"
-
-
-class Upgrade(_Strict):
-    cluster_deletion_delay_s: int = Field(900, ge=0, description="old cluster's life after traffic switched")
-
-
-class Autoscaler(_Strict):
-    idle_timeout_s: int = Field(120, ge=0)
-    upscaling_mode: str = Field("Default", pattern="^(Default|Aggressive|Conservative)$")
-
-
-class Overlay(_Strict):
-    output_dir: str
-    serve_config_out: str | None = Field(None, description="also write the serve config for a `ray up` cluster")
-    name: str
-    namespace: str
-    image: str
-    image_pull_policy: str = "IfNotPresent"
-    ray_version: str
-    args: dict = Field(default_factory=dict, description="merged over serve_config.yaml's application args")
-    head: PodSize
-    draft_group: PodSize
-    target_group: PodSize
-    router_host_memory: str = "2Gi"
-    node_overhead: str = Field("1Gi", description="raylet, agents and replica actors of a pod (fit check)")
-    models: ModelsVolume | None = None
-    api_key_secret: SecretRef
-    ingress: IngressSpec | None = None
-    monitoring: Monitoring | None = None
-    upgrade: Upgrade = Field(default_factory=Upgrade)
-    autoscaler: Autoscaler = Field(default_factory=Autoscaler)
-
-    def pod(self, group: str) -> PodSize:
-        return {"head": self.head, "draft": self.draft_group, "target": self.target_group}[group]
-
-
-def deep_merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def load_overlay(path: Path) -> Overlay:
-    return Overlay.model_validate(yaml.safe_load(Path(path).read_text()))
-
-
-def app_config(overlay: Overlay, serve_config: Path = SERVE_CONFIG) -> tuple[dict, SpecServeConfig]:
-    """The Serve config document (serveConfigV2) and the validated application config it carries."""
-    doc = yaml.safe_load(Path(serve_config).read_text())
-    if len(doc["applications"]) != 1:
-        raise ValueError("serve_config.yaml must hold exactly one application")
-    app = doc["applications"][0]
-    cfg = SpecServeConfig.model_validate(deep_merge(app.get("args") or {}, overlay.args))
-    args = cfg.model_dump(mode="json", exclude_unset=True)
-    return {**doc, "applications": [{**app, "args": args}]}, cfg
-
-
 def workers_per_pod(cfg: SpecServeConfig, group: str) -> int:
     return cfg.tp_size if group == "target" else 1
 
@@ -361,12 +252,8 @@ def build_pvc(ov: Overlay) -> dict:
             "spec": spec}
 
 
-def build_dashboard_configmap(ov: Overlay) -> dict | None:
-    """Grafana's sidecar loads ConfigMaps labelled grafana_dashboard=1; None while deployments.dashboard is absent."""
-    try:
-        from .dashboard import build_dashboard
-    except ImportError:
-        return None
+def build_dashboard_configmap(ov: Overlay) -> dict:
+    """Grafana's sidecar loads ConfigMaps labelled grafana_dashboard=1."""
     dashboard = build_dashboard()
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": f"{ov.name}-grafana-dashboard", "namespace": ov.namespace,
@@ -386,46 +273,50 @@ def _str(dumper, value: str):
 _Dumper.add_representer(str, _str)
 
 
+GENERATOR = "python -m k8s.manifests"
+
+
 def dump(obj: dict, source: str) -> str:
-    header = f"# Generated by `python -m deployments.manifests` from serve_config.yaml and {source}. Do not edit.\n"
+    header = f"# Generated by `{GENERATOR}` from serve_config.yaml and {source}. Do not edit.\n"
     return header + yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=120)
 
 
-def render(overlay_path: Path) -> dict[Path, str]:
-    """Every file one overlay produces, path (relative to the repo) -> text."""
+def render(overlay_path: Path, root: Path) -> dict[Path, str]:
+    """Every file one overlay produces, path (relative to the repository root `root`) -> text."""
+    root = Path(root).resolve()
     ov = load_overlay(overlay_path)
-    serve_doc, cfg = app_config(ov)
-    source = str(Path(overlay_path).resolve().relative_to(REPO))
+    serve_doc, cfg = app_config(ov, root / SERVE_CONFIG)
+    source = str(Path(overlay_path).resolve().relative_to(root))
     out_dir = Path(ov.output_dir)
     files = {out_dir / "rayservice.yaml": dump(build_rayservice(ov, serve_doc, cfg), source)}
     if ov.ingress:
         files[out_dir / "ingress.yaml"] = dump(build_ingress(ov, cfg), source)
     if ov.monitoring:
         files[out_dir / "podmonitor.yaml"] = dump(build_podmonitor(ov), source)
-        configmap = build_dashboard_configmap(ov)
-        if configmap is not None:
-            files[out_dir / "grafana-dashboard.configmap.yaml"] = dump(configmap, "deployments/dashboard.py")
+        files[out_dir / "grafana-dashboard.configmap.yaml"] = dump(build_dashboard_configmap(ov),
+                                                                   "deployments/dashboard.py")
     if ov.models:
         files[out_dir / "models-pvc.yaml"] = dump(build_pvc(ov), source)
     if ov.serve_config_out:
         text = yaml.safe_dump(serve_doc, sort_keys=False)
-        files[Path(ov.serve_config_out)] = (f"# Generated by `python -m deployments.manifests` from serve_config.yaml "
+        files[Path(ov.serve_config_out)] = (f"# Generated by `{GENERATOR}` from serve_config.yaml "
                                             f"and {source}: `serve deploy` on a `ray up` cluster. Do not edit.\n{text}")
     return files
 
 
-def render_all(overlays: list[Path] | None = None) -> dict[Path, str]:
+def render_all(root: Path) -> dict[Path, str]:
+    """Every file every overlay of the repository at `root` produces."""
     files: dict[Path, str] = {}
-    for path in overlays or OVERLAYS:
-        files.update(render(path))
+    for path in overlays(root):
+        files.update(render(path, root))
     return files
 
 
-def stale(files: dict[Path, str], root: Path = REPO) -> list[str]:
-    """Files whose committed text differs from the generated one (missing ones included), with a short diff."""
+def stale(files: dict[Path, str], root: Path) -> list[str]:
+    """Files under `root` whose text differs from the generated one (missing ones included), with a short diff."""
     problems = []
     for rel, text in files.items():
-        path = root / rel
+        path = Path(root) / rel
         current = path.read_text() if path.is_file() else ""
         if current != text:
             diff = "".join(list(difflib.unified_diff(current.splitlines(True), text.splitlines(True),
@@ -437,17 +328,21 @@ def stale(files: dict[Path, str], root: Path = REPO) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if a committed manifest differs")
+    parser.add_argument("--root", type=Path, default=Path.cwd(), help="the repository root (default: here)")
     args = parser.parse_args(argv)
-    files = render_all()
+    if not (args.root / SERVE_CONFIG).is_file() or not overlays(args.root):
+        parser.error(f"{args.root} has no {SERVE_CONFIG} or no {OVERLAYS_DIR}/*.yaml: run from the repository "
+                     "root or pass --root")
+    files = render_all(args.root)
     if args.check:
-        problems = stale(files)
+        problems = stale(files, args.root)
         for p in problems:
             print(p, file=sys.stderr)
         print(f"{len(files) - len(problems)} of {len(files)} manifests up to date")
         return 1 if problems else 0
     for rel, text in files.items():
-        (REPO / rel).parent.mkdir(parents=True, exist_ok=True)
-        (REPO / rel).write_text(text)
+        (args.root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (args.root / rel).write_text(text)
         print(f"wrote {rel}")
     return 0
 
