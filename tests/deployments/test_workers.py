@@ -1,8 +1,8 @@
 """The model-worker cores of deployments/workers.py directly, without Ray or a router: what a draft and a target
 worker answer for a round's calls, on the tiny random-weight model pair.
 
-Replies are read through `part(reply, name)`, which takes a reply's field by name whether it is a dict or a typed
-message, so these tests pin what a worker computes, not how its reply is spelled."""
+Replies are read through `part(reply, name)`, which takes a reply's field by name from its wire tuple, so these
+tests pin what a worker computes, not how its reply is spelled."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from deployments.workers import (DraftCall, DraftWorkerCore, SeqDelta, TargetWorkerCore, UnknownSequenceError,
-                                 VerifyCall, draft_replies_directly)
+from deployments.messages import DraftCall, DraftResult, SeqDelta, VerifyCall, VerifyResult, draft_replies_directly
+from deployments.worker_base import UnknownSequenceError
+from deployments.workers import DraftWorkerCore, TargetWorkerCore
 from engine.loading import load_causal_lm, resolve
 from tests.conftest import TINY_VOCAB
 from tests.deployments.conftest import tiny_config
@@ -20,7 +21,11 @@ PROMPT = [5, 9, 12, 7, 30, 2]
 
 
 def part(reply, name: str):
-    return reply[name] if isinstance(reply, dict) else getattr(reply, name)
+    """A reply's field: workers answer their results' wire tuples (a verify's starts with its argmax dict, a
+    draft's with its list of drafts)."""
+    if isinstance(reply, tuple):
+        reply = VerifyResult.from_wire(reply) if isinstance(reply[0], dict) else DraftResult.from_wire(reply)
+    return getattr(reply, name)
 
 
 def delta(seq_id: str, tokens: list[int], start: int = 0, temperature: float = 0.0, seed: int | None = None):
@@ -108,8 +113,8 @@ def test_verify_chained_fills_in_the_drafts_and_carries_the_draft_result(target)
     seq = delta("c1", PROMPT)
     direct = target.verify([verify_call(seq, [14, 3])])
     target.release(["c1"])
-    draft_result = {"drafts": [[14, 3]]}
-    chained = target.verify_chained([verify_call(seq, [])], [0], draft_result)
+    draft_result = DraftResult([[14, 3]], {}, 0.01)
+    chained = target.verify_chained([verify_call(seq, [])], [0], draft_result.wire())
     assert part(chained, "argmax") == part(direct, "argmax")
     assert part(chained, "draft") == draft_result  # the router gets the draft's result with the target's reply
     target.release(["c1"])
