@@ -5,10 +5,11 @@
   Slots stay compact (a released slot takes the last one's keys/values, a copy made once per release), so a
   forward over the live sequences is a contiguous range of slots: views of the cache, never a per-step gather.
 - **Shapes.** A step runs `B` consecutive slots at width `W` (the new tokens per row: 1 to decode, K+1 to verify).
-  Both are rounded up to buckets; slots in the range that are not in the call feed one dummy token each into the
-  scratch tail past `max_model_len`, which no real row ever reads. Rows shorter than `W` are right-padded: their
-  pad tokens land past the row's length and are overwritten by its next tokens. Long rows (prompts) run in
-  chunks of at most `prefill_chunk` tokens on their own; their last tokens join the batched step.
+  Under CUDA graphs both are rounded up to buckets (elsewhere they are exact); slots in the range that are not in
+  the call feed one dummy token each into the scratch tail past `max_model_len`, which no real row ever reads.
+  Rows shorter than `W` are right-padded: their pad tokens land past the row's length and are overwritten by its
+  next tokens. Long rows (prompts) run in chunks of at most `prefill_chunk` tokens on their own, never padded;
+  their last tokens join the batched step.
 - **Compiled.** Each step goes through `torch.compile`: on CPU inductor with frozen, prepacked weights and the
   key length left dynamic (one graph per batch and width bucket); on CUDA with CUDA graphs
   (`mode="reduce-overhead"`), the key length bucketed too, as graphs need fixed shapes. Inductor keeps its
@@ -139,6 +140,10 @@ class StaticRunner(SlotTableAccess):
         self.chunk_buckets = buckets_up_to(self.prefill_chunk, first=MAX_WIDTH * 2)
         self.kv_buckets = buckets_up_to(capacity, first=256)  # key lengths of CUDA graphs
         self.compiled = compile
+        # CUDA graphs replay fixed shapes, so batch, width and key length are padded to buckets there; eager steps
+        # and CPU's dynamic graph take any shape, so nothing is padded (an 87-token prompt computed as 128 cost
+        # 47% more)
+        self.fixed_shapes = compile and self.device.type == "cuda"
         self._step = _compile_step(self.model, self.device) if compile else self.model.forward
         # prefill chunks are compute-bound: on CUDA they run eagerly (no graph per chunk and key-length bucket; vLLM
         # likewise captures graphs for decode batches only); on CPU the dynamic graph serves them too
@@ -186,7 +191,8 @@ class StaticRunner(SlotTableAccess):
         return logits
 
     def _prefill_chunk(self, state: SeqSlot, tokens: list[int]) -> None:
-        width = bucket(len(tokens), self.chunk_buckets)
+        # chunks never run as CUDA graphs (see __init__), so they are never padded
+        width = len(tokens)
         ids = torch.zeros(1, width, dtype=torch.long)
         ids[0, : len(tokens)] = torch.tensor(tokens)
         start = len(state.tokens)
@@ -197,9 +203,11 @@ class StaticRunner(SlotTableAccess):
     def _batched_step(self, states: list[SeqSlot], tails: list[list[int]],
                       num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]
         lo = min(s.slot for s in states)
-        rows = bucket(max(s.slot for s in states) - lo + 1, self.batch_buckets)
+        rows = max(s.slot for s in states) - lo + 1
+        width = max(len(t) for t in tails)
+        if self.fixed_shapes:
+            rows, width = bucket(rows, self.batch_buckets), bucket(width, self.width_buckets)
         lo = min(lo, self.model.num_slots - rows)  # the range must stay inside the cache
-        width = bucket(max(len(t) for t in tails), self.width_buckets)
         ids = torch.zeros(rows, width, dtype=torch.long)
         starts = torch.full((rows,), self.max_model_len, dtype=torch.long)  # dummy rows: the scratch tail
         need = 1
