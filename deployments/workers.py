@@ -33,7 +33,8 @@ from engine.sequence import draft_generator
 from engine.shard_loading import load_shard, rank_device
 from engine.tensor_parallel import CollectiveError, full_num_parameters, num_parameters
 
-from .channel import ChannelClosed, ChannelRelay, ChannelSender, Endpoint, Route
+from .channel import ChannelRelay, ChannelSender
+from .channel_wire import ChannelClosed, Endpoint, Route
 from .errors import TensorParallelBroken
 from .messages import DraftCall, DraftResult, VerifyCall, VerifyResult
 from .worker_base import ModelWorker, cpu_startup_turn, warm_up
