@@ -1,10 +1,12 @@
 """Engine benchmark: our speculative engine vs HF transformers and vLLM, same prompts, same machine, one run.
 
-    python -m bench.engine_bench [--limit N] [--max-tokens 64] [--k K] [--skip-hf] [--skip-vllm]
+    python -m bench.engine_bench [--limit N] [--max-tokens 64] [--k K] [--policy fixed] [--skip-hf] [--skip-vllm]
 
 Target: SmolLM2-135M-Instruct, fp32. Draft: the same weights, int8 weight-only (the engine's default draft).
 Every prompt of bench/prompts.jsonl (chat, summarization, code) goes through the chat template; decoding is
-greedy, at most --max-tokens new tokens (EOS stops earlier), K = EngineConfig's default unless --k. Configs:
+greedy, at most --max-tokens new tokens (EOS stops earlier), K = EngineConfig's default unless --k, planned per
+round as the served round plans it (engine/round_plan.plan_ks on costs measured at start; --policy fixed: K up to
+max_batch_for_speculation live sequences). Configs:
 
 * ours/plain   our engine with K = 0, batch 1 and batch 8 (the baselines of our speculative configs)
 * hf/generate  HF `generate()`; hf/assisted: `assistant_model=` the same int8 draft module, K tokens a round
@@ -49,6 +51,7 @@ from unittest import mock
 import torch
 from tqdm import tqdm
 
+from engine.calibrate import measure_profile
 from engine.factory import EngineConfig
 from engine.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve
 from engine.model_runner import ModelRunner
@@ -134,10 +137,16 @@ class Config:
                       outputs=self.outputs, prompt_index=order, loadavg_1m=round(sum(self.loads) / len(self.loads), 2))
 
 
-def engine_config(name, batch, target, tokenizer, proposer, k, eos, max_tokens) -> Config:
+def engine_config(name, batch, target, tokenizer, proposer, k, eos, max_tokens, adaptive=True) -> Config:
+    """Our engine; `adaptive` (the served default): K planned per round from costs measured here, at start, as the
+    served replicas measure theirs (engine.calibrate.measure_profile), else the fixed max_batch_for_speculation."""
     cfg = EngineConfig()  # as build_engine() does, bar loading: one target module serves every config
-    engine = SpeculativeEngine(ModelRunner(target, cfg.max_model_len), tokenizer, proposer, k, eos,
-                               max_batch_for_speculation=cfg.max_batch_for_speculation)
+    runner = ModelRunner(target, cfg.max_model_len)
+    profile = None
+    if adaptive and k > 0 and proposer is not None:
+        profile = measure_profile(runner, proposer.runner if isinstance(proposer, DraftModelProposer) else None, k)
+    engine = SpeculativeEngine(runner, tokenizer, proposer, k, eos,
+                               max_batch_for_speculation=cfg.max_batch_for_speculation, profile=profile)
     engine.generate([encode(tokenizer, WARMUP)], SamplingParams(max_tokens=8))
     engine.stats, engine.timings = BenchStats(), EngineTimings()
     params = SamplingParams(max_tokens=max_tokens)
@@ -338,6 +347,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=EngineConfig.num_speculative_tokens)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine_bench.json"))
+    ap.add_argument("--policy", choices=("adaptive", "fixed"), default="adaptive",
+                    help="K per round: planned from costs measured at start (the served default), or fixed K up to "
+                         "max_batch_for_speculation live sequences (the tables before the planner was shared)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--vllm-configs", nargs="+", default=list(VLLM_CONFIGS), choices=VLLM_CONFIGS)
@@ -381,7 +393,8 @@ def main() -> None:
                 configs.append(hf_config(name, hf_target, warmup, args.max_tokens, eos[0], **hf_kwargs[name]))
             else:
                 make, kk = proposers[name]
-                configs.append(engine_config(name, batch, target, tokenizer, make(), kk, eos, args.max_tokens))
+                configs.append(engine_config(name, batch, target, tokenizer, make(), kk, eos, args.max_tokens,
+                                             adaptive=args.policy == "adaptive"))
         except Exception as exc:  # e.g. HF refusing the assistant: report why
             configs.append(Config(name, batch, "", None, None, None, error=f"{type(exc).__name__}: {exc}"))
     vllm_configs = [] if args.skip_vllm or not VLLM_PYTHON.exists() else args.vllm_configs
@@ -399,7 +412,7 @@ def main() -> None:
     text = table(runs, report)
     out.write_text(json.dumps({"machine": info, "command": "python -m bench.engine_bench " + " ".join(
         sys.argv[1:]), "model": str(resolved.directory), "target_dtype": cfg.target_dtype,
-        "draft_dtype": cfg.draft_dtype, "k": k, "max_tokens": args.max_tokens, "batch": BATCH,
+        "draft_dtype": cfg.draft_dtype, "k": k, "policy": args.policy, "max_tokens": args.max_tokens, "batch": BATCH,
         "prompt_ids": [r["id"] for r in records], "configs": runs, "checks": report, "table": text}, indent=1))
     print(text)
     print(f"\nloadavg before {info['loadavg_before']} after {info['loadavg_after']}; wrote {out}")

@@ -1,13 +1,13 @@
-"""The router's side of the worker channel (deployments/channel.py has the wire format and the workers' side): one
-asyncio connection per call in flight, reused across calls, and chained calls (draft worker -> target worker ->
-router) on two connections at once."""
+"""The router's side of the worker channel (deployments/channel_wire.py has the wire format, deployments/channel.py
+the workers' side): one asyncio connection per call in flight, reused across calls, and chained calls (draft worker
+-> target worker -> router) on two connections at once."""
 
 from __future__ import annotations
 
 import asyncio
 import pickle
 
-from .channel import (CHALLENGE_BYTES, ERRORS_ONLY, FRAME_LENGTH, REPLY, ChannelClosed, Endpoint, connect_local,
+from .channel_wire import (CHALLENGE_BYTES, ERRORS_ONLY, FRAME_LENGTH, REPLY, ChannelClosed, Endpoint, connect_local,
                       digest, frame_of, tune_socket)
 
 

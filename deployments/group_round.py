@@ -1,14 +1,15 @@
 """One speculative round for the live requests leased to one Target replica, top to bottom.
 
-1. Plan: each row's K (engine/round_plan.py with a cost profile, else the fixed `max_batch_for_speculation`
-   threshold); rows drafting for the first time take their Draft lease (deployments/recovery.py).
+1. Plan: each row's K (engine/round_plan.plan_ks, the in-process engine's planner too: with a cost profile, else
+   the fixed `max_batch_for_speculation` threshold); rows drafting for the first time take their Draft lease
+   (deployments/recovery.py).
 2. Draft: drafts at hand need no call (made ahead during the last round's verify: deployments/ahead.py, or n-gram
    lookup); the others come from the rows' Draft workers.
 3. Verify: with one Draft worker and no overlap, one chained call (the Draft worker drafts and hands its tokens to
    the Target worker, which verifies and answers: channel_client.AsyncChannels.chain); else one draft call per
    Draft lease, then one verify call (with `overlap`, while the next round's drafts are made ahead).
-4. Accept: greedy rows compare tokens, sampled rows run the rejection sampler (engine/, pure); each row commits
-   its tokens and the outputs are delivered.
+4. Accept: engine/accept.py (the in-process engine's accept step too): greedy rows compare tokens, sampled rows
+   run the rejection sampler; each row commits its tokens and the outputs are delivered.
 A dead Target replica ends the round for its rows (they re-lease and re-prefill); a dead Draft replica's rows verify
 without drafts.
 """
@@ -24,10 +25,10 @@ import numpy as np
 import torch
 
 from engine.factory import DraftMethod
-from engine.policy import AcceptanceTracker, load_adjusted_k
+from engine.accept import TargetScores, accept, commit
+from engine.policy import AcceptanceTracker
 from engine.proposers import DraftRequest, NgramProposer
-from engine.rejection import greedy_accept, rejection_sample
-from engine.round_plan import RowOutlook, plan_round
+from engine.round_plan import RowOutlook, plan_ks
 from engine.sequence import RequestOutput
 
 from .ahead import AheadDrafts
@@ -105,20 +106,14 @@ class GroupRound:
         the next round, and a draft started now (its prefill first) would pay only at the batch size they make.
         """
         profile = self.costs.policy_profile(self.group_draft(rows), rows[0].target)
-        caps = [live.seq.k if self._may_draft(live) else 0 for live in rows]
         model = self.config.draft_mode is DraftMethod.MODEL
-        if profile is not None:
-            outlooks = [RowOutlook(acceptance=live.tracker.acceptance, cap=cap,
-                                   # tokens the draft worker has not read yet (all, before the first Draft lease;
-                                   # n-gram lookup reads nothing)
-                                   behind=live.seq.num_tokens - live.draft_sent if model else 0,
-                                   remaining=live.seq.remaining(), fixed=live.fixed_k,
-                                   wants_probe=live.tracker.wants_probe)
-                        for live, cap in zip(rows, caps)]
-            ks = plan_round(profile, outlooks, len(rows) + joining)
-        else:
-            ks = [cap if live.fixed_k else load_adjusted_k(cap, live_now, self.config.max_batch_for_speculation)
-                  for live, cap in zip(rows, caps)]
+        outlooks = [RowOutlook(acceptance=live.tracker.acceptance, cap=live.seq.k if self._may_draft(live) else 0,
+                               # tokens the draft worker has not read yet (all, before the first Draft lease; n-gram
+                               # lookup reads nothing)
+                               behind=live.seq.num_tokens - live.draft_sent if model else 0,
+                               remaining=live.seq.remaining(), fixed=live.fixed_k, wants_probe=live.tracker.wants_probe)
+                    for live in rows]
+        ks = plan_ks(profile, outlooks, len(rows) + joining, live_now, self.config.max_batch_for_speculation)
         return [live.seq.draft_len(k) for live, k in zip(rows, ks)]
 
     def _may_draft(self, live: LiveRequest) -> bool:
@@ -253,38 +248,14 @@ class GroupRound:
     # ---- 4. accept ----------------------------------------------------------------------------------------------
     def _accept(self, rows: list[LiveRequest], drafts: Drafts, verified: VerifyResult
                 ) -> tuple[list[RequestOutput], list[int]]:
-        tokens = drafts.tokens
-        emitted: dict[int, tuple[list[int], int]] = {}
-        for b, argmax in verified.argmax.items():
-            emitted[b] = greedy_accept(tokens[b], argmax)
-        sampled = sorted(verified.probs)
-        if sampled:
-            k_max = max(len(tokens[b]) for b in sampled)
-            vocab = verified.probs[sampled[0]].shape[-1]
-            draft_ids = torch.full((len(sampled), k_max), -1, dtype=torch.long)
-            target_probs = torch.zeros(len(sampled), k_max + 1, vocab)
-            draft_probs = torch.zeros(len(sampled), k_max, vocab) if self.ngram is None else None
-            for i, b in enumerate(sampled):
-                n = len(tokens[b])
-                draft_ids[i, :n] = torch.tensor(tokens[b], dtype=torch.long)
-                target_probs[i, : n + 1] = torch.from_numpy(verified.probs[b])
-                if draft_probs is not None and n:
-                    draft_probs[i, :n] = torch.from_numpy(drafts.probs[b][:n])
-            res = rejection_sample(draft_ids, draft_probs, target_probs,
-                                   torch.tensor([len(tokens[b]) for b in sampled]),
-                                   [rows[b].seq.generator for b in sampled])
-            for i, b in enumerate(sampled):
-                emitted[b] = (res.tokens(i), int(res.num_accepted[i]))
-        outputs, accepted_counts = [], []
-        for b, live in enumerate(rows):
-            new, accepted = emitted[b]
-            live.tracker.record(len(tokens[b]), accepted)
-            self.population.record(len(tokens[b]), accepted)
-            out = live.seq.commit(new, len(tokens[b]), accepted)
-            self.stats.spec.record(len(tokens[b]), accepted, len(out.new_token_ids))
-            outputs.append(out)
-            accepted_counts.append(accepted)
-        return outputs, accepted_counts
+        """Each row's verdict and commit (engine/accept.py, the in-process engine's accept step too)."""
+        scores = TargetScores(verified.argmax, {b: torch.from_numpy(p) for b, p in verified.probs.items()})
+        draft_probs = None if self.ngram is not None else {b: torch.from_numpy(p) for b, p in drafts.probs.items()}
+        verdicts = accept(drafts.tokens, scores, draft_probs, [live.seq.generator for live in rows])
+        outputs = [commit(live.seq, len(drafts.tokens[b]), verdicts[b], self.stats.spec,
+                          (live.tracker, self.population))
+                   for b, live in enumerate(rows)]
+        return outputs, [verdict.num_accepted for verdict in verdicts]
 
     def _record(self, rows: list[LiveRequest], result: RoundResult, delivery_seconds: float) -> None:
         """The round's timings into the scheduler's statistics, the costs' overhead correction and the metrics."""

@@ -21,7 +21,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from .admission import LeaseRefused
-from .channel import ChannelClosed, RelayFailed
+from .channel_wire import ChannelClosed, RelayFailed
 from .channel_client import AsyncChannels
 from .errors import ChainBroken, DraftGone, Overloaded, ReplicaFull, ReplicaGone, TensorParallelBroken
 from .messages import DraftCall, DraftResult, LeaseInfo, VerifyCall, VerifyResult, draft_replies_directly

@@ -22,7 +22,8 @@ import torch
 from engine.factory import EngineConfig
 from engine.runner import Runner
 
-from .channel import ChannelServer, Endpoint
+from .channel import ChannelServer
+from .channel_wire import Endpoint
 from .messages import SeqDelta
 
 log = logging.getLogger(__name__)

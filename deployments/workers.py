@@ -22,18 +22,19 @@ import time
 
 import torch
 
+from engine.accept import score
 from engine.calibrate import measure_draft_costs, measure_target_costs
 from engine.factory import EngineConfig, build_proposer, build_target
 from engine.loading import load_tokenizer, resolve
 from engine.model_runner import ModelRunner
 from engine.proposers import DraftRequest
 from engine.runner import Runner, resolve_dtype
-from engine.sampling import BatchSampling, logits_to_probs
 from engine.sequence import draft_generator
 from engine.shard_loading import load_shard, rank_device
 from engine.tensor_parallel import CollectiveError, full_num_parameters, num_parameters
 
-from .channel import ChannelClosed, ChannelRelay, ChannelSender, Endpoint, Route
+from .channel import ChannelRelay, ChannelSender
+from .channel_wire import ChannelClosed, Endpoint, Route
 from .errors import TensorParallelBroken
 from .messages import DraftCall, DraftResult, VerifyCall, VerifyResult
 from .worker_base import ModelWorker, cpu_startup_turn, warm_up
@@ -280,19 +281,9 @@ class TargetWorkerCore(ModelWorker):
         self._counted(len(calls))
         if self.rank != 0:
             return None
-        params = [c.seq.sampling() for c in calls]
-        greedy_rows = [b for b, p in enumerate(params) if p.greedy]
-        sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
-        argmax, row_probs = {}, {}
-        if greedy_rows:
-            ids = logits[greedy_rows].argmax(dim=-1)
-            for i, b in enumerate(greedy_rows):
-                argmax[b] = ids[i, : widths[b]].tolist()
-        if sampled_rows:
-            probs = logits_to_probs(logits[sampled_rows], BatchSampling.from_params([params[b] for b in sampled_rows]))
-            for i, b in enumerate(sampled_rows):
-                row_probs[b] = probs[i, : widths[b]].cpu().numpy()
-        return VerifyResult(argmax, row_probs, time.perf_counter() - start)
+        scores = score(logits, [c.seq.sampling() for c in calls], widths)  # engine/accept.py: the engine's too
+        return VerifyResult(scores.argmax, {b: p.numpy() for b, p in scores.probs.items()},
+                            time.perf_counter() - start)
 
     def release(self, seq_ids: list[str]) -> None:
         """Rank 0 passes the release on to the other ranks, in order with the verifies."""

@@ -86,6 +86,14 @@ def measure_draft_costs(runner: ModelRunner, reps: int = 3) -> dict:
             "draft_prefill_seconds_per_token": measure_prefill(runner, reps=reps)}
 
 
+def measure_profile(target: ModelRunner, draft: ModelRunner | None, max_k: int, reps: int = 3) -> CostProfile | None:
+    """An in-process engine's cost profile (engine/speculative.py's `profile`), measured as the served replicas
+    measure theirs at start: the target's verify passes, and the draft model's steps and prefill (`draft` None: a
+    proposer without a model, n-gram lookup)."""
+    return profile_from_costs(measure_target_costs(target, max_k, reps),
+                              None if draft is None else measure_draft_costs(draft, reps))
+
+
 def profile_from_costs(target: dict, draft: dict | None) -> CostProfile | None:
     """The profile from a target's and a draft's measured costs (`draft` None: a proposer without a model);
     None when the two were measured at different batch sizes."""

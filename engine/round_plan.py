@@ -16,6 +16,10 @@ Two refinements: a row whose draft model is behind (it has not drafted yet, or d
 first read those tokens, a stall every row of the round waits through, so it joins only if its remaining tokens
 repay the stall for the whole batch; and a request whose drafts kept failing probes with K = 1 only where that is
 cheap: when the round drafts anyway, or when the load would let a row that drafts perfectly pay.
+
+`plan_ks` is the one entry point, for the in-process engine (engine/speculative.py) and the served round
+(deployments/group_round.py) alike: without a cost profile it falls back to `policy.load_adjusted_k`'s fixed
+threshold.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .policy import CostProfile, expected_tokens, worth_starting
+from .policy import CostProfile, expected_tokens, load_adjusted_k, worth_starting
 
 TIE = 1.001  # a plan must beat the cheaper one by this factor (ties go to fewer drafts)
 
@@ -38,6 +42,15 @@ class RowOutlook:
     remaining: int = 1 << 30  # tokens the request may still generate
     fixed: bool = False  # the request pinned its K: exactly `cap` drafts, whatever the costs
     wants_probe: bool = False  # its drafts kept failing and it has drafted nothing for a while
+
+
+def plan_ks(profile: CostProfile | None, rows: Sequence[RowOutlook], batch: int, live_now: int,
+            max_batch_for_speculation: int | None) -> list[int]:
+    """K for every row of a round: `plan_round` at `batch` with a cost profile; without one (uncalibrated) each
+    row's cap up to `max_batch_for_speculation` live sequences (`live_now`) and 0 above, a pinned row its cap."""
+    if profile is not None:
+        return plan_round(profile, rows, batch)
+    return [row.cap if row.fixed else load_adjusted_k(row.cap, live_now, max_batch_for_speculation) for row in rows]
 
 
 def plan_round(profile: CostProfile, rows: Sequence[RowOutlook], batch: int | None = None) -> list[int]:

@@ -1,8 +1,9 @@
 """The speculative decoding loop over many sequences: draft, verify, rejection-sample, stop, stream.
 
 One `step()` is one round for every live sequence (Leviathan et al. 2022, arXiv 2211.17192, Algorithm 1,
-batched): the proposer drafts up to k tokens per sequence, the target scores all of them in one batched forward,
-and `rejection_sample` keeps the agreeing prefix plus one recovered or bonus token. Sequences join and leave
+batched): the round plan gives each sequence its K (engine/round_plan.py, the served round's planner), the proposer
+drafts, the target scores all of them in one batched forward, and engine/accept.py (the served round's accept
+step too) keeps the agreeing prefix plus one recovered or bonus token and commits it. Sequences join and leave
 between rounds. k = 0 (or speculation off for a sequence) is plain target decoding through the same path.
 """
 
@@ -14,14 +15,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .accept import Verdict, accept, commit, score
 from .loading import tokenizer_eos_ids
 from .model_runner import ModelRunner
-from .policy import load_adjusted_k
-from .proposers import DraftRequest, Proposer
-from .rejection import rejection_sample
-from .sampling import BatchSampling, SamplingParams, logits_to_probs
-from .sequence import (RequestOutput, SequenceState, draft_generator)
+from .policy import AcceptanceTracker, CostProfile
+from .proposers import DraftModelProposer, DraftRequest, Proposer
+from .round_plan import RowOutlook, plan_ks
+from .sampling import SamplingParams
+from .sequence import RequestOutput, SequenceState, draft_generator
 from .stats import EngineTimings, SpecStats
+
 
 class SpeculativeEngine:
     """Holds the live sequences of one target (+ optional proposer) and runs rounds over all of them."""
@@ -34,6 +37,7 @@ class SpeculativeEngine:
         num_speculative_tokens: int = 4,
         eos_token_ids: Sequence[int] = (),
         max_batch_for_speculation: int | None = None,
+        profile: CostProfile | None = None,
     ) -> None:
         if num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
@@ -41,12 +45,17 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
-        self.max_batch_for_speculation = max_batch_for_speculation  # see engine/policy.py
+        self.max_batch_for_speculation = max_batch_for_speculation  # without a profile (engine/policy.py)
+        self.profile = profile  # the costs K is planned with (engine/calibrate.measure_profile); None: the threshold
         self.eos_token_ids = frozenset(eos_token_ids) | tokenizer_eos_ids(tokenizer)  # see engine.loading
         self.timings = EngineTimings()
         self.stats = SpecStats()
         self._seqs: dict[str, SequenceState] = {}
         self._draft_generators: dict[str, torch.Generator] = {}
+        self.population = AcceptanceTracker()  # acceptance over all requests (a new request's prior)
+        self._trackers: dict[str, AcceptanceTracker] = {}  # each request's own acceptance (engine/policy.py)
+        self._draft_read: dict[str, int] = {}  # committed tokens the draft model has read, by request
+        self._fixed_k: set[str] = set()  # requests that asked for exactly their K every round
 
     # ---- admission ------------------------------------------------------------------------------------------
     @property
@@ -57,9 +66,11 @@ class SpeculativeEngine:
         return bool(self._seqs)
 
     def add_request(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, k: int | None = None
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, k: int | None = None,
+        fixed_k: bool = False,
     ) -> None:
-        """Admit a request. `k` overrides the engine's K for it (0 = plain decoding)."""
+        """Admit a request. `k` overrides the engine's K for it (0 = plain decoding); `fixed_k` pins it to exactly
+        that many drafts per round (no acceptance or load adaptation), like the served API's `adaptive: false`."""
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already live")
         k = self.num_speculative_tokens if k is None else k
@@ -68,6 +79,9 @@ class SpeculativeEngine:
         self.target.add(request_id)
         self._seqs[request_id] = seq
         self._draft_generators[request_id] = draft_generator(params)
+        self._trackers[request_id] = AcceptanceTracker(prior=self.population.acceptance)
+        if fixed_k:
+            self._fixed_k.add(request_id)
 
     def abort(self, request_id: str) -> None:
         """Drop a request now (client gone); its caches are freed at once."""
@@ -77,6 +91,9 @@ class SpeculativeEngine:
 
     def _release(self, seq: SequenceState) -> None:
         self._draft_generators.pop(seq.request_id, None)
+        self._trackers.pop(seq.request_id, None)
+        self._draft_read.pop(seq.request_id, None)
+        self._fixed_k.discard(seq.request_id)
         self.target.release(seq.request_id)
         if self.proposer is not None:
             self.proposer.release(seq.request_id)
@@ -86,57 +103,56 @@ class SpeculativeEngine:
         seqs = list(self._seqs.values())
         if not seqs:
             return []
-        # a round emits at most k+1 tokens, so drafting past remaining-1 is wasted work
-        k_now = load_adjusted_k(self.num_speculative_tokens, len(seqs), self.max_batch_for_speculation)
-        ks = [s.draft_len(min(s.k, k_now)) for s in seqs]
+        ks = self.plan(seqs)
         t0 = time.perf_counter()
-        draft_ids, draft_probs, num_draft = self._draft(seqs, ks)
+        drafts, draft_probs = self._draft(seqs, ks)
         t1 = time.perf_counter()
-        k_max = draft_ids.shape[1]
-        feeds = [
-            self.target.sync(s.request_id, s.tokens) + draft_ids[b, : int(num_draft[b])].tolist()
-            for b, s in enumerate(seqs)
-        ]
-        logits = self.target.forward([s.request_id for s in seqs], feeds, [int(n) + 1 for n in num_draft])
-        target_probs = logits_to_probs(logits, BatchSampling.from_params([s.params for s in seqs]))
-        if target_probs.shape[1] < k_max + 1:  # every row drafted fewer than the padded width
-            pad = target_probs.new_zeros(len(seqs), k_max + 1 - target_probs.shape[1], target_probs.shape[2])
-            target_probs = torch.cat([target_probs, pad], dim=1)
+        feeds = [self.target.sync(s.request_id, s.tokens) + drafts[b] for b, s in enumerate(seqs)]
+        widths = [len(d) + 1 for d in drafts]
+        logits = self.target.forward([s.request_id for s in seqs], feeds, widths)  # [B, K+1, V]
+        scores = score(logits, [s.params for s in seqs], widths)
         t2 = time.perf_counter()
-        result = rejection_sample(draft_ids, draft_probs, target_probs, num_draft, [s.generator for s in seqs])
-        outputs = [self._commit(s, result.tokens(b), int(num_draft[b]), int(result.num_accepted[b]))
-                   for b, s in enumerate(seqs)]
+        verdicts = accept(drafts, scores, draft_probs, [s.generator for s in seqs])
+        outputs = [self._commit(s, len(drafts[b]), verdicts[b]) for b, s in enumerate(seqs)]
         t3 = time.perf_counter()
         self.timings.record(len(seqs), t1 - t0, t2 - t1, t3 - t2)
         return outputs
 
+    def plan(self, seqs: list[SequenceState]) -> list[int]:
+        """Each row's draft length this round, from the planner the served round uses (engine/round_plan.py): with
+        a cost profile, planned for the batch as a whole; else the fixed `max_batch_for_speculation` threshold."""
+        reads_context = isinstance(self.proposer, DraftModelProposer)  # n-gram lookup reads nothing ahead
+        k_max = self.num_speculative_tokens  # a request's own k never exceeds the engine's
+        outlooks = [RowOutlook(acceptance=self._trackers[s.request_id].acceptance, cap=min(s.k, k_max),
+                               behind=s.num_tokens - self._draft_read.get(s.request_id, 0) if reads_context else 0,
+                               remaining=s.remaining(), fixed=s.request_id in self._fixed_k,
+                               wants_probe=self._trackers[s.request_id].wants_probe)
+                    for s in seqs]
+        ks = plan_ks(self.profile, outlooks, len(seqs), len(seqs), self.max_batch_for_speculation)
+        return [s.draft_len(k) for s, k in zip(seqs, ks)]
+
     def _draft(
         self, seqs: list[SequenceState], ks: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # [B, K], [B, K, V] | None, [B]
-        batch, k_max = len(seqs), max(ks)
-        num_draft = torch.zeros(batch, dtype=torch.long)
-        draft_ids = torch.full((batch, k_max), -1, dtype=torch.long)
-        if k_max == 0 or self.proposer is None:
-            return draft_ids, None, num_draft
-        rows = [b for b in range(batch) if ks[b] > 0]
+    ) -> tuple[list[list[int]], dict[int, torch.Tensor] | None]:  # per row its drafts; row -> [K_b, V] | None
+        """The rows' drafts, and the draft's distributions by row (None: one-hot n-gram drafts)."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        rows = [b for b, k in enumerate(ks) if k > 0]
+        if not rows or self.proposer is None:
+            return drafts, None
         proposal = self.proposer.propose([
             DraftRequest(seqs[b].request_id, seqs[b].tokens, ks[b], seqs[b].params,
                          self._draft_generators[seqs[b].request_id])
             for b in rows
         ])
-        index = torch.tensor(rows)
-        width = proposal.token_ids.shape[1]
-        draft_ids[index, :width] = proposal.token_ids
-        num_draft[index] = proposal.num_tokens
-        draft_probs = None
-        if proposal.probs is not None:
-            draft_probs = torch.zeros(batch, k_max, proposal.probs.shape[-1])
-            draft_probs[index, :width] = proposal.probs
-        return draft_ids, draft_probs, num_draft
+        for i, b in enumerate(rows):
+            drafts[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
+            self._draft_read[seqs[b].request_id] = seqs[b].num_tokens
+        if proposal.probs is None:
+            return drafts, None
+        return drafts, {b: proposal.probs[i] for i, b in enumerate(rows)}
 
-    def _commit(self, seq: SequenceState, tokens: list[int], num_draft: int, num_accepted: int) -> RequestOutput:
-        out = seq.commit(tokens, num_draft, num_accepted)
-        self.stats.record(num_draft, num_accepted, len(out.new_token_ids))
+    def _commit(self, seq: SequenceState, num_draft: int, verdict: Verdict) -> RequestOutput:
+        out = commit(seq, num_draft, verdict, self.stats, (self._trackers[seq.request_id], self.population))
         if out.finished:
             self._seqs.pop(seq.request_id, None)
             self._release(seq)

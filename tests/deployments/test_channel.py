@@ -1,4 +1,4 @@
-"""The direct worker channel (deployments/channel.py): replies, errors, authentication, concurrency, dead peers."""
+"""The direct worker channel (deployments/channel.py, channel_wire.py): replies, errors, authentication, concurrency, dead peers."""
 
 import asyncio
 import dataclasses
@@ -11,8 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from deployments.channel import ChannelClosed, ChannelRelay, ChannelSender, ChannelServer, Endpoint, RelayFailed
+from deployments.channel import ChannelRelay, ChannelSender, ChannelServer
 from deployments.channel_client import AsyncChannels
+from deployments.channel_wire import ChannelClosed, Endpoint, RelayFailed
 
 
 class Boom(ValueError):

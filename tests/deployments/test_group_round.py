@@ -1,10 +1,14 @@
-"""One group's round (deployments/group_round.py) on the in-process replicas: its typed result, and a dead target."""
+"""One group's round (deployments/group_round.py) on the in-process replicas: its typed result, a dead target, and
+the same tokens as the in-process engine (one planner, one accept step: engine/round_plan.py, engine/accept.py)."""
 
 import asyncio
+
+import pytest
 
 from deployments.group_round import RoundResult
 from deployments.live import LiveRequest
 from deployments.router import Router
+from engine.factory import build_engine
 from engine.policy import AcceptanceTracker
 from engine.sampling import SamplingParams
 from engine.sequence import SequenceState
@@ -14,9 +18,9 @@ from tests.deployments.test_router import PROMPT_IDS
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
-def _rows(router, broker, n):
+def _rows(router, broker, n, params=GREEDY):
     async def lease(i):
-        seq = SequenceState.create(f"r{i}", PROMPT_IDS, GREEDY, 3, 256, frozenset(), router.tokenizer)
+        seq = SequenceState.create(f"r{i}", PROMPT_IDS, params, 3, 256, frozenset(), router.tokenizer)
         live = LiveRequest(seq=seq, queue=asyncio.Queue(), target=await broker.target(f"r{i}"),
                            tracker=AcceptanceTracker())
         router.scheduler._live[seq.request_id] = live  # live, so the round delivers its outputs
@@ -65,3 +69,23 @@ def test_a_round_whose_target_dies_returns_none_and_its_rows_re_lease(tiny_model
     assert result is None and reletting and router.scheduler.stats.replica_failures == 1
     assert not row.reletting and row.target.key == broker.keys["target"] != "target-0" and row.target_sent == 0, \
         "a new Target lease, and the sequence is sent again from token 0"
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=24, ignore_eos=True),
+                                    SamplingParams(temperature=1.0, top_k=20, max_tokens=24, seed=11, ignore_eos=True)],
+                         ids=["greedy", "sampled"])
+def test_the_served_round_and_the_in_process_engine_emit_the_same_tokens(tiny_model_dirs, params):
+    config = tiny_config(tiny_model_dirs)
+    broker = LocalBroker(config)
+    router = Router(config, broker)
+    [row] = _rows(router, broker, 1, params)
+    round_ = router.scheduler.round
+    served = []
+    while not row.seq.finish_reason:
+        served += asyncio.run(round_.run([row], round_.plan([row], 0, 1))).outputs[0].new_token_ids
+
+    engine = build_engine(config.engine_config())
+    [done] = engine.generate([PROMPT_IDS], params)
+    assert done.token_ids == served and len(served) == params.max_tokens
+    assert done.stats.as_dict() == row.seq.stats.as_dict(), "the same rounds: drafts and acceptances by position"
+    assert row.seq.stats.num_drafts > 0 and row.seq.stats.num_accepted_tokens > 0

@@ -7,7 +7,8 @@ from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
 from deployments import leases
-from deployments.channel import ChannelRelay, ChannelServer, Endpoint
+from deployments.channel import ChannelRelay, ChannelServer
+from deployments.channel_wire import Endpoint
 from deployments.channel_client import AsyncChannels
 from deployments.errors import ChainBroken, DraftGone
 from deployments.leases import RayDraftLease, RayLeaseBroker, RayTargetLease

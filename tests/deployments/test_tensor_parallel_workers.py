@@ -114,7 +114,7 @@ def test_routers_calling_one_tensor_parallel_replica_at_once_get_single_rank_res
 def test_a_rank_whose_peer_is_gone_fails_its_calls_and_health_pings_from_then_on(tiny_model_dirs):
     import pytest
 
-    from deployments.channel import ChannelClosed
+    from deployments.channel_wire import ChannelClosed
     from deployments.errors import TensorParallelBroken
 
     class GonePeer:
