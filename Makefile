@@ -38,6 +38,7 @@ test: install test-deps
 	$(BIN)/python -m pytest -m ray tests/deployments/test_cluster_tiny.py $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m ray tests/deployments/test_faults.py $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m ray tests/deployments/test_serve_e2e.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m ray tests/deployments/test_serve_default.py $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m ray tests/cluster/test_multinode.py $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m ray tests/deployments/test_observability.py $(PYTEST_ARGS)
 

@@ -37,6 +37,8 @@ HEALTH_PING_TIMEOUT_S = 20.0  # a worker not answering a ping this long fails th
 STUCK_CALL_S = 180.0
 
 def _in_my_bundle(index: int) -> dict:
+    if not ray.is_initialized():  # outside a cluster (unit tests): asking for the group would start a Ray instance
+        return {}
     pg = get_current_placement_group()
     if pg is None:  # running outside a placement group (tests with local mode): plain scheduling
         return {}

@@ -45,6 +45,16 @@ def config_variant(base: Path, overrides: dict, out: Path) -> Path:
     return out
 
 
+# serve_config.yaml drafts by n-gram lookup (the faster default on this CPU); the tests that exercise Draft replicas
+# start it with the embedded model's int8 copy as the draft, every other setting as the README's
+DRAFT_MODEL_PAIR = {"model": {"draft": "smollm2", "draft_dtype": "int8"}}
+
+
+def readme_config_with_draft_model(out_dir: Path) -> str:
+    """serve_config.yaml with DRAFT_MODEL_PAIR merged in, written under `out_dir`; its path."""
+    return str(config_variant(ROOT / "serve_config.yaml", DRAFT_MODEL_PAIR, Path(out_dir) / "serve_config.yaml"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ import pytest
 
 from deployments import dashboard
 from deployments.metrics import E2E_BUCKETS, EXPORTED_PREFIX as P, TTFT_BUCKETS
-from tests.deployments.serve_cluster import BASE, free_port, serve_app, wait_until
+from tests.deployments.serve_cluster import BASE, free_port, readme_config_with_draft_model, serve_app, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -37,7 +37,7 @@ def stack(tmp_path_factory):
                              f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
                             stdout=open(tmp / "prometheus.log", "w"), stderr=subprocess.STDOUT)
     try:
-        with serve_app(tmp, metrics_port=metrics_port):
+        with serve_app(tmp, metrics_port=metrics_port, config=readme_config_with_draft_model(tmp)):
             api = f"http://127.0.0.1:{prom_port}/api/v1"
             wait_until(lambda: httpx.get(f"http://127.0.0.1:{prom_port}/-/ready").status_code == 200, 60,
                        "prometheus to be ready")

@@ -1,4 +1,6 @@
-"""The application on a real local Ray cluster, started exactly as the README says, driven by the openai client."""
+"""The application on a real local Ray cluster, started as the README says (`ray start`, then `serve run` of
+serve_config.yaml with a draft model instead of its n-gram default, so Draft replicas run), driven by the openai
+client."""
 
 import concurrent.futures
 import json
@@ -9,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from tests.deployments.serve_cluster import serve_app
+from tests.deployments.serve_cluster import readme_config_with_draft_model, serve_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -19,7 +21,8 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with serve_app(tmp_path_factory.mktemp("serve")) as proc:
+    tmp = tmp_path_factory.mktemp("serve")
+    with serve_app(tmp, config=readme_config_with_draft_model(tmp)) as proc:
         yield proc
 
 
