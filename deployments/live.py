@@ -78,10 +78,11 @@ class LiveRequest:
         return SeqDelta(self.seq.request_id, sent, self.seq.tokens[sent:end], p.temperature, p.top_k, p.top_p,
                         p.seed)
 
-    def draft_delta(self, extra: list[int]) -> SeqDelta:
+    def draft_delta(self, extra: list[int], end: int | None = None) -> SeqDelta:
         """The call that leaves the draft worker holding the committed tokens plus `extra`, re-sending as little as
-        possible (after a right guess the worker already holds the new tokens)."""
-        wanted = self.seq.tokens + extra
+        possible (after a right guess the worker already holds the new tokens). With `end`: the committed tokens
+        [0, end) only (a prompt chunk, read without drafting)."""
+        wanted = self.seq.tokens[:end] + extra
         start, held = self.draft_sent, self.draft_extra
         same = 0
         while same < len(held) and start + same < len(wanted) and held[same] == wanted[start + same]:
@@ -89,5 +90,5 @@ class LiveRequest:
         p = self.seq.params
         delta = SeqDelta(self.seq.request_id, start + same, wanted[start + same:], p.temperature, p.top_k, p.top_p,
                          p.seed)
-        self.draft_sent, self.draft_extra = self.seq.num_tokens, list(extra)
+        self.draft_sent, self.draft_extra = len(self.seq.tokens[:end]), list(extra)
         return delta

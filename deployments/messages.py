@@ -41,7 +41,7 @@ class SeqDelta:
 @dataclass(frozen=True)
 class DraftCall:
     seq: SeqDelta
-    k: int  # drafts wanted
+    k: int  # drafts wanted (0: only read the tokens, a long prompt's chunk)
 
     def wire(self) -> tuple:
         return (self.seq.wire(), self.k)

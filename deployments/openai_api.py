@@ -157,7 +157,7 @@ def create_app(router) -> FastAPI:
                 "chained_rounds": st.chained_rounds,
                 "cost_profiles": router.scheduler.cost_profiles(),
                 "orchestration_ms_per_round": ms_per_round(st.orchestration_seconds),
-                "prefill_chunks": st.prefill_chunks,
+                "prefill_chunks": st.prefill_chunks, "draft_prefill_chunks": st.draft_prefill_chunks,
                 "draft_lease_ms_per_round": ms_per_round(st.draft_lease_seconds),
                 "draft_ms_per_round": ms_per_round(st.timings.draft_seconds),
                 "verify_ms_per_round": ms_per_round(st.timings.verify_seconds),

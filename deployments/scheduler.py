@@ -36,7 +36,7 @@ from .admission import Admission, AdmissionSlot
 from .errors import ReplicaGone
 from .group_round import GroupRound
 from .live import LeaseBroker, LiveRequest
-from .messages import VerifyCall
+from .messages import DraftCall, VerifyCall
 from .metrics import observe
 from .recovery import Recovery
 from .round_costs import RoundCosts
@@ -72,6 +72,7 @@ class SchedulerStats:
     draft_compute_seconds: float = 0.0  # the draft workers' own compute, summed
     verify_compute_seconds: float = 0.0  # the target workers' own compute (rank 0), summed
     prefill_chunks: int = 0  # prompt chunks sent ahead of a long prompt's first round
+    draft_prefill_chunks: int = 0  # of those, the ones its Draft worker read too
     replica_failures: int = 0
     ahead_drafts: int = 0  # rows drafted ahead (overlap)
     ahead_used: int = 0  # of those, rows whose guess was right and whose next round used the draft
@@ -242,9 +243,28 @@ class Scheduler:
         wait for at most one chunk per round instead of the whole prompt. The chunk's logits are not needed."""
         end = live.target_sent + self.config.prefill_chunk
         try:
-            await live.target.verify([VerifyCall(live.delta(live.target_sent, end), [])])
+            await asyncio.gather(live.target.verify([VerifyCall(live.delta(live.target_sent, end), [])]),
+                                 self._draft_reads_chunk(live, end))
         except ReplicaGone:
             await self.recovery.replace_target([live])
             return
         live.target_sent = end
         self.stats.prefill_chunks += 1
+
+    async def _draft_reads_chunk(self, live: LiveRequest, end: int) -> None:
+        """With a draft model, the same chunk goes to the row's Draft worker (a draft call for 0 tokens: it only
+        reads), so the draft too reads a long prompt one chunk a round instead of all of it in the row's first
+        drafting round. The Draft lease is taken here; a row without one (none to be had, or its worker died)
+        reads the rest when it next drafts."""
+        if self.config.draft_mode is not DraftMethod.MODEL or live.seq.k == 0:
+            return
+        if live.draft is None and time.monotonic() >= live.draft_retry_at:
+            await self.recovery.lease_drafts([live])
+        if live.draft is None or live.draft_sent >= end:
+            return
+        try:
+            await live.draft.propose([DraftCall(live.draft_delta([], end), 0)])
+        except ReplicaGone:
+            await self.recovery.replace_draft([live])
+        else:
+            self.stats.draft_prefill_chunks += 1

@@ -104,6 +104,10 @@ class DraftWorkerCore(ModelWorker):
                 self._generators[call.seq.seq_id] = draft_generator(call.seq.sampling())
             requests.append(DraftRequest(call.seq.seq_id, tokens, call.k, call.seq.sampling(),
                                          self._generators[call.seq.seq_id]))
+        if all(call.k == 0 for call in calls):  # a prompt chunk, read only (scheduler._draft_reads_chunk)
+            self.proposer.read(requests)
+            self._counted(len(calls))
+            return DraftResult([[] for _ in calls], {}, time.perf_counter() - start)
         stop = None if ahead_id is None else (lambda: self._is_cancelled(ahead_id))
         proposal = self.proposer.propose(requests, stop=stop)
         if stop is not None and stop():

@@ -117,6 +117,15 @@ class DraftModelProposer:
                 break
         return Proposal(token_ids=token_ids, probs=probs, num_tokens=num_tokens)
 
+    def read(self, requests: Sequence[DraftRequest]) -> None:
+        """Bring each request's cache up to its tokens without drafting (a long prompt read one chunk per call,
+        between the rounds of running streams); the logits are not needed."""
+        for r in requests:
+            if not self.runner.has(r.seq_id):
+                self.runner.add(r.seq_id)
+        feeds = [self.runner.sync(r.seq_id, r.tokens) for r in requests]
+        self.runner.forward([r.seq_id for r in requests], feeds, [1] * len(requests))
+
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
 

@@ -1,4 +1,5 @@
-"""The router's round loop (deployments/scheduler.py) without a cluster: chunked prefill of long prompts."""
+"""The router's round loop (deployments/scheduler.py) without a cluster: chunked prefill of long prompts, by the
+target and the draft alike."""
 
 import asyncio
 
@@ -13,15 +14,19 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_rounds_with_the_same_outpu
     config = tiny_config(tiny_model_dirs, runner={"prefill_chunk": 16})
     broker = LocalBroker(config)
     router = Router(config, broker)
-    target = broker.cores["target"]
-    fed = []  # tokens each target call feeds, per row
-    forward = target.runner.forward
+    fed = {"target": [], "draft": []}  # tokens each call feeds, per row
 
-    def spy(seq_ids, new_tokens, num_logits):
-        fed.extend(len(t) for t in new_tokens)
-        return forward(seq_ids, new_tokens, num_logits)
+    def spy_on(kind, runner):
+        forward = runner.forward
 
-    target.runner.forward = spy
+        def spy(seq_ids, new_tokens, num_logits):
+            fed[kind].extend(len(t) for t in new_tokens)
+            return forward(seq_ids, new_tokens, num_logits)
+
+        runner.forward = spy
+
+    spy_on("target", broker.cores["target"].runner)
+    spy_on("draft", broker.cores["draft"].proposer.runner)
 
     async def go():
         async with client(router) as c:
@@ -38,4 +43,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_rounds_with_the_same_outpu
     # 90 tokens: chunks of 16 until at most 16 are left, which go with the first round's verify
     assert router.scheduler.stats.prefill_chunks == 5
     k = config.speculation.num_speculative_tokens
-    assert max(fed) <= 16 + k + 1, "no call fed more than one chunk (plus a round's drafts) for one row"
+    assert max(fed["target"]) <= 16 + k + 1, "no call fed more than one chunk (plus a round's drafts) for one row"
+    # the draft reads the long prompt in the same chunks (with the target's), not all at once when it first drafts
+    assert router.scheduler.stats.draft_prefill_chunks == 5
+    assert max(fed["draft"]) <= 16 + k + 1, fed["draft"]
