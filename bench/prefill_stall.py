@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 import yaml
 
-from bench.peer_servers import ROOT, ManagedServer, derive_ours_config, machine_params, port_free
+from bench.peer_servers import ROOT, ManagedServer, derive_ours_config, machine_params, parse_overrides, port_free
 
 
 def long_prompt(tokenizer, n_tokens: int) -> str:
@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--settle-chunks", type=int, default=5, help="chunks every stream has before the prompt")
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--config", default="serve_config.yaml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                    help="override in the config's application args, e.g. model.draft=smollm2")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--out", default="bench/results/prefill_stall.json")
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {"machine": machine_params(), "args": vars(args), "variants": {}}
     for chunk in args.chunks:
         name = f"prefill_chunk_{chunk}"
-        cfg = derive_ours_config(base, {"runner.prefill_chunk": chunk}, args.port)
+        cfg = derive_ours_config(base, {**parse_overrides(args.overrides), "runner.prefill_chunk": chunk}, args.port)
         cfg_path = runs_dir / f"{name}.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         if not port_free(args.port):
