@@ -3,8 +3,9 @@
 A round sends only token deltas (deployments/messages.py: the calls and results, and their wire form). A worker
 keeps the committed tokens it knows and its KV cache; `Runner.sync` rolls the cache back to the common prefix, so
 rejected drafts disappear without bookkeeping. The target samples on its own device (engine/accept.verify_rows) and
-replies tokens; the draft replies tokens and, for unseeded sampled rows, compact proposals (engine/proposal.py). What both workers share (the channel on the model thread, the busy clock, known tokens,
-counters, ping, stats, release) is deployments/worker_base.py's ModelWorker.
+replies tokens; the draft replies tokens and, for unseeded sampled rows, compact proposals (engine/proposal.py).
+What both workers share (the channel on the model thread, the busy clock, known tokens, counters, ping, stats,
+release) is deployments/worker_base.py's ModelWorker.
 
 Tensor parallelism: rank 0 is the target's only entry point. It forwards each verify and release to the other
 ranks over one ordered channel connection each, then runs its own share, so every rank applies the same calls in

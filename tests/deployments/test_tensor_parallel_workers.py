@@ -60,7 +60,8 @@ async def _router(call, router: int) -> dict[str, list[int]]:
         drafts = {s: [rng.randrange(2, 60) for _ in range(rng.randrange(0, 4))] for s in seqs}
         kinds = {s: int(s.rsplit("s", 1)[1]) % 3 for s in seqs}  # 0 greedy, 1 seeded, 2 unseeded (a drawn seed)
         calls = [VerifyCall(SeqDelta(s, sent[s], live[s][sent[s]:], 0.0 if kinds[s] == 0 else 1.0, 0, 1.0,
-                                     1000 + 7 * int(s.rsplit("s", 1)[1]) + router, kinds[s] == 1), drafts[s]) for s in seqs]
+                                     1000 + 7 * int(s.rsplit("s", 1)[1]) + router, kinds[s] == 1), drafts[s])
+                 for s in seqs]
         result = await call("verify", [c.wire() for c in calls])
         for b, s in enumerate(seqs):
             sent[s] = len(live[s])

@@ -33,7 +33,8 @@ def reference_hash(seed: int, position: int, purpose: int, token: int | None = N
 
 def test_the_hash_equals_the_unbounded_integer_reference_bit_for_bit():
     gen = torch.Generator().manual_seed(0)
-    seeds = [0, 1, 2**31 - 1, 2**32, 2**63 - 1, -1, -(2**40) + 7] + torch.randint(0, 2**62, (20,), generator=gen).tolist()
+    seeds = [0, 1, 2**31 - 1, 2**32, 2**63 - 1, -1, -(2**40) + 7]
+    seeds += torch.randint(0, 2**62, (20,), generator=gen).tolist()
     positions = torch.randint(0, 2**31, (len(seeds),), generator=gen)
     got = hash32(seeds_tensor(seeds), positions, ACCEPT).tolist()
     assert got == [reference_hash(s, int(p), ACCEPT) for s, p in zip(seeds, positions)]
