@@ -29,6 +29,7 @@ DRAFT = 1  # the draft model's sample (unseeded sampled rows, inverse CDF over i
 ACCEPT = 2  # the rejection sampler's accept test u < p/q
 RESIDUAL = 3  # the recovered (or bonus) token: inverse CDF over norm(max(0, p - q)) or p
 GUMBEL = 4  # seeded rows: the Gumbel noise of argmax(log p + G), shared by draft and target
+DRAFT_TAIL = 5  # the draft's token within the uniform tail of its compact proposal (engine/proposal.py)
 
 _GOLDEN = 0x9E3779B9  # 2^32 / phi: separates the hashed inputs
 
