@@ -5,8 +5,10 @@ is one token longer than K: its first token is the guess for round r's bonus tok
 draft and its bonus token equals the guess, the rest is round r+1's draft and round r+1 skips its draft call;
 otherwise it is discarded (cancelled as soon as a rejection makes it hopeless) and the draft worker's cache
 rolls back on its next call. The ahead draft never changes what round r emits, and when it is used it is a draft
-from the draft model for exactly the committed prefix, with its probabilities: the rejection sampler's guarantee
-(output distributed as the target's) holds unchanged.
+from the draft model for exactly the committed prefix, with the compact proposal it was drawn from: the rejection
+sampler's guarantee (output distributed as the target's) holds unchanged. The draft worker numbers its random draws
+by absolute position, so a draft made ahead is the draft a draft call would have made (seeded rows: the same
+tokens; their output never depends on the drafts anyway).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from .errors import ReplicaGone
-from .messages import DraftCall
+from .messages import DraftCall, head
 
 logger = logging.getLogger("ray.serve")
 
@@ -35,7 +37,7 @@ class AheadDrafts:
     """Starts a round's ahead drafts and settles them once the round's acceptance is known.
 
     Rows are the scheduler's live sequences: `overlap`, `draft` (lease), `seq`, `draft_delta(extra)`, and `ready`,
-    where a usable ahead draft is left as (tokens, [K, V] probs or None).
+    where a usable ahead draft is left as (tokens, its compact proposal or None), the proposal unread.
     """
 
     def __init__(self, stats, replace_drafts: Callable[[list], Awaitable[None]]) -> None:
@@ -89,5 +91,4 @@ class AheadDrafts:
             for i, b in enumerate(ahead.members):
                 guess = result.drafts[i]
                 if usable(b) and guess and rows[b].seq.text.token_ids[-1] == guess[0]:
-                    probs = result.probs.get(i)
-                    rows[b].ready = (guess[1:], None if probs is None else probs[1:])
+                    rows[b].ready = (guess[1:], head(result.proposals.get(i), 1))

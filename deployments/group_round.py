@@ -8,8 +8,11 @@
 3. Verify: with one Draft worker and no overlap, one chained call (the Draft worker drafts and hands its tokens to
    the Target worker, which verifies and answers: channel_client.AsyncChannels.chain); else one draft call per
    Draft lease, then one verify call (with `overlap`, while the next round's drafts are made ahead).
-4. Accept: engine/accept.py (the in-process engine's accept step too): greedy rows compare tokens, sampled rows
-   run the rejection sampler; each row commits its tokens and the outputs are delivered.
+4. Accept: the target worker has sampled on its device (engine/accept.verify_rows, the in-process engine's accept
+   step too: greedy rows compare tokens, seeded rows by Gumbel coupling, the others by the rejection sampler) and
+   answered tokens; each row commits them here (engine/accept.commit) and the outputs are delivered. The router
+   never holds a probability tensor: the compact proposals of drafts made ahead or by several Draft leases pass
+   through it unread, inside the VerifyCalls.
 A dead Target replica ends the round for its rows (they re-lease and re-prefill); a dead Draft replica's rows verify
 without drafts.
 """
@@ -21,11 +24,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-
 from engine.factory import DraftMethod
-from engine.accept import TargetScores, accept, commit
+from engine.accept import commit
 from engine.policy import AcceptanceTracker
 from engine.proposers import DraftRequest, NgramProposer
 from engine.round_plan import RowOutlook, plan_ks
@@ -34,7 +34,7 @@ from engine.sequence import RequestOutput
 from .ahead import AheadDrafts
 from .errors import ChainBroken, DraftGone, ReplicaGone
 from .live import DraftLease, LiveRequest
-from .messages import CostObservation, DraftCall, DraftResult, VerifyCall, VerifyResult
+from .messages import CostObservation, DraftCall, DraftResult, VerifyCall, VerifyResult, WireProposal, head
 from .metrics import NullMetrics, observe
 from .recovery import Recovery
 from .round_costs import RoundCosts
@@ -47,7 +47,8 @@ class Drafts:
     """A round's drafts by row, as they come in: made ahead or looked up, then each draft call's result."""
 
     tokens: list[list[int]]  # per row, its draft (empty: the row verifies without drafts)
-    probs: dict[int, np.ndarray] = field(default_factory=dict)  # row -> [K, V]: model drafts of sampled rows
+    # row -> the compact proposal of its model drafts (unseeded sampled rows), forwarded unread to the target
+    proposals: dict[int, WireProposal] = field(default_factory=dict)
     by_lease: dict[str, list[int]] = field(default_factory=dict)  # rows still to draft, by Draft lease key
     compute_seconds: float = 0.0  # the draft workers' own compute
     costs: list[CostObservation] = field(default_factory=list)  # the draft calls' measured costs
@@ -60,8 +61,8 @@ class Drafts:
         self.compute_seconds += result.seconds
         for i, b in enumerate(members):
             self.tokens[b] = result.drafts[i]
-            if i in result.probs:
-                self.probs[b] = result.probs[i]
+            if i in result.proposals:
+                self.proposals[b] = result.proposals[i]
 
 
 @dataclass
@@ -155,7 +156,8 @@ class GroupRound:
             t1 = time.perf_counter()
         chained = verified is not None
         if verified is None:
-            calls = [VerifyCall(live.delta(live.target_sent), drafts.tokens[b]) for b, live in enumerate(rows)]
+            calls = [VerifyCall(live.delta(live.target_sent), drafts.tokens[b], drafts.proposals.get(b))
+                     for b, live in enumerate(rows)]
             aheads = self.ahead.start(rows, drafts.tokens) if self.config.overlap else []
             try:
                 verified = await target.verify(calls)
@@ -194,9 +196,8 @@ class GroupRound:
             return drafts
         if self.ngram is not None:
             asked = [b for b, k in enumerate(ks) if k > 0]
-            # the generator is unused: lookup is deterministic
             proposal = self.ngram.propose([DraftRequest(rows[b].seq.request_id, rows[b].seq.tokens, ks[b],
-                                                        rows[b].seq.params, rows[b].seq.generator) for b in asked])
+                                                        rows[b].seq.params) for b in asked])  # deterministic
             for i, b in enumerate(asked):
                 drafts.tokens[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
             return drafts
@@ -205,7 +206,7 @@ class GroupRound:
                 self.stats.ahead_used += 1
                 drafts.tokens[b] = ready[b][0][:k]
                 if ready[b][1] is not None:
-                    drafts.probs[b] = ready[b][1][:k]
+                    drafts.proposals[b] = head(ready[b][1], 0, k)
             elif k > 0 and live.draft is not None:
                 drafts.by_lease.setdefault(live.draft.key, []).append(b)
         return drafts
@@ -248,10 +249,8 @@ class GroupRound:
     # ---- 4. accept ----------------------------------------------------------------------------------------------
     def _accept(self, rows: list[LiveRequest], drafts: Drafts, verified: VerifyResult
                 ) -> tuple[list[RequestOutput], list[int]]:
-        """Each row's verdict and commit (engine/accept.py, the in-process engine's accept step too)."""
-        scores = TargetScores(verified.argmax, {b: torch.from_numpy(p) for b, p in verified.probs.items()})
-        draft_probs = None if self.ngram is not None else {b: torch.from_numpy(p) for b, p in drafts.probs.items()}
-        verdicts = accept(drafts.tokens, scores, draft_probs, [live.seq.generator for live in rows])
+        """Each row's commit of the verdict the target worker sampled (engine/accept.py)."""
+        verdicts = verified.verdicts
         outputs = [commit(live.seq, len(drafts.tokens[b]), verdicts[b], self.stats.spec,
                           (live.tracker, self.population))
                    for b, live in enumerate(rows)]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
@@ -24,7 +23,7 @@ from .admission import LeaseRefused
 from .channel_wire import ChannelClosed, RelayFailed
 from .channel_client import AsyncChannels
 from .errors import ChainBroken, DraftGone, Overloaded, ReplicaFull, ReplicaGone, TensorParallelBroken
-from .messages import DraftCall, DraftResult, LeaseInfo, VerifyCall, VerifyResult, draft_replies_directly
+from .messages import DraftCall, DraftResult, LeaseInfo, VerifyCall, VerifyResult
 
 _DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
 # How long a lease waits for a replica that has not failed (Serve's health check every 5 s, then a new replica
@@ -64,13 +63,13 @@ class RayDraftLease(_RayLease):
 
     async def chain(self, calls: list[DraftCall], target: "RayTargetLease", verify_calls: list[VerifyCall],
                     members: list[int]) -> VerifyResult:
-        """One chained round trip (channel_client.AsyncChannels.chain): this worker drafts and hands the drafts to
-        the target's rank 0, which verifies and answers here."""
-        direct = draft_replies_directly(calls)
+        """One chained round trip (channel_client.AsyncChannels.chain): this worker drafts and hands the drafts (with
+        the compact proposals of unseeded sampled rows) to the target's rank 0, which samples and answers here with
+        the tokens, the draft's among them."""
         try:
-            draft, result = await self._channels.chain(
+            _, result = await self._channels.chain(
                 self.endpoint, target.endpoint, "propose_chained", [call.wire() for call in calls],
-                [call.wire() for call in verify_calls], members, direct, first_replies=direct)
+                [call.wire() for call in verify_calls], members)
         except ChannelClosed as exc:
             if exc.endpoint == target.endpoint:
                 raise target._failed(exc, ReplicaGone) from exc
@@ -79,8 +78,7 @@ class RayDraftLease(_RayLease):
             raise target._failed(exc, ReplicaGone) from exc
         except RelayFailed as exc:
             raise ChainBroken(str(exc)) from exc
-        result = VerifyResult.from_wire(result)
-        return replace(result, draft=DraftResult.from_wire(draft)) if direct else result
+        return VerifyResult.from_wire(result)
 
     def cancel(self, ahead_id: int) -> None:
         # served on the worker's "control" thread while `propose` computes (workers.ray_actor_classes)

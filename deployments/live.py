@@ -7,12 +7,10 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 from engine.policy import AcceptanceTracker
 from engine.sequence import SequenceState
 
-from .messages import DraftCall, DraftResult, SeqDelta, VerifyCall, VerifyResult
+from .messages import DraftCall, DraftResult, SeqDelta, VerifyCall, VerifyResult, WireProposal
 
 
 class DraftLease(Protocol):
@@ -69,14 +67,17 @@ class LiveRequest:
     fixed_k: bool = False  # the request asked for exactly seq.k drafts per round
     reletting: bool = False  # its Target replica died; a new lease is being taken (it sits out the rounds)
     overlap: bool = False  # draft its next round during this round's verify
-    ready: tuple[list[int], np.ndarray | None] | None = None  # next round's draft (tokens, [K, V] probs), made ahead
+    ready: tuple[list[int], WireProposal | None] | None = None  # next round's draft (tokens, proposal), made ahead
     draft_retry_at: float = 0.0  # time.monotonic() before which no Draft lease is tried (the last one failed)
 
     def delta(self, sent: int, end: int | None = None) -> SeqDelta:
         """The committed tokens [sent, end) (to the last one without `end`) for a worker that holds [0, sent)."""
+        return self._delta(sent, self.seq.tokens[sent:end])
+
+    def _delta(self, start: int, tokens: list[int]) -> SeqDelta:
         p = self.seq.params
-        return SeqDelta(self.seq.request_id, sent, self.seq.tokens[sent:end], p.temperature, p.top_k, p.top_p,
-                        p.seed)
+        return SeqDelta(self.seq.request_id, start, tokens, p.temperature, p.top_k, p.top_p, self.seq.seed,
+                        self.seq.coupled, p.logprobs)
 
     def draft_delta(self, extra: list[int], end: int | None = None) -> SeqDelta:
         """The call that leaves the draft worker holding the committed tokens plus `extra`, re-sending as little as
@@ -87,8 +88,6 @@ class LiveRequest:
         same = 0
         while same < len(held) and start + same < len(wanted) and held[same] == wanted[start + same]:
             same += 1
-        p = self.seq.params
-        delta = SeqDelta(self.seq.request_id, start + same, wanted[start + same:], p.temperature, p.top_k, p.top_p,
-                         p.seed)
+        delta = self._delta(start + same, wanted[start + same:])
         self.draft_sent, self.draft_extra = len(self.seq.tokens[:end]), list(extra)
         return delta

@@ -7,8 +7,13 @@ read calls `from_wire` and answer a result's `wire()`; the leases (deployments/l
 ones) turn the replies back into results. Everything between, the round loop included, sees these types.
 
 A round sends only token deltas: each call names a sequence, the position `start` from which the router's
-committed tokens are new to the worker, and those tokens. Replies carry token ids (greedy rows) or processed
-probabilities (sampled rows) only.
+committed tokens are new to the worker, and those tokens, with its sampling settings and seed. The target worker
+samples (engine/accept.py, on its device) and answers per row the tokens to emit, how many drafts it accepted and,
+when asked, their logprobs: a few dozen bytes, never a probability tensor. The only distributions on the wire are
+the draft's compact proposals of unseeded sampled rows ([K, N] token ids and probabilities, engine/proposal.py):
+in a chained round they go from the draft worker straight to the target worker; when the router holds drafts made
+ahead (deployments/ahead.py) or drafted by several Draft leases, it forwards each row's compact proposal unchanged
+inside its VerifyCall (router -> target), never reading it.
 """
 
 from __future__ import annotations
@@ -17,8 +22,27 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
+from engine.accept import TokenLogprob, Verdict
+from engine.proposal import CompactProposal
 from engine.sampling import SamplingParams
+
+# a compact proposal on the wire: ([K, N] int32 token ids, [K, N] float32 probabilities)
+WireProposal = tuple[np.ndarray, np.ndarray]
+
+
+def proposal_to_wire(proposal: CompactProposal | None) -> WireProposal | None:
+    return None if proposal is None else (proposal.token_ids.numpy(), proposal.probs.numpy())
+
+
+def proposal_from_wire(wire: WireProposal | None) -> CompactProposal | None:
+    return None if wire is None else CompactProposal(torch.from_numpy(wire[0]), torch.from_numpy(wire[1]))
+
+
+def head(wire: WireProposal | None, start: int, end: int | None = None) -> WireProposal | None:
+    """Draft positions [start, end) of a wire proposal (an ahead draft's, cut to a round's K)."""
+    return None if wire is None else (wire[0][start:end], wire[1][start:end])
 
 
 @dataclass(frozen=True)
@@ -29,13 +53,17 @@ class SeqDelta:
     temperature: float
     top_k: int
     top_p: float
-    seed: int | None
+    seed: int  # the request's own seed or the one drawn for it at admission (engine/randomness.py)
+    coupled: bool = False  # the request brought its seed: Gumbel-coupled sampling (engine/accept.py)
+    logprobs: int | None = None  # SamplingParams.logprobs
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              seed=self.seed if self.coupled else None, logprobs=self.logprobs)
 
     def wire(self) -> tuple:
-        return (self.seq_id, self.start, self.tokens, self.temperature, self.top_k, self.top_p, self.seed)
+        return (self.seq_id, self.start, self.tokens, self.temperature, self.top_k, self.top_p, self.seed,
+                self.coupled, self.logprobs)
 
 
 @dataclass(frozen=True)
@@ -55,13 +83,14 @@ class DraftCall:
 class VerifyCall:
     seq: SeqDelta
     draft: list[int]  # the draft tokens to score (may be empty: plain decoding)
+    proposal: WireProposal | None = None  # unseeded sampled model drafts: the compact proposal they came from
 
     def wire(self) -> tuple:
-        return (self.seq.wire(), self.draft)
+        return (self.seq.wire(), self.draft, self.proposal)
 
     @staticmethod
     def from_wire(wire: tuple) -> "VerifyCall":
-        return VerifyCall(SeqDelta(*wire[0]), wire[1])
+        return VerifyCall(SeqDelta(*wire[0]), wire[1], wire[2])
 
 
 @dataclass(frozen=True)
@@ -69,42 +98,43 @@ class DraftResult:
     """A draft worker's answer to a list of DraftCalls, by call index."""
 
     drafts: list[list[int]]  # per call, the drafted token ids
-    # sampled calls only: their draft distributions, [K, V] each; greedy rows are one-hot and the router rebuilds them
-    probs: dict[int, np.ndarray]
+    # unseeded sampled calls only: the compact proposals their drafts were drawn from (for the target's sampler;
+    # a chained round's reply to the router comes without them)
+    proposals: dict[int, WireProposal]
     seconds: float  # the worker's own compute, so the router can tell the round's overhead apart
     cancelled: bool = False  # an ahead draft stopped early (`DraftWorkerCore.cancel`): `drafts` is empty
 
     def wire(self) -> tuple:
-        return (self.drafts, self.probs, self.seconds, self.cancelled)
+        return (self.drafts, self.proposals, self.seconds, self.cancelled)
 
     @staticmethod
     def from_wire(wire: tuple) -> "DraftResult":
         return DraftResult(*wire)
 
+    def without_proposals(self) -> "DraftResult":
+        return DraftResult(self.drafts, {}, self.seconds, self.cancelled)
+
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """A target worker's (rank 0's) answer to a list of VerifyCalls, by call index: each row's K+1 positions."""
+    """A target worker's (rank 0's) answer to a list of VerifyCalls, by call index: each row's verdict (its tokens
+    to emit, drafts accepted, logprobs if asked), computed on the target's device by engine/accept.verify_rows."""
 
-    argmax: dict[int, list[int]]  # greedy rows: the target's argmax token at each position
-    probs: dict[int, np.ndarray]  # sampled rows: the target's processed distributions, [K+1, V]
+    verdicts: list[Verdict]
     seconds: float  # the worker's own compute
-    draft: DraftResult | None = None  # a chained round's draft result (DraftLease.chain)
+    draft: DraftResult | None = None  # a chained round's draft result, without proposals (DraftLease.chain)
 
     def wire(self) -> tuple:
-        return (self.argmax, self.probs, self.seconds, None if self.draft is None else self.draft.wire())
+        rows = [(v.tokens, v.num_accepted, None if v.logprobs is None else [tuple(lp) for lp in v.logprobs])
+                for v in self.verdicts]
+        return (rows, self.seconds, None if self.draft is None else self.draft.wire())
 
     @staticmethod
     def from_wire(wire: tuple) -> "VerifyResult":
-        argmax, probs, seconds, draft = wire
-        return VerifyResult(argmax, probs, seconds, None if draft is None else DraftResult.from_wire(draft))
-
-
-def draft_replies_directly(calls: list[DraftCall]) -> bool:
-    """Whether a chained round's draft result goes to the router straight from the draft worker: when some row
-    samples, since its draft probabilities ([K, V]) are large and the target does not need them. Greedy rows' drafts
-    are a few token ids, and travel with the target's reply (the router then wakes once per round)."""
-    return any(call.seq.temperature > 0 for call in calls)
+        rows, seconds, draft = wire
+        verdicts = [Verdict(tokens, accepted, None if lps is None else [TokenLogprob(*lp) for lp in lps])
+                    for tokens, accepted, lps in rows]
+        return VerifyResult(verdicts, seconds, None if draft is None else DraftResult.from_wire(draft))
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,8 @@ class Scheduler:
         else:
             self.admission.check(len(self._live))
         k = self.config.num_speculative_tokens if k is None else k
+        # the request's seed is fixed here, at admission (its own, or drawn: SequenceState.seed); every worker that
+        # ever serves it, after a failover too, draws its random numbers from it (engine/randomness.py)
         seq = SequenceState.create(request_id, prompt_ids, params, k, self.config.max_model_len,
                                    self.config.eos_token_ids, self.tokenizer)
         self.admission.waiting += 1

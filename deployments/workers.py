@@ -2,9 +2,10 @@
 
 A round sends only token deltas (deployments/messages.py: the calls and results, and their wire form). A worker
 keeps the committed tokens it knows and its KV cache; `Runner.sync` rolls the cache back to the common prefix, so
-rejected drafts disappear without bookkeeping. Replies carry token ids (greedy rows) or processed probabilities
-(sampled rows) only. What both workers share (the channel on the model thread, the busy clock, known tokens,
-counters, ping, stats, release) is deployments/worker_base.py's ModelWorker.
+rejected drafts disappear without bookkeeping. The target samples on its own device (engine/accept.verify_rows) and
+replies tokens; the draft replies tokens and, for unseeded sampled rows, compact proposals (engine/proposal.py).
+What both workers share (the channel on the model thread, the busy clock, known tokens, counters, ping, stats,
+release) is deployments/worker_base.py's ModelWorker.
 
 Tensor parallelism: rank 0 is the target's only entry point. It forwards each verify and release to the other
 ranks over one ordered channel connection each, then runs its own share, so every rank applies the same calls in
@@ -20,28 +21,25 @@ import socket
 import threading
 import time
 
-import torch
-
-from engine.accept import score
+from engine.accept import RowVerify, row_scheme, verify_rows
 from engine.calibrate import measure_draft_costs, measure_target_costs
 from engine.factory import EngineConfig, build_proposer, build_target
 from engine.loading import load_tokenizer, resolve
 from engine.model_runner import ModelRunner
 from engine.proposers import DraftRequest
 from engine.runner import Runner, resolve_dtype
-from engine.sequence import draft_generator
 from engine.shard_loading import load_shard, rank_device
 from engine.tensor_parallel import CollectiveError, full_num_parameters, num_parameters
 
 from .channel import ChannelRelay, ChannelSender
 from .channel_wire import ChannelClosed, Endpoint, Route
 from .errors import TensorParallelBroken
-from .messages import DraftCall, DraftResult, VerifyCall, VerifyResult
+from .messages import DraftCall, DraftResult, VerifyCall, VerifyResult, proposal_from_wire, proposal_to_wire
 from .worker_base import ModelWorker, cpu_startup_turn, warm_up
 
 
 class DraftWorkerCore(ModelWorker):
-    """Holds the draft model, its KV caches and each sequence's draft random stream.
+    """Holds the draft model and its KV caches (its random numbers are counter-based: no per-sequence state).
 
     A draft made *ahead* (overlapped with the target's verify of the previous round) carries an id; `cancel(id)`,
     served on its own thread while the draft computes, stops it after the current draft step, because the
@@ -70,7 +68,6 @@ class DraftWorkerCore(ModelWorker):
         # a Draft worker exists for DraftMethod.MODEL only: its proposer is a DraftModelProposer (`.runner`)
         self.proposer = build_proposer(config, load_tokenizer(target, config.trust_remote_code), target_vocab)
         warm_up(self.proposer.runner, config.num_speculative_tokens, "draft")
-        self._generators: dict[str, torch.Generator] = {}
         self._cancelled: set[int] = set()
         self._cancel_lock = threading.Lock()
         self.cancelled_drafts = 0
@@ -99,11 +96,9 @@ class DraftWorkerCore(ModelWorker):
         start = time.perf_counter()
         requests = []
         for call in calls:
-            tokens = self._known.apply(call.seq)
-            if call.seq.seq_id not in self._generators:
-                self._generators[call.seq.seq_id] = draft_generator(call.seq.sampling())
-            requests.append(DraftRequest(call.seq.seq_id, tokens, call.k, call.seq.sampling(),
-                                         self._generators[call.seq.seq_id]))
+            tokens = self._known.apply(call.seq)  # the first draft's absolute position is len(tokens)
+            requests.append(DraftRequest(call.seq.seq_id, tokens, call.k, call.seq.sampling(), call.seq.seed,
+                                         call.seq.coupled))
         if all(call.k == 0 for call in calls):  # a prompt chunk, read only (scheduler._draft_reads_chunk)
             self.proposer.read(requests)
             self._counted(len(calls))
@@ -116,32 +111,23 @@ class DraftWorkerCore(ModelWorker):
             self.cancelled_drafts += 1
             return DraftResult([], {}, time.perf_counter() - start, cancelled=True)
         self._counted(len(calls))
-        sampled = [b for b, call in enumerate(calls) if call.seq.temperature > 0]
         ids, counts = proposal.token_ids.tolist(), proposal.num_tokens.tolist()
-        return DraftResult(drafts=[row[:n] for row, n in zip(ids, counts)],
-                           probs={b: proposal.probs[b].numpy() for b in sampled},
+        proposals = {b: proposal_to_wire(proposal.proposal(b)) for b in range(len(calls))
+                     if proposal.proposal(b) is not None}
+        return DraftResult(drafts=[row[:n] for row, n in zip(ids, counts)], proposals=proposals,
                            seconds=time.perf_counter() - start)
 
-    def propose_chained(self, calls: list[tuple], verify_calls: list[tuple], members: list[int], direct: bool,
-                        route: Route) -> tuple | None:
-        """A chained round's first step (channel_client.AsyncChannels.chain): draft, then hand the drafts to the target
-        worker at `route`, whose verify (`TargetWorkerCore.verify_chained`) answers the router. Row members[i] of
-        `verify_calls` gets call i's drafts; the draft's whole result travels along for the router. Calls are in
-        their wire form (DraftCall.wire(), VerifyCall.wire()); the verify calls pass on as they came.
-
-        `direct` (rows that sample: `draft_replies_directly`): only the drafted tokens go to the target, and the
-        result (with the draft's probabilities, [K, V] per sampled row) is returned: the router gets it straight
-        from here while the target verifies, instead of through the target on the round's critical path."""
+    def propose_chained(self, calls: list[tuple], verify_calls: list[tuple], members: list[int],
+                        route: Route) -> None:
+        """A chained round's first step (channel_client.AsyncChannels.chain): draft, then hand the drafts (and the
+        compact proposals of unseeded sampled rows) to the target worker at `route`, whose verify
+        (`TargetWorkerCore.verify_chained`) samples and answers the router. Row members[i] of `verify_calls` gets
+        call i's drafts. Calls are in their wire form (DraftCall.wire(), VerifyCall.wire()); the verify calls pass
+        on as they came."""
         draft = self._timed_propose(calls, None)  # a channel handler: on the model thread already
-        if not direct:
-            self._relay.send(route, "verify_chained", verify_calls, members, draft)
-            return None
-        drafts, _, seconds, _ = draft
-        self._relay.send(route, "verify_chained", verify_calls, members, DraftResult(drafts, {}, seconds).wire())
-        return draft
+        self._relay.send(route, "verify_chained", verify_calls, members, draft)
 
     def _forget(self, seq_id: str) -> None:
-        self._generators.pop(seq_id, None)
         self.proposer.release(seq_id)
 
     def stats(self) -> dict:
@@ -256,14 +242,14 @@ class TargetWorkerCore(ModelWorker):
 
     def verify_chained(self, calls: list[tuple], members: list[int], draft: tuple) -> tuple:
         """A chained round's last step, from the draft worker (`DraftWorkerCore.propose_chained`): verify `calls`
-        with call i of the draft (a DraftResult's wire()) for row members[i]; the reply (to the router) carries the
-        draft's result too."""
+        with call i of the draft (a DraftResult's wire()) for row members[i], its compact proposal included; the
+        reply (to the router) carries the draft's tokens too, without the proposals."""
         calls = list(calls)
-        drafts = draft[0]
+        result = DraftResult.from_wire(draft)
         for i, b in enumerate(members):
-            calls[b] = (calls[b][0], drafts[i])
-        argmax, probs, seconds, _ = self.verify(calls)
-        return argmax, probs, seconds, draft
+            calls[b] = (calls[b][0], result.drafts[i], result.proposals.get(i))
+        verdicts, seconds, _ = self.verify(calls)
+        return verdicts, seconds, result.without_proposals().wire()
 
     def _timed_verify(self, calls: list[tuple]) -> tuple | None:
         with self.busy:
@@ -273,21 +259,26 @@ class TargetWorkerCore(ModelWorker):
     def _verify(self, calls: list[VerifyCall]) -> VerifyResult | None:
         start = time.perf_counter()
         runner = self.runner
-        seq_ids, feeds, widths = [], [], []
+        seq_ids, feeds, widths, positions = [], [], [], []
         for call in calls:
             known = self._known.apply(call.seq)
             if not runner.has(call.seq.seq_id):
                 runner.add(call.seq.seq_id)
             seq_ids.append(call.seq.seq_id)
+            positions.append(len(known))  # the absolute position of the row's first scored token
             feeds.append(runner.sync(call.seq.seq_id, known) + list(call.draft))
             widths.append(len(call.draft) + 1)
         logits = runner.forward(seq_ids, feeds, widths)  # [B, K+1, V]; every rank runs it (collectives)
         self._counted(len(calls))
         if self.rank != 0:
             return None
-        scores = score(logits, [c.seq.sampling() for c in calls], widths)  # engine/accept.py: the engine's too
-        return VerifyResult(scores.argmax, {b: p.numpy() for b, p in scores.probs.items()},
-                            time.perf_counter() - start)
+        rows = []
+        for call, position in zip(calls, positions):
+            params = call.seq.sampling()
+            rows.append(RowVerify(params, row_scheme(params, call.seq.seed, call.seq.coupled, position), call.draft,
+                                  proposal_from_wire(call.proposal)))
+        # the accept step on the target's device (engine/accept.py, the in-process engine's too): tokens come back
+        return VerifyResult(verify_rows(logits, rows), time.perf_counter() - start)
 
     def release(self, seq_ids: list[str]) -> None:
         """Rank 0 passes the release on to the other ranks, in order with the verifies."""

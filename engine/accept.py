@@ -1,37 +1,48 @@
-"""Accept and commit: what one round emits for each row, from its drafts and the target's verify, and its commit.
+"""Accept and commit: what one round emits for each row, from the target's verify logits, and its commit.
 
-The one path after the verify, for the in-process engine (engine/speculative.py) and the served round
-(deployments/group_round.py) alike, so a benchmark of the one measures the other's maths. Leviathan et al. 2022
-(arXiv 2211.17192), Algorithm 1, and Chen et al. 2023 (arXiv 2302.01318), Algorithm 2: a row keeps its drafts up to
-the first rejection and adds one recovered token there, or one bonus token when every draft was accepted.
+`verify_rows` is the accept step, run where the target's logits are (the target worker's device, rank 0 under
+tensor parallelism: deployments/workers.py; the in-process engine, engine/speculative.py): it takes a row's drafts,
+the compact proposal its drafts were sampled from (unseeded sampled rows), its seed and the absolute position of
+its first scored token, and answers the tokens to emit, the number of drafts accepted and, where asked, logprobs.
+So only tokens travel back to whoever commits them (the router commits with `commit`, never holding a probability
+tensor). Leviathan et al. 2022 (arXiv 2211.17192), Algorithm 1: a row keeps its drafts up to the first rejection and
+adds one recovered token there, or one bonus token when every draft was accepted. By row:
 
-- Greedy rows (temperature 0) need no probabilities: with one-hot target and draft distributions the ratio test
-  accepts exactly the drafts equal to the target's argmax, and the recovered or bonus token is the target's argmax
-  (`rejection.greedy_accept`). The target sends only its argmax tokens for them.
-- Sampled rows run the rejection sampler (`rejection.rejection_sample`) over their processed distributions, batched
-  over the sampled rows only; n-gram drafts have no distribution and count as one-hot.
+- Greedy (temperature 0): argmax matching (`rejection.greedy_accept`), no noise, no probabilities.
+- Seeded sampled (the request brought a seed): Gumbel coupling (`rejection.gumbel_accept`): each position's token
+  is argmax(log p + G(seed, position)), whatever was drafted, so the text is the same for any K, draft, batch or
+  replica, and the same as plain decoding with that seed.
+- Unseeded sampled (a seed drawn at admission): the standard rejection sampler (`rejection.rejection_sample`) with
+  counter uniforms (seed, position, ACCEPT / RESIDUAL) against the draft's compact proposal (engine/proposal.py),
+  or a one-hot draft (n-gram lookup) when there is none. Its acceptance is the higher of the two.
+
+Logprobs (a request's `logprobs = n`): each emitted token's log-probability and the top n, from the distribution
+the sampler drew from (temperature, top-k, top-p applied); greedy rows, whose processed distribution is one-hot,
+report the model's own log-softmax instead (what vLLM returns by default).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .policy import AcceptanceTracker
-from .rejection import greedy_accept, rejection_sample
+from .proposal import CompactProposal, RowScheme, dense
+from .randomness import ACCEPT, RESIDUAL, gumbel, seeds_tensor, uniforms
+from .rejection import RejectionResult, greedy_accept, gumbel_accept, rejection_sample
 from .sampling import BatchSampling, SamplingParams, logits_to_probs
 from .sequence import RequestOutput, SequenceState
 from .stats import SpecStats
 
 
-@dataclass(frozen=True)
-class TargetScores:
-    """What a verify pass tells the accept step, by row: greedy rows only their argmax, sampled rows distributions."""
+class TokenLogprob(NamedTuple):
+    """One emitted token's log-probability and the `logprobs` most likely tokens at its position."""
 
-    argmax: dict[int, list[int]]  # greedy row -> [K_b + 1] the target's argmax at each draft position and the bonus
-    probs: dict[int, torch.Tensor]  # sampled row -> [K_b + 1, V] float32 on the CPU, processed (engine/sampling.py)
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
 
 
 @dataclass(frozen=True)
@@ -40,65 +51,96 @@ class Verdict:
 
     tokens: list[int]  # the accepted drafts, then the recovered or bonus token
     num_accepted: int  # drafts accepted (0..K_b)
+    logprobs: list[TokenLogprob] | None = None  # per emitted token, only when the request asked
 
 
-def score(
-    logits: torch.Tensor,  # [B, T, V] the target's logits; row b's first widths[b] positions are real
-    params: Sequence[SamplingParams],  # B rows
-    widths: Sequence[int],  # B: K_b + 1 scored positions per row
-) -> TargetScores:
-    """The verify pass's logits as the accept step needs them: argmax for greedy rows, processed distributions (the
-    same temperature / top-k / top-p as the draft's) for sampled rows."""
-    assert logits.dim() == 3 and logits.shape[0] == len(params) == len(widths), "logits must be [B, T, V]"
-    greedy_rows = [b for b, p in enumerate(params) if p.greedy]
-    sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
-    argmax: dict[int, list[int]] = {}
-    probs: dict[int, torch.Tensor] = {}
-    if greedy_rows:
-        ids = logits[greedy_rows].argmax(dim=-1)
-        for i, b in enumerate(greedy_rows):
-            argmax[b] = ids[i, : widths[b]].tolist()
-    if sampled_rows:
-        processed = logits_to_probs(logits[sampled_rows], BatchSampling.from_params([params[b] for b in sampled_rows]))
-        for i, b in enumerate(sampled_rows):
-            probs[b] = processed[i, : widths[b]].cpu()
-    return TargetScores(argmax, probs)
+@dataclass(frozen=True)
+class RowVerify:
+    """What the accept step needs of one row besides its logits."""
+
+    params: SamplingParams
+    scheme: RowScheme  # seed, coupled, and the absolute position of the row's first scored token
+    drafts: Sequence[int]  # K_b draft tokens (empty: plain decoding)
+    proposal: CompactProposal | None = None  # unseeded sampled model drafts; None: one-hot (n-gram) or not needed
 
 
-def accept(
-    drafts: Sequence[Sequence[int]],  # B rows: row b's K_b draft tokens (empty: it verified without drafts)
-    scores: TargetScores,  # every row in exactly one of scores.argmax (greedy) and scores.probs (sampled)
-    draft_probs: Mapping[int, torch.Tensor] | None,  # sampled row -> [>= K_b, V]; None: one-hot (n-gram) drafts
-    generators: Sequence[torch.Generator],  # B: each request's verifier stream (used by sampled rows only)
+def row_scheme(params: SamplingParams, seed: int, coupled: bool, position: int) -> RowScheme:
+    return RowScheme(greedy=params.greedy, coupled=coupled, seed=seed, position=position)
+
+
+def verify_rows(
+    logits: torch.Tensor,  # [B, T, V] the target's verify logits; row b's first len(drafts) + 1 positions are real
+    rows: Sequence[RowVerify],  # B rows
 ) -> list[Verdict]:
-    """Each row's verdict: greedy rows by argmax matching, sampled rows by one batched `rejection_sample` call."""
-    batch = len(drafts)
-    assert len(generators) == batch and len(scores.argmax) + len(scores.probs) == batch, "one score per row"
-    verdicts: dict[int, Verdict] = {}
-    for b, argmax in scores.argmax.items():
-        tokens, accepted = greedy_accept(list(drafts[b]), argmax)
-        verdicts[b] = Verdict(tokens, accepted)
-    sampled = sorted(scores.probs)
+    """Each row's verdict, computed on logits' device; only token ids (and asked logprobs) leave it."""
+    assert logits.dim() == 3 and logits.shape[0] == len(rows), "logits must be [B, T, V]"
+    assert all(logits.shape[1] >= len(r.drafts) + 1 for r in rows), "a row has more drafts than scored positions"
+    results: dict[int, RejectionResult | tuple[list[int], int]] = {}
+    processed: dict[int, torch.Tensor] = {}  # sampled row -> [T, V] its processed distribution (for logprobs)
+    greedy = [b for b, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        ids = logits[greedy].argmax(dim=-1).tolist()
+        for i, b in enumerate(greedy):
+            results[b] = greedy_accept(list(rows[b].drafts), ids[i][: len(rows[b].drafts) + 1])
+    sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
     if sampled:
-        k_max = max(len(drafts[b]) for b in sampled)
-        vocab = scores.probs[sampled[0]].shape[-1]
-        draft_ids = torch.full((len(sampled), k_max), -1, dtype=torch.long)
-        target_probs = torch.zeros(len(sampled), k_max + 1, vocab)  # zero past a row's K_b + 1 (never read)
-        row_draft_probs = None if draft_probs is None else torch.zeros(len(sampled), k_max, vocab)
+        probs = logits_to_probs(logits[sampled], BatchSampling.from_params([rows[b].params for b in sampled]))
         for i, b in enumerate(sampled):
-            n = len(drafts[b])
-            assert scores.probs[b].shape == (n + 1, vocab), f"row {b}: target probs must be [K_b + 1, V]"
-            draft_ids[i, :n] = torch.tensor(list(drafts[b]), dtype=torch.long)
-            target_probs[i, : n + 1] = scores.probs[b]
-            if row_draft_probs is not None and n:
-                assert b in draft_probs, f"sampled row {b} has model drafts but no draft probabilities"
-                row_draft_probs[i, :n] = draft_probs[b][:n]
-        result = rejection_sample(draft_ids, row_draft_probs, target_probs,
-                                  torch.tensor([len(drafts[b]) for b in sampled], dtype=torch.long),
-                                  [generators[b] for b in sampled])
-        for i, b in enumerate(sampled):
-            verdicts[b] = Verdict(result.tokens(i), int(result.num_accepted[i]))
-    return [verdicts[b] for b in range(batch)]
+            processed[b] = probs[i]
+        for coupled in (True, False):
+            group = [i for i, b in enumerate(sampled) if rows[b].scheme.coupled is coupled]
+            if group:
+                result = _sample_group(probs[group], [rows[sampled[i]] for i in group], coupled)
+                for j, i in enumerate(group):
+                    results[sampled[i]] = (result.tokens(j), int(result.num_accepted[j]))
+    verdicts = []
+    for b, row in enumerate(rows):
+        tokens, accepted = results[b]
+        logprobs = None
+        if row.params.logprobs is not None:
+            dist = processed[b].log() if b in processed else logits[b].float().log_softmax(dim=-1)
+            logprobs = token_logprobs(dist[: len(tokens)], tokens, row.params.logprobs)
+        verdicts.append(Verdict(tokens, accepted, logprobs))
+    return verdicts
+
+
+def _sample_group(
+    probs: torch.Tensor,  # [S, T, V] processed target distributions of rows sharing a scheme
+    rows: Sequence[RowVerify],  # S rows
+    coupled: bool,
+) -> RejectionResult:
+    device = probs.device
+    k_max = max(len(r.drafts) for r in rows)
+    draft_ids = torch.full((len(rows), k_max), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        draft_ids[i, : len(r.drafts)] = torch.tensor(list(r.drafts), dtype=torch.long)
+    num_draft = torch.tensor([len(r.drafts) for r in rows], dtype=torch.long)
+    seeds = seeds_tensor([r.scheme.seed for r in rows], device)
+    # [S, K+1]: the absolute position of each scored token
+    positions = torch.tensor([r.scheme.position for r in rows], device=device)[:, None] + torch.arange(
+        k_max + 1, device=device)
+    target = probs[:, : k_max + 1]
+    if coupled:
+        return gumbel_accept(draft_ids, target.log(), num_draft, gumbel(seeds, positions, probs.shape[-1]))
+    draft_probs = None
+    if any(r.proposal is not None for r in rows):
+        assert all(r.proposal is not None or not r.drafts for r in rows), "model drafts need their proposal"
+        draft_probs = dense([r.proposal for r in rows], k_max, probs.shape[-1], device)
+    return rejection_sample(draft_ids, draft_probs, target, num_draft,
+                            uniforms(seeds, positions[:, :k_max], ACCEPT), uniforms(seeds, positions, RESIDUAL))
+
+
+def token_logprobs(
+    logprobs: torch.Tensor,  # [n, V] log-probabilities at the emitted positions
+    tokens: Sequence[int],  # n emitted tokens
+    top: int,
+) -> list[TokenLogprob]:
+    """The emitted tokens' log-probabilities and the top `top` of each position, as plain Python numbers."""
+    chosen = logprobs.gather(-1, torch.tensor(list(tokens), device=logprobs.device)[:, None]).squeeze(-1).tolist()
+    if top <= 0:
+        return [TokenLogprob(lp, ()) for lp in chosen]
+    values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
+    return [TokenLogprob(lp, tuple(zip(i, v))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
 
 def commit(seq: SequenceState, num_draft: int, verdict: Verdict, stats: SpecStats,
@@ -108,6 +150,6 @@ def commit(seq: SequenceState, num_draft: int, verdict: Verdict, stats: SpecStat
     and the population's, engine/policy.py)."""
     for tracker in trackers:
         tracker.record(num_draft, verdict.num_accepted)
-    out = seq.commit(verdict.tokens, num_draft, verdict.num_accepted)
+    out = seq.commit(verdict.tokens, num_draft, verdict.num_accepted, verdict.logprobs)
     stats.record(num_draft, verdict.num_accepted, len(out.new_token_ids))
     return out

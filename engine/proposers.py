@@ -14,23 +14,39 @@ import numpy as np
 import torch
 
 from .model_runner import ModelRunner
-from .sampling import BatchSampling, SamplingParams, logits_to_probs, sample_from
+from .proposal import TOP_N, CompactProposal, RowScheme, choose_draft_tokens
+from .sampling import BatchSampling, SamplingParams, logits_to_probs
 
 
 @dataclass(frozen=True)
 class DraftRequest:
     seq_id: str
-    tokens: Sequence[int]  # the committed tokens: prompt + output so far
+    tokens: Sequence[int]  # the committed tokens: prompt + output so far (the first draft's position is len(tokens))
     k: int  # how many tokens to propose (>= 1)
     sampling: SamplingParams
-    generator: torch.Generator  # the draft's random stream for this request
+    seed: int = 0  # the request's seed (its own or drawn at admission): engine/randomness.py
+    coupled: bool = False  # the request brought its seed: Gumbel-coupled drafts (engine/proposal.py)
+
+    def scheme(self, step: int) -> RowScheme:
+        return RowScheme(self.sampling.greedy, self.coupled, self.seed, len(self.tokens) + step)
+
+    @property
+    def ships_proposal(self) -> bool:
+        """Unseeded sampled rows send the proposal their drafts were drawn from; the others only tokens."""
+        return not self.sampling.greedy and not self.coupled
 
 
 @dataclass(frozen=True)
 class Proposal:
     token_ids: torch.Tensor  # [B, K] int64, -1 past num_tokens[b]
-    probs: torch.Tensor | None  # [B, K, V_target] float32, processed like the target's; None = one-hot drafts
     num_tokens: torch.Tensor  # [B] int64, may be below the asked k (n-gram found nothing, say)
+    # rows whose request `ships_proposal`: the compact proposals their drafts were drawn from, else None
+    proposals: list[CompactProposal | None] | None = None  # None: no row has one (n-gram, greedy, seeded)
+
+    def proposal(self, row: int) -> CompactProposal | None:
+        if self.proposals is None or self.proposals[row] is None:
+            return None
+        return self.proposals[row].head(int(self.num_tokens[row]))
 
 
 class Proposer(Protocol):
@@ -76,9 +92,10 @@ def fit_vocab(
 class DraftModelProposer:
     """Proposes k tokens per sequence by running the draft model autoregressively, batched over sequences."""
 
-    def __init__(self, runner: ModelRunner, target_vocab_size: int) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab_size: int, top_n: int = TOP_N) -> None:
         self.runner = runner
         self.target_vocab_size = target_vocab_size
+        self.top_n = top_n
 
     def propose(self, requests: Sequence[DraftRequest], stop: Callable[[], bool] | None = None) -> Proposal:
         """Draft up to k tokens per request; `stop()`, checked between steps, ends drafting early (the caller
@@ -86,7 +103,9 @@ class DraftModelProposer:
         batch, k_max = len(requests), max(r.k for r in requests)
         token_ids = torch.full((batch, k_max), -1, dtype=torch.long)
         num_tokens = torch.tensor([r.k for r in requests], dtype=torch.long)
-        probs = torch.zeros(batch, k_max, self.target_vocab_size)
+        n = min(self.top_n, self.target_vocab_size)
+        top_ids = torch.zeros(batch, k_max, n, dtype=torch.int32)
+        top_probs = torch.zeros(batch, k_max, n)
         for r in requests:
             if not self.runner.has(r.seq_id):
                 self.runner.add(r.seq_id)
@@ -98,12 +117,14 @@ class DraftModelProposer:
             # the draft's logits beyond the target vocabulary can never be proposed
             step_logits = logits[:, :, : self.target_vocab_size]
             sampling = BatchSampling.from_params([requests[i].sampling for i in active])
-            # sampling uses the requests' CPU generators, so the (small) distributions come to the CPU
-            step_probs = fit_vocab(logits_to_probs(step_logits, sampling), self.target_vocab_size)[:, 0].cpu()
-            tokens = sample_from(step_probs, [requests[i].generator for i in active], sampling.greedy)
+            # sampled on the draft's device with counter-based random numbers; only tokens and top-N leave it
+            step_probs = fit_vocab(logits_to_probs(step_logits, sampling), self.target_vocab_size)[:, 0]
+            tokens, ids, values = choose_draft_tokens(step_probs, [requests[i].scheme(step) for i in active], n)
+            tokens = tokens.cpu()
             rows = torch.tensor(active)
             token_ids[rows, step] = tokens
-            probs[rows, step] = step_probs
+            top_ids[rows, step] = ids.cpu()
+            top_probs[rows, step] = values.cpu()
             active_next = []
             for pos, i in enumerate(active):
                 feeds[i] = [int(tokens[pos])]
@@ -115,7 +136,10 @@ class DraftModelProposer:
             if stop is not None and stop():
                 num_tokens = num_tokens.clamp(max=step + 1)
                 break
-        return Proposal(token_ids=token_ids, probs=probs, num_tokens=num_tokens)
+        proposals = [CompactProposal(top_ids[b], top_probs[b]) if r.ships_proposal else None
+                     for b, r in enumerate(requests)]
+        return Proposal(token_ids=token_ids, num_tokens=num_tokens,
+                        proposals=proposals if any(p is not None for p in proposals) else None)
 
     def read(self, requests: Sequence[DraftRequest]) -> None:
         """Bring each request's cache up to its tokens without drafting (a long prompt read one chunk per call,
@@ -163,7 +187,7 @@ class NgramProposer:
             if found:
                 token_ids[b, : len(found)] = torch.tensor(found)
                 num[b] = len(found)
-        return Proposal(token_ids=token_ids, probs=None, num_tokens=num)
+        return Proposal(token_ids=token_ids, num_tokens=num)
 
     def release(self, seq_id: str) -> None:
         return None

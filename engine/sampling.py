@@ -1,5 +1,8 @@
 """Sampling parameters and the logits -> probabilities processing shared by draft and target.
 
+The draws themselves use counter-based random numbers (engine/randomness.py) and live with the samplers
+(engine/rejection.py, engine/proposal.py): no generator state.
+
 Speculative sampling is lossless only if the draft and the target distributions are processed the same way
 before the ratio test (Chen et al. 2023, arXiv 2302.01318, Sec. 2.3: "any modification of the target
 distribution, e.g. temperature or top-k, must be applied to both"). `logits_to_probs` is that one processing.
@@ -12,6 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+MAX_LOGPROBS = 20  # the top-n a request may ask for (OpenAI's limit)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings. temperature == 0 means greedy (argmax)."""
@@ -21,8 +27,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 = disabled
     max_tokens: int = 64
     stop: tuple[str, ...] = ()
-    seed: int | None = None
+    seed: int | None = None  # given: drafter-invariant Gumbel-coupled sampling (engine/accept.py)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: not asked; n >= 0: each emitted token's logprob and the top n
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
@@ -35,20 +42,14 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def make_generator(self) -> torch.Generator:
-        """The request's own random stream; seeded when `seed` is set, else from fresh entropy."""
-        gen = torch.Generator()
-        if self.seed is not None:
-            gen.manual_seed(self.seed)
-        else:
-            gen.seed()
-        return gen
 
 
 @dataclass(frozen=True)
@@ -120,17 +121,3 @@ def _filtered_softmax(
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter_(-1, sorted_idx, sorted_logits)
     return scaled.softmax(dim=-1)
-
-
-def sample_from(
-    probs: torch.Tensor,  # [B, V] float32, rows sum to 1
-    generators: list[torch.Generator],  # B generators
-    greedy: torch.Tensor | None = None,  # [B] bool: one-hot rows, taken by argmax without drawing
-) -> torch.Tensor:  # [B] int64
-    """One categorical draw per row, each from its request's own generator."""
-    assert probs.dim() == 2 and len(generators) == probs.shape[0]
-    out = probs.argmax(dim=-1)
-    for i in range(probs.shape[0]):
-        if greedy is None or not bool(greedy[i]):
-            out[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
-    return out

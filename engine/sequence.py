@@ -5,14 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
+from .randomness import draw_seed
 from .sampling import SamplingParams
 from .stats import SpecStats
 from .stopping import OutputText, cut_at_eos_and_length
-
-DRAFT_SEED_OFFSET = 0x5DEECE66D  # the draft's stream differs from the verifier's for the same request seed
-
 
 class EmptyPromptError(ValueError):
     pass
@@ -34,15 +30,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     stats: SpecStats
-
-
-def draft_generator(params: SamplingParams) -> torch.Generator:
-    gen = torch.Generator()
-    if params.seed is not None:
-        gen.manual_seed(params.seed + DRAFT_SEED_OFFSET)
-    else:
-        gen.seed()
-    return gen
+    logprobs: list | None = None  # per new token an accept.TokenLogprob, when the request asked for logprobs
 
 
 def check_prompt(prompt_ids: Sequence[int], max_model_len: int) -> None:
@@ -64,7 +52,9 @@ class SequenceState:
     max_model_len: int
     eos_token_ids: frozenset[int]
     text: OutputText
-    generator: torch.Generator  # the verifier's (rejection sampler's) random stream
+    # the request's seed, or one drawn at admission: every random number of its sampling is a function of it
+    # and of the token position (engine/randomness.py), wherever it is computed
+    seed: int
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
 
@@ -77,7 +67,12 @@ class SequenceState:
             raise ValueError("k must be >= 0")
         return cls(request_id, prompt_ids, params, k, max_model_len,
                    frozenset() if params.ignore_eos else eos_token_ids,
-                   OutputText(tokenizer, params.stop), params.make_generator())
+                   OutputText(tokenizer, params.stop), params.seed if params.seed is not None else draw_seed())
+
+    @property
+    def coupled(self) -> bool:
+        """Seeded by the request itself: Gumbel-coupled, drafter-invariant sampling (engine/accept.py)."""
+        return self.params.seed is not None
 
     @property
     def tokens(self) -> list[int]:
@@ -96,7 +91,8 @@ class SequenceState:
         """A round emits at most k+1 tokens, so drafting past remaining-1 is wasted work."""
         return max(0, min(self.k if k is None else k, self.remaining() - 1))
 
-    def commit(self, tokens: list[int], num_draft: int, num_accepted: int) -> RequestOutput:
+    def commit(self, tokens: list[int], num_draft: int, num_accepted: int,
+               logprobs: list | None = None) -> RequestOutput:
         """Append one round's tokens, cutting at EOS, max_tokens, the window and stop strings."""
         cut = cut_at_eos_and_length(tokens, self.eos_token_ids, self.remaining())
         kept = tokens[: cut.keep]
@@ -117,4 +113,5 @@ class SequenceState:
             num_prompt_tokens=len(self.prompt_ids),
             num_output_tokens=len(self.text.token_ids),
             stats=self.stats,
+            logprobs=None if logprobs is None else list(logprobs[: len(kept)]),
         )

@@ -2,8 +2,10 @@
 
 One `step()` is one round for every live sequence (Leviathan et al. 2022, arXiv 2211.17192, Algorithm 1,
 batched): the round plan gives each sequence its K (engine/round_plan.py, the served round's planner), the proposer
-drafts, the target scores all of them in one batched forward, and engine/accept.py (the served round's accept
-step too) keeps the agreeing prefix plus one recovered or bonus token and commits it. Sequences join and leave
+drafts, the target scores all of them in one batched forward, and engine/accept.py (the served target worker's
+accept step too) keeps the agreeing prefix plus one recovered or bonus token, on the logits' device, and commits it.
+Every request has a seed (its own, or one drawn at admission: SequenceState.seed), and every random number is a
+function of it and the token position (engine/randomness.py), so no generator state lives here. Sequences join and leave
 between rounds. k = 0 (or speculation off for a sequence) is plain target decoding through the same path.
 """
 
@@ -13,16 +15,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from .accept import Verdict, accept, commit, score
+from .accept import RowVerify, Verdict, commit, row_scheme, verify_rows
 from .loading import tokenizer_eos_ids
 from .model_runner import ModelRunner
 from .policy import AcceptanceTracker, CostProfile
+from .proposal import CompactProposal
 from .proposers import DraftModelProposer, DraftRequest, Proposer
 from .round_plan import RowOutlook, plan_ks
 from .sampling import SamplingParams
-from .sequence import RequestOutput, SequenceState, draft_generator
+from .sequence import RequestOutput, SequenceState
 from .stats import EngineTimings, SpecStats
 
 
@@ -51,7 +52,6 @@ class SpeculativeEngine:
         self.timings = EngineTimings()
         self.stats = SpecStats()
         self._seqs: dict[str, SequenceState] = {}
-        self._draft_generators: dict[str, torch.Generator] = {}
         self.population = AcceptanceTracker()  # acceptance over all requests (a new request's prior)
         self._trackers: dict[str, AcceptanceTracker] = {}  # each request's own acceptance (engine/policy.py)
         self._draft_read: dict[str, int] = {}  # committed tokens the draft model has read, by request
@@ -78,7 +78,6 @@ class SpeculativeEngine:
                                    self.target.max_model_len, self.eos_token_ids, self.tokenizer)
         self.target.add(request_id)
         self._seqs[request_id] = seq
-        self._draft_generators[request_id] = draft_generator(params)
         self._trackers[request_id] = AcceptanceTracker(prior=self.population.acceptance)
         if fixed_k:
             self._fixed_k.add(request_id)
@@ -90,7 +89,6 @@ class SpeculativeEngine:
             self._release(seq)
 
     def _release(self, seq: SequenceState) -> None:
-        self._draft_generators.pop(seq.request_id, None)
         self._trackers.pop(seq.request_id, None)
         self._draft_read.pop(seq.request_id, None)
         self._fixed_k.discard(seq.request_id)
@@ -105,14 +103,14 @@ class SpeculativeEngine:
             return []
         ks = self.plan(seqs)
         t0 = time.perf_counter()
-        drafts, draft_probs = self._draft(seqs, ks)
+        drafts, proposals = self._draft(seqs, ks)
         t1 = time.perf_counter()
         feeds = [self.target.sync(s.request_id, s.tokens) + drafts[b] for b, s in enumerate(seqs)]
         widths = [len(d) + 1 for d in drafts]
         logits = self.target.forward([s.request_id for s in seqs], feeds, widths)  # [B, K+1, V]
-        scores = score(logits, [s.params for s in seqs], widths)
+        verdicts = verify_rows(logits, [RowVerify(s.params, row_scheme(s.params, s.seed, s.coupled, s.num_tokens),
+                                                  drafts[b], proposals[b]) for b, s in enumerate(seqs)])
         t2 = time.perf_counter()
-        verdicts = accept(drafts, scores, draft_probs, [s.generator for s in seqs])
         outputs = [self._commit(s, len(drafts[b]), verdicts[b]) for b, s in enumerate(seqs)]
         t3 = time.perf_counter()
         self.timings.record(len(seqs), t1 - t0, t2 - t1, t3 - t2)
@@ -133,23 +131,23 @@ class SpeculativeEngine:
 
     def _draft(
         self, seqs: list[SequenceState], ks: list[int]
-    ) -> tuple[list[list[int]], dict[int, torch.Tensor] | None]:  # per row its drafts; row -> [K_b, V] | None
-        """The rows' drafts, and the draft's distributions by row (None: one-hot n-gram drafts)."""
+    ) -> tuple[list[list[int]], list[CompactProposal | None]]:  # per row its drafts and compact proposal
+        """The rows' drafts, and the compact proposals they were drawn from (unseeded sampled model drafts; None
+        for the others: one-hot n-gram drafts, greedy and seeded rows)."""
         drafts: list[list[int]] = [[] for _ in seqs]
+        proposals: list[CompactProposal | None] = [None for _ in seqs]
         rows = [b for b, k in enumerate(ks) if k > 0]
         if not rows or self.proposer is None:
-            return drafts, None
+            return drafts, proposals
         proposal = self.proposer.propose([
-            DraftRequest(seqs[b].request_id, seqs[b].tokens, ks[b], seqs[b].params,
-                         self._draft_generators[seqs[b].request_id])
+            DraftRequest(seqs[b].request_id, seqs[b].tokens, ks[b], seqs[b].params, seqs[b].seed, seqs[b].coupled)
             for b in rows
         ])
         for i, b in enumerate(rows):
             drafts[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
+            proposals[b] = proposal.proposal(i)
             self._draft_read[seqs[b].request_id] = seqs[b].num_tokens
-        if proposal.probs is None:
-            return drafts, None
-        return drafts, {b: proposal.probs[i] for i, b in enumerate(rows)}
+        return drafts, proposals
 
     def _commit(self, seq: SequenceState, num_draft: int, verdict: Verdict) -> RequestOutput:
         out = commit(seq, num_draft, verdict, self.stats, (self._trackers[seq.request_id], self.population))
@@ -189,9 +187,12 @@ class Completion:
     finished: bool = False
     finish_reason: str | None = None
     stats: SpecStats | None = None
+    logprobs: list | None = None  # per token an accept.TokenLogprob, when the request asked for logprobs
 
     def absorb(self, out: RequestOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.logprobs
         self.text += out.new_text
         if out.finished:
             self.finished, self.finish_reason, self.stats = True, out.finish_reason, out.stats

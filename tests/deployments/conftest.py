@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from deployments.admission import refusal
 from deployments.config import SpecServeConfig
 from deployments.errors import ChainBroken, DraftGone, ReplicaFull, ReplicaGone
-from deployments.messages import DraftResult, VerifyResult, draft_replies_directly
+from deployments.messages import DraftResult, VerifyResult
 from deployments.workers import DraftWorkerCore, TargetWorkerCore
 from tests.conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
@@ -84,15 +83,13 @@ class _Lease:
         await asyncio.sleep(0)
         relay = _Relay()
         self.core._relay = relay
-        direct = draft_replies_directly(calls)
-        draft = self.core.propose_chained([c.wire() for c in calls], [c.wire() for c in verify_calls], members,
-                                          direct, ("target endpoint", 1))
+        self.core.propose_chained([c.wire() for c in calls], [c.wire() for c in verify_calls], members,
+                                  ("target endpoint", 1))
         if self.broker.break_chains:  # drafted, but could not pass the drafts on to the target
             self.broker.break_chains -= 1
             raise ChainBroken("could not pass verify_chained on")
         method, args = relay.sent
-        result = await target._verify(lambda: getattr(target.core, method)(*args))
-        return dataclasses.replace(result, draft=DraftResult.from_wire(draft)) if direct else result
+        return await target._verify(lambda: getattr(target.core, method)(*args))
 
     def cancel(self, ahead_id) -> None:
         self.broker.cancels += 1

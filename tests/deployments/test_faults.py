@@ -20,6 +20,9 @@ PROMPT = [5, 6, 7, 8]
 LONG = {"model": "tiny", "prompt": PROMPT, "max_tokens": 240, "temperature": 0, "ignore_eos": True,
         "speculative": {"enabled": False}}
 SHORT = {**LONG, "max_tokens": 16}
+# seeded sampling with n-gram drafts at a pinned K: its text must be plain decoding's with that seed (Gumbel coupling,
+# engine/accept.py), also when a re-prefill on a new Target replica continues it after a failure
+SEEDED = {**LONG, "temperature": 1.0, "seed": 1234, "speculative": {"k": 3, "adaptive": False}}
 NO_HANG_S = 180  # a request still unanswered after this long counts as hung
 
 
@@ -125,6 +128,7 @@ def test_killing_one_tensor_parallel_rank_mid_stream(app):
     from ray import serve
 
     reference = complete(app, LONG)
+    seeded_reference = complete(app, {**SEEDED, "speculative": {"enabled": False}})
     target = serve.get_deployment_handle("Target", app_name=APP)
     before = target.stats.remote().result()
     workers = alive_actors("specserve-target-")
@@ -132,19 +136,31 @@ def test_killing_one_tensor_parallel_rank_mid_stream(app):
     victim = next(a for a in workers if a.name.startswith("specserve-target-r1-"))
     killed = {}
 
+    both_streaming, once = threading.Barrier(2), threading.Lock()
+
     def kill_rank_1():
-        killed["leases"] = target.stats.remote().result()["leases"]  # the stream holds the replica's lease
+        both_streaming.wait(60)  # the greedy and the seeded stream both generate
+        with once:
+            if not killed:
+                kill()
+
+    def kill():
+        killed["leases"] = target.stats.remote().result()["leases"]  # the streams hold the replica's leases
         ray.kill(ray.get_actor(victim.name, namespace=victim.ray_namespace), no_restart=True)
         killed["at"] = time.time()
 
-    result = stream(app, LONG, on_first_text=kill_rank_1)
-    assert killed.get("leases") == 1, "rank 1 died while the request was generating"
-    # in flight: either it completed after a re-lease with the same greedy output, or it ended with a clear error
-    if result["error"] is None:
-        assert result["done"] and result["text"] == reference, result
-    else:
-        assert not result["done"] and isinstance(result["error"], dict), result
-        assert result["error"]["type"] == "server_error" and result["error"]["message"], result
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        greedy, seeded = pool.map(lambda body: stream(app, body, on_first_text=kill_rank_1), (LONG, SEEDED))
+    assert killed.get("leases") == 2, "rank 1 died while both requests were generating"
+    # in flight: either it completed after a re-lease with the same output (greedy; seeded: the same stream of
+    # counter-based random numbers), or it ended with a clear error
+    for result, expected in ((greedy, reference), (seeded, seeded_reference)):
+        if result["error"] is None:
+            assert result["done"] and result["text"] == expected, result
+        else:
+            assert not result["done"] and isinstance(result["error"], dict), result
+            assert result["error"]["type"] == "server_error" and result["error"]["message"], result
+    result = greedy
 
     print(f"in-flight request after the kill: {'error ' + str(result['error']) if result['error'] else 'completed'}"
           f" in {result['seconds']:.1f} s")

@@ -14,10 +14,11 @@ from deployments.errors import ChainBroken, DraftGone
 from deployments.leases import RayDraftLease, RayLeaseBroker, RayTargetLease
 from deployments.errors import Overloaded, ReplicaGone, TensorParallelBroken
 from deployments.messages import DraftCall, DraftResult, LeaseInfo, SeqDelta, VerifyCall, VerifyResult
+from engine.accept import TokenLogprob, Verdict
 
 
 def _verify_call(seq_id: str = "s") -> VerifyCall:
-    return VerifyCall(SeqDelta(seq_id, 0, [5, 6], 0.0, 0, 1.0, None), [])
+    return VerifyCall(SeqDelta(seq_id, 0, [5, 6], 0.0, 0, 1.0, 0), [])
 
 
 def _rank0(behaviour: str = "ok") -> ChannelServer:
@@ -27,7 +28,7 @@ def _rank0(behaviour: str = "ok") -> ChannelServer:
             raise TensorParallelBroken("tensor-parallel rank 0 of 2: all_reduce failed: connection closed by peer")
         if behaviour == "error":
             raise ValueError("a bad call")
-        return VerifyResult({b: [0, len(calls)] for b in range(len(calls))}, {}, 0.5).wire()
+        return VerifyResult([Verdict([0, len(calls)], 1) for _ in calls], 0.5).wire()
 
     return ChannelServer({"verify": verify}, "127.0.0.1", bind_host="127.0.0.1")
 
@@ -77,7 +78,7 @@ def test_rank_zero_answers_through_its_channel_and_a_plain_error_stays_an_error(
     server, failing = _rank0(), _rank0("error")
     dead = set()
     answer = asyncio.run(_lease(server.endpoint, dead).verify([_verify_call(), _verify_call()]))
-    assert answer == VerifyResult({0: [0, 2], 1: [0, 2]}, {}, 0.5), "read back from the wire as a VerifyResult"
+    assert answer == VerifyResult([Verdict([0, 2], 1)] * 2, 0.5), "read back from the wire as a VerifyResult"
     with pytest.raises(ValueError, match="a bad call"):  # the replica is fine: the caller's problem, not a failure
         asyncio.run(_lease(failing.endpoint, dead).verify([]))
     assert dead == set()
@@ -135,17 +136,19 @@ def _chain_workers(how: str):
     def verify_chained(calls, members, draft):
         if how == "target broken":
             raise TensorParallelBroken("tensor-parallel rank 0 of 2: all_reduce failed")
-        return VerifyResult({b: [len(calls)] for b in members}, {}, 0.0, DraftResult.from_wire(draft)).wire()
+        draft = DraftResult.from_wire(draft)
+        assert draft.proposals == ({0: "proposal"} if calls[1][0][3] else {}), "the proposal reached the target"
+        return VerifyResult([Verdict([len(calls)], 0) for _ in members], 0.0, draft.without_proposals()).wire()
 
     target = ChannelServer({"verify_chained": verify_chained}, "127.0.0.1", bind_host="127.0.0.1")
     relay = ChannelRelay()
 
-    def propose_chained(calls, verify_calls, members, direct, route):
+    def propose_chained(calls, verify_calls, members, route):
         if how == "relay fails":  # the target is unreachable from the draft worker (not from the router)
             route = (gone.endpoint.wire(), route[1])
         drafts = [list(call[0][2]) for call in calls]  # "drafts": each call's tokens
-        relay.send(route, "verify_chained", verify_calls, members, DraftResult(drafts, {}, 0.0).wire())
-        return DraftResult(drafts, {}, 1.0).wire() if direct else None  # 1.0: this one came straight here
+        proposals = {0: "proposal"} if calls[0][0][3] else {}  # a sampled row's compact proposal goes along
+        relay.send(route, "verify_chained", verify_calls, members, DraftResult(drafts, proposals, 0.0).wire())
 
     draft = ChannelServer({"propose_chained": propose_chained}, "127.0.0.1", bind_host="127.0.0.1")
     return (gone.endpoint if how == "draft gone" else draft.endpoint,
@@ -165,11 +168,11 @@ def test_a_chained_round_names_the_replica_that_failed(how, error, blamed, tempe
     channels, dead = AsyncChannels(), set()
     draft = RayDraftLease(FakeStream(None), LeaseInfo("d", [], draft_endpoint), channels, dead)
     target = RayTargetLease(FakeStream(None), LeaseInfo("t", [], target_endpoint), channels, dead)
-    draft_calls = [DraftCall(SeqDelta("b", 0, [7, 8], temperature, 0, 1.0, None), 3)]
-    run = draft.chain(draft_calls, target, [_verify_call("a"), _verify_call("b")], [1])
-    if error is None:  # the calls travel in their wire form; a sampled row's draft comes straight from the draft
-        expected_draft = DraftResult([[7, 8]], {}, 1.0 if temperature else 0.0)
-        assert asyncio.run(run) == VerifyResult({1: [2]}, {}, 0.0, expected_draft)
+    seq = SeqDelta("b", 0, [7, 8], temperature, 0, 1.0, 0)
+    draft_calls = [DraftCall(seq, 3)]
+    run = draft.chain(draft_calls, target, [_verify_call("a"), VerifyCall(seq, [])], [1])
+    if error is None:  # the calls travel in their wire form; the draft's tokens come back through the target
+        assert asyncio.run(run) == VerifyResult([Verdict([2], 0)], 0.0, DraftResult([[7, 8]], {}, 0.0))
     else:
         with pytest.raises(error) as info:
             asyncio.run(asyncio.wait_for(run, 30))
@@ -180,11 +183,16 @@ def test_a_chained_round_names_the_replica_that_failed(how, error, blamed, tempe
 def test_calls_cross_the_channel_as_plain_tuples_and_come_back_equal():
     import pickle
 
-    seq = SeqDelta("r", 4, [9, 10], 0.7, 20, 0.9, 123)
+    import numpy as np
+
+    seq = SeqDelta("r", 4, [9, 10], 0.7, 20, 0.9, 123, True, 3)
+    proposal = (np.zeros((2, 4), np.int32), np.full((2, 4), 0.25, np.float32))
     for call, cls in ((DraftCall(seq, 3), DraftCall), (VerifyCall(seq, [11, 12]), VerifyCall)):
         wire = call.wire()
         assert b"deployments" not in pickle.dumps(wire, protocol=5), "no class travels, only builtins"
         assert cls.from_wire(pickle.loads(pickle.dumps(wire, protocol=5))) == call
+    back = VerifyCall.from_wire(pickle.loads(pickle.dumps(VerifyCall(seq, [11, 12], proposal).wire(), protocol=5)))
+    np.testing.assert_array_equal(back.proposal[1], proposal[1])
 
 
 def test_results_cross_the_channel_as_plain_tuples_and_come_back_equal():
@@ -192,17 +200,19 @@ def test_results_cross_the_channel_as_plain_tuples_and_come_back_equal():
 
     import numpy as np
 
-    draft = DraftResult([[3, 4], []], {0: np.full((2, 5), 0.2, dtype=np.float32)}, 0.01)
-    verify = VerifyResult({1: [7]}, {0: np.full((3, 5), 0.2, dtype=np.float32)}, 0.02, draft)
+    proposal = (np.zeros((2, 5), np.int32), np.full((2, 5), 0.2, dtype=np.float32))
+    draft = DraftResult([[3, 4], []], {0: proposal}, 0.01)
+    logprobs = [TokenLogprob(-0.5, ((7, -0.5), (2, -1.5)))]
+    verify = VerifyResult([Verdict([7], 0, logprobs), Verdict([3, 4, 9], 2)], 0.02, draft)
     for result, cls in ((draft, DraftResult), (verify, VerifyResult), (DraftResult([], {}, 0.0, True), DraftResult)):
         wire = pickle.dumps(result.wire(), protocol=5)
         assert b"deployments" not in wire, "no class travels, only builtins (and numpy arrays)"
         back = cls.from_wire(pickle.loads(wire))
         assert type(back) is cls and back.seconds == result.seconds
     back = VerifyResult.from_wire(pickle.loads(pickle.dumps(verify.wire(), protocol=5)))
-    assert back.argmax == {1: [7]} and back.draft.drafts == [[3, 4], []] and not back.draft.cancelled
-    np.testing.assert_array_equal(back.probs[0], verify.probs[0])
-    np.testing.assert_array_equal(back.draft.probs[0], draft.probs[0])
+    assert back.verdicts == verify.verdicts and back.draft.drafts == [[3, 4], []] and not back.draft.cancelled
+    assert isinstance(back.verdicts[0].logprobs[0], TokenLogprob)
+    np.testing.assert_array_equal(back.draft.proposals[0][1], proposal[1])
     assert DraftResult.from_wire(DraftResult([], {}, 0.0, True).wire()).cancelled
 
 

@@ -74,7 +74,8 @@ def test_overlap_cancels_ahead_drafts_no_row_can_use(unrelated_draft_dirs):
     assert broker.cores["draft"].cancelled_drafts == st.ahead_cancelled
 
 
-def test_overlap_keeps_the_target_distribution_when_sampling(tmp_path):
+@pytest.mark.parametrize("seeded", [True, False], ids=["gumbel", "rejection"])
+def test_overlap_keeps_the_target_distribution_when_sampling(tmp_path, seeded):
     """The 3rd token is verified against a draft made ahead whenever round 1's guess came true: its marginal
     must still be the target's exact one (same check as the engine's losslessness test)."""
     vocab = 8
@@ -85,7 +86,8 @@ def test_overlap_keeps_the_target_distribution_when_sampling(tmp_path):
     exact, draft_marginal = third_token_marginals(target, draft, [2, 3, 4], vocab, top_k=2)
     router, _ = router_for(dirs, overlap=True, num_speculative_tokens=1, max_batch_for_speculation=64)
     n = 3000
-    params = [SamplingParams(temperature=1.0, top_k=2, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
+    params = [SamplingParams(temperature=1.0, top_k=2, max_tokens=4, ignore_eos=True, seed=i if seeded else None)
+              for i in range(n)]
     outputs = run_all(router, [[2, 3, 4]] * n, params)
     got = torch.bincount(torch.tensor([t[2] for t in outputs]), minlength=vocab).float() / n
     bound = total_variation_bound(vocab, n)
@@ -95,9 +97,10 @@ def test_overlap_keeps_the_target_distribution_when_sampling(tmp_path):
     assert st.ahead_used > n // 4, "a good share of 3rd tokens came from drafts made ahead"
 
 
-def test_chained_rounds_keep_the_target_distribution_when_sampling(tmp_path):
-    """Sampled rows' draft probabilities reach the router straight from the draft worker while the target worker
-    verifies the drafts it was handed (a chained round): the 3rd token's marginal must be the target's exact one."""
+@pytest.mark.parametrize("seeded", [True, False], ids=["gumbel", "rejection"])
+def test_chained_rounds_keep_the_target_distribution_when_sampling(tmp_path, seeded):
+    """Sampled rows' drafts and compact proposals go from the draft worker straight to the target worker, which
+    samples (a chained round): the 3rd token's marginal must be the target's exact one."""
     vocab = 8
     target = make_tiny_model("llama", vocab=vocab, seed=3)
     draft = perturbed_copy(target, 0.08, seed=4)
@@ -105,7 +108,8 @@ def test_chained_rounds_keep_the_target_distribution_when_sampling(tmp_path):
     exact, draft_marginal = third_token_marginals(target, draft, [2, 3, 4], vocab, top_k=0)
     router, broker = router_for(dirs, num_speculative_tokens=2, max_batch_for_speculation=64)
     n = 3000
-    params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
+    params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=i if seeded else None)
+              for i in range(n)]
     outputs = run_all(router, [[2, 3, 4]] * n, params)
     got = torch.bincount(torch.tensor([t[2] for t in outputs]), minlength=vocab).float() / n
     bound = total_variation_bound(vocab, n)
@@ -263,3 +267,45 @@ def test_without_a_draft_lease_a_request_decodes_plainly_then_tries_again(tiny_m
     assert broker.leases_taken["draft"] == 1, "the third try got one"
     stats = router.scheduler.stats.spec
     assert stats.num_draft_tokens > 0 and stats.rounds > stats.num_drafts, "plain rounds first, then drafts"
+
+
+SEEDED = [SamplingParams(temperature=1.0, top_k=40, max_tokens=20, seed=500 + i, ignore_eos=True) for i in range(8)]
+
+
+def plain_seeded(dirs, prompts, params) -> list[list[int]]:
+    """The in-process engine's plain decoding (K = 0) with each request's seed: what any served round must give."""
+    from engine.factory import build_engine
+
+    engine = build_engine(tiny_config(dirs).engine_config())
+    return [c.token_ids for c in engine.generate(prompts, params, k=0)]
+
+
+@pytest.mark.parametrize("draft", ["perturbed", "unrelated"])
+def test_a_seeded_request_gives_the_same_served_text_for_any_k_batch_policy_overlap_and_draft_failure(
+        tiny_model_dirs, unrelated_draft_dirs, tmp_path, draft):
+    """Drafter invariance through the served round (in-process leases, the real worker cores): the target samples
+    by Gumbel coupling at its device, so a seed's text is plain decoding's, chained or not, with drafts made ahead
+    or not, K pinned or adaptive, alone or in a batch of 8, and after the Draft worker dies mid-request."""
+    dirs = tiny_model_dirs if draft == "perturbed" else unrelated_draft_dirs
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    reference = plain_seeded(dirs, prompts, SEEDED)
+    profile = write_profile(tmp_path / "c.json", 8)
+    for overlap in (False, True):  # a server that drafts ahead makes no chained rounds: one router each
+        router, broker = router_for(dirs, adaptive=True, calibration=profile, num_speculative_tokens=3,
+                                    overlap=overlap)
+        for k in (0, 1, 3):
+            got = asyncio.run(generate(router, prompts[0], SEEDED[0], k=k, adaptive=False))
+            assert got == reference[0], f"K = {k}, overlap {overlap}"
+        assert asyncio.run(generate(router, prompts[0], SEEDED[0], k=3, adaptive=True)) == reference[0], "adaptive"
+
+        async def batch(adaptive):
+            return await asyncio.gather(*(generate(router, pr, p, k=3, adaptive=adaptive)
+                                          for pr, p in zip(prompts, SEEDED)))
+
+        assert asyncio.run(batch(False)) == reference, f"batch 8, overlap {overlap}"
+        assert asyncio.run(batch(True)) == reference, f"batch 8, adaptive K, overlap {overlap}"
+        stats = router.scheduler.stats
+        assert stats.spec.num_drafts > 0 and (stats.ahead_drafts > 0 if overlap else stats.chained_rounds > 0)
+    broker.fail_at_call["draft"] = broker.calls["draft"] + 3  # the Draft worker dies mid-request
+    assert asyncio.run(generate(router, prompts[0], SEEDED[0], k=3, adaptive=False)) == reference[0]
+    assert broker.keys["draft"] != "draft-0", "the Draft replica was replaced mid-request"

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from deployments.messages import DraftCall, DraftResult, SeqDelta, VerifyCall, VerifyResult, draft_replies_directly
+from deployments.messages import DraftCall, DraftResult, SeqDelta, VerifyCall, VerifyResult
 from deployments.worker_base import UnknownSequenceError
 from deployments.workers import DraftWorkerCore, TargetWorkerCore
 from engine.loading import load_causal_lm, resolve
+from engine.rejection import greedy_accept
 from tests.conftest import TINY_VOCAB
 from tests.deployments.conftest import tiny_config
 
@@ -21,19 +22,21 @@ PROMPT = [5, 9, 12, 7, 30, 2]
 
 
 def part(reply, name: str):
-    """A reply's field: workers answer their results' wire tuples (a verify's starts with its argmax dict, a
-    draft's with its list of drafts)."""
+    """A reply's field: workers answer their results' wire tuples (a verify's has 3 fields, a draft's 4)."""
     if isinstance(reply, tuple):
-        reply = VerifyResult.from_wire(reply) if isinstance(reply[0], dict) else DraftResult.from_wire(reply)
+        reply = VerifyResult.from_wire(reply) if len(reply) == 3 else DraftResult.from_wire(reply)
     return getattr(reply, name)
 
 
-def delta(seq_id: str, tokens: list[int], start: int = 0, temperature: float = 0.0, seed: int | None = None):
-    return SeqDelta(seq_id, start, list(tokens), temperature, 0, 1.0, seed)
+def delta(seq_id: str, tokens: list[int], start: int = 0, temperature: float = 0.0, seed: int | None = None,
+          logprobs: int | None = None):
+    """A request's delta; `seed` given: a seeded (Gumbel-coupled) request, else one whose seed was drawn (0 here)."""
+    return SeqDelta(seq_id, start, list(tokens), temperature, 0, 1.0, 0 if seed is None else seed, seed is not None,
+                    logprobs)
 
 
-def verify_call(seq: SeqDelta, draft: list[int]) -> tuple:
-    return VerifyCall(seq, list(draft)).wire()
+def verify_call(seq: SeqDelta, draft: list[int], proposal=None) -> tuple:
+    return VerifyCall(seq, list(draft), proposal).wire()
 
 
 def draft_call(seq: SeqDelta, k: int) -> tuple:
@@ -76,13 +79,15 @@ def greedy_continuation(model, tokens: list[int], n: int) -> list[int]:
 
 
 # ---- target ---------------------------------------------------------------------------------------------------
-def test_greedy_verify_answers_the_targets_argmax_after_each_draft_position(target, models):
-    drafts = [14, 3]
-    reply = target.verify([verify_call(delta("g1", PROMPT), drafts)])
-    assert part(reply, "argmax")[0] == next_token_argmax(models[0], PROMPT + drafts, len(drafts) + 1)
-    assert not part(reply, "probs")  # greedy rows send token ids only
-    assert part(reply, "seconds") > 0
-    target.release(["g1"])
+def test_greedy_verify_answers_the_agreeing_drafts_then_the_targets_argmax(target, models):
+    for drafts in ([14, 3], greedy_continuation(models[0], PROMPT, 2)):
+        reply = target.verify([verify_call(delta("g1", PROMPT), drafts)])
+        [verdict] = part(reply, "verdicts")
+        tokens, accepted = greedy_accept(drafts, next_token_argmax(models[0], PROMPT + drafts, len(drafts) + 1))
+        assert (verdict.tokens, verdict.num_accepted, verdict.logprobs) == (tokens, accepted, None)
+        assert part(reply, "seconds") > 0
+        target.release(["g1"])
+    assert accepted == 2, "the target's own continuation is accepted whole, plus the bonus token"
 
 
 def test_a_continued_sequence_rolls_its_cache_back_past_rejected_drafts(target, models):
@@ -91,33 +96,44 @@ def test_a_continued_sequence_rolls_its_cache_back_past_rejected_drafts(target, 
     # only what is new to the worker: the committed tokens from position len(PROMPT) on
     committed = PROMPT + [14, 40]
     reply = target.verify([verify_call(delta("r1", [14, 40], start=len(PROMPT)), [21])])
-    assert part(reply, "argmax")[0] == next_token_argmax(models[0], committed + [21], 2)
+    [verdict] = part(reply, "verdicts")
+    assert verdict.tokens == greedy_accept([21], next_token_argmax(models[0], committed + [21], 2))[0]
     target.release(["r1"])
 
 
-def test_sampled_rows_get_probabilities_and_greedy_rows_token_ids_in_one_batch(target, models):
-    calls = [verify_call(delta("m1", PROMPT), [14]),
-             verify_call(delta("m2", PROMPT[:4], temperature=1.0, seed=3), [6, 11])]
-    reply = target.verify(calls)
-    assert set(part(reply, "argmax")) == {0} and set(part(reply, "probs")) == {1}
-    probs = np.asarray(part(reply, "probs")[1])  # [K+1, V]
-    assert probs.shape == (3, TINY_VOCAB)
-    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-4)
+def test_sampled_rows_are_sampled_at_the_target_and_only_tokens_come_back(target, models):
+    """A seeded row's tokens are the Gumbel-max choices of the target's distribution at its absolute positions;
+    an unseeded row is rejection-sampled against the compact proposal it brings; logprobs only where asked."""
+    from engine.randomness import gumbel, seeds_tensor
+
     with torch.no_grad():  # temperature 1, no top-k/top-p: the model's softmax
-        expected = models[0](torch.tensor([PROMPT[:4] + [6, 11]])).logits[0, -3:].softmax(-1).numpy()
-    np.testing.assert_allclose(probs, expected, atol=1e-4)
-    target.release(["m1", "m2"])
+        logp = models[0](torch.tensor([PROMPT[:4] + [6, 11]])).logits[0, -3:].log_softmax(-1)
+    choice = (logp + gumbel(seeds_tensor([3]), torch.tensor([[4, 5, 6]]), TINY_VOCAB)[0]).argmax(-1).tolist()
+    proposal = (np.array([[6, 7], [11, 12]], dtype=np.int32), np.array([[0.5, 0.5], [0.5, 0.5]], dtype=np.float32))
+    calls = [verify_call(delta("m1", PROMPT), [14]),
+             verify_call(delta("m2", PROMPT[:4], temperature=1.0, seed=3, logprobs=2), [6, 11]),
+             verify_call(delta("m3", PROMPT[:4], temperature=1.0), [6, 11], proposal)]
+    greedy, seeded, unseeded = part(target.verify(calls), "verdicts")
+    assert seeded.tokens == choice[: seeded.num_accepted + 1], "drafts accepted iff they are the target's choices"
+    assert len(seeded.logprobs) == len(seeded.tokens) and len(seeded.logprobs[0].top) == 2
+    np.testing.assert_allclose(seeded.logprobs[0].logprob, float(logp[0, seeded.tokens[0]]), atol=1e-4)
+    assert greedy.logprobs is None and unseeded.logprobs is None
+    assert 0 <= unseeded.num_accepted <= 2 and len(unseeded.tokens) == unseeded.num_accepted + 1
+    target.release(["m1", "m2", "m3"])
 
 
-def test_verify_chained_fills_in_the_drafts_and_carries_the_draft_result(target):
-    seq = delta("c1", PROMPT)
-    direct = target.verify([verify_call(seq, [14, 3])])
-    target.release(["c1"])
-    draft_result = DraftResult([[14, 3]], {}, 0.01)
-    chained = target.verify_chained([verify_call(seq, [])], [0], draft_result.wire())
-    assert part(chained, "argmax") == part(direct, "argmax")
-    assert part(chained, "draft") == draft_result  # the router gets the draft's result with the target's reply
-    target.release(["c1"])
+def test_the_target_reply_is_under_a_kilobyte_per_row_without_logprobs(target):
+    """The wire budget of issue 18: target -> router under 1 KB per row per round (pickled, as the channel sends)."""
+    import pickle
+
+    rows = 8
+    calls = [verify_call(delta(f"w{b}", PROMPT, temperature=1.0, seed=b if b % 2 else None), [6, 11, 3],
+                         (np.tile(np.arange(8, dtype=np.int32), (3, 1)), np.full((3, 8), 0.125, np.float32))
+                         if b % 2 == 0 else None)
+             for b in range(rows)]
+    reply = target.verify(calls)
+    assert len(pickle.dumps(reply, protocol=5)) / rows < 1024
+    target.release([f"w{b}" for b in range(rows)])
 
 
 def test_release_frees_the_sequence_and_a_stale_continuation_is_refused(target):
@@ -143,7 +159,7 @@ def test_greedy_drafts_are_the_draft_models_greedy_continuation(draft, models):
     reply = draft.propose([draft_call(delta("d1", PROMPT), 3), draft_call(delta("d2", PROMPT[:3]), 2)])
     assert part(reply, "drafts") == [greedy_continuation(models[1], PROMPT, 3),
                                      greedy_continuation(models[1], PROMPT[:3], 2)]
-    assert not part(reply, "probs")  # greedy drafts are one-hot: the router rebuilds them
+    assert not part(reply, "proposals")  # greedy drafts are tokens only
     # the next round sends only the new committed tokens; the draft continues from there
     committed = PROMPT + part(reply, "drafts")[0][:1] + [44]
     reply = draft.propose([draft_call(delta("d1", committed[len(PROMPT):], start=len(PROMPT)), 2)])
@@ -151,17 +167,23 @@ def test_greedy_drafts_are_the_draft_models_greedy_continuation(draft, models):
     draft.release(["d1", "d2"])
 
 
-def test_sampled_drafts_send_their_distributions_and_repeat_with_the_seed(draft):
-    first = draft.propose([draft_call(delta("s1", PROMPT, temperature=1.0, seed=7), 3)])
-    draft.release(["s1"])
-    again = draft.propose([draft_call(delta("s1", PROMPT, temperature=1.0, seed=7), 3)])
-    draft.release(["s1"])
-    assert part(first, "drafts") == part(again, "drafts") and len(part(first, "drafts")[0]) == 3
-    probs = np.asarray(part(first, "probs")[0])  # [K, V]
-    assert probs.shape == (3, TINY_VOCAB)
+def test_sampled_drafts_repeat_by_seed_and_only_unseeded_rows_send_compact_proposals(draft):
+    calls = [draft_call(delta("s1", PROMPT, temperature=1.0), 3),  # unseeded: a proposal
+             draft_call(delta("s2", PROMPT, temperature=1.0, seed=7), 3)]  # seeded: tokens only
+    first = draft.propose(calls)
+    draft.release(["s1", "s2"])
+    again = draft.propose(calls)
+    draft.release(["s1", "s2"])
+    assert part(first, "drafts") == part(again, "drafts"), "counter-based: the same seed and positions, same drafts"
+    assert all(len(d) == 3 for d in part(first, "drafts"))
+    assert set(part(first, "proposals")) == {0}
+    ids, probs = part(first, "proposals")[0]
+    assert ids.dtype == np.int32 and probs.dtype == np.float32 and ids.shape == probs.shape
+    assert ids.shape[0] == 3 and ids.shape[1] == min(128, TINY_VOCAB)
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-4)
-    # each drafted token was drawn from its row's distribution: never one of probability 0
-    assert all(probs[i, tok] > 0 for i, tok in enumerate(part(first, "drafts")[0]))
+    # each drafted token was drawn from its row's proposal: one of its tokens, of positive probability
+    for i, tok in enumerate(part(first, "drafts")[0]):
+        assert probs[i][list(ids[i]).index(tok)] > 0
 
 
 def test_a_cancelled_ahead_draft_answers_cancelled_and_others_are_unaffected(draft):
@@ -184,9 +206,3 @@ def test_draft_release_and_stats(draft):
     with pytest.raises(UnknownSequenceError):
         draft.propose([draft_call(delta("l1", [3], start=len(PROMPT)), 1)])
     assert draft.ping() == 0.0
-
-
-def test_only_sampled_rounds_reply_from_the_draft_directly():
-    greedy, sampled = delta("a", PROMPT), delta("b", PROMPT, temperature=0.7)
-    assert not draft_replies_directly([DraftCall(greedy, 3)])
-    assert draft_replies_directly([DraftCall(greedy, 3), DraftCall(sampled, 3)])

@@ -1,11 +1,13 @@
-"""The rejection sampler: lossless for every sampling setting, exact for greedy, vLLM's accepted/recovered/bonus."""
+"""The samplers: lossless for every sampling setting (rejection sampling and Gumbel coupling), exact for greedy,
+vLLM's accepted/recovered/bonus. Random numbers come from the counter RNG, one seed per sample."""
 
 import math
 
 import pytest
 import torch
 
-from engine.rejection import rejection_sample
+from engine.randomness import ACCEPT, DRAFT, RESIDUAL, gumbel, inverse_cdf, uniforms
+from engine.rejection import gumbel_accept, rejection_sample
 from engine.sampling import BatchSampling, SamplingParams, logits_to_probs
 
 VOCAB = 6
@@ -25,27 +27,42 @@ def empirical(tokens: torch.Tensor) -> torch.Tensor:
     return torch.bincount(tokens, minlength=VOCAB).float() / len(tokens)
 
 
-def run_sampler(k: int, params: SamplingParams, seed: int = 0, draft_is_one_hot: bool = False):
-    """Known per-position target/draft logits; drafts sampled from the processed draft distribution."""
+def counters(n: int, k: int, seed: int):
+    """Seeds [N] and the absolute positions [N, K+1] of N independent samples (one request seed each)."""
+    seeds = torch.arange(n, dtype=torch.long) + seed * 1_000_003
+    positions = torch.arange(k + 1)[None, :].expand(n, -1) + 17
+    return seeds, positions
+
+
+def sampler_inputs(k: int, params: SamplingParams):
+    """Known per-position target/draft logits: correlated (so later positions are reached often) but different."""
     gen = torch.Generator().manual_seed(1234 + k)
     target_logits = torch.randn(1, k + 1, VOCAB, generator=gen) * 1.5
-    # correlated with the target (so later positions are reached often) but clearly different
     draft_logits = target_logits[:, :k] + torch.randn(1, k, VOCAB, generator=gen) * 1.2
     rows = BatchSampling.from_params([params])
-    target_p = logits_to_probs(target_logits, rows)[0]  # [K+1, V]
-    draft_p = logits_to_probs(draft_logits, rows)[0]  # [K, V]
-    sample_gen = torch.Generator().manual_seed(seed)
-    drafts = torch.stack([torch.multinomial(draft_p[i], SAMPLES, replacement=True, generator=sample_gen)
-                          for i in range(k)], dim=1)  # [N, K]
-    if draft_is_one_hot:
-        draft_probs = None
-    else:
-        draft_probs = draft_p[None].expand(SAMPLES, k, VOCAB)
-    generators = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(SAMPLES)]
-    result = rejection_sample(
-        drafts, draft_probs, target_p[None].expand(SAMPLES, k + 1, VOCAB),
-        torch.full((SAMPLES,), k), generators,
-    )
+    return logits_to_probs(target_logits, rows)[0], logits_to_probs(draft_logits, rows)[0]  # [K+1, V], [K, V]
+
+
+def run_sampler(k: int, params: SamplingParams, seed: int = 0, draft_is_one_hot: bool = False):
+    """Drafts drawn from the processed draft distribution with the DRAFT stream, then the rejection sampler."""
+    target_p, draft_p = sampler_inputs(k, params)
+    seeds, positions = counters(SAMPLES, k, seed)
+    draft_u = uniforms(seeds, positions[:, :k], DRAFT)  # [N, K]
+    drafts = torch.stack([inverse_cdf(draft_p[i].expand(SAMPLES, -1), draft_u[:, i]) for i in range(k)], dim=1)
+    draft_probs = None if draft_is_one_hot else draft_p[None].expand(SAMPLES, k, VOCAB)
+    result = rejection_sample(drafts, draft_probs, target_p[None].expand(SAMPLES, k + 1, VOCAB),
+                              torch.full((SAMPLES,), k), uniforms(seeds, positions[:, :k], ACCEPT),
+                              uniforms(seeds, positions, RESIDUAL))
+    return target_p, draft_p, drafts, result
+
+
+def run_gumbel(k: int, params: SamplingParams, seed: int = 0):
+    """Gumbel coupling: the draft proposes argmax(log q + G), the target accepts its own argmax(log p + G)."""
+    target_p, draft_p = sampler_inputs(k, params)
+    seeds, positions = counters(SAMPLES, k, seed)
+    noise = gumbel(seeds, positions, VOCAB)  # [N, K+1, V]
+    drafts = (draft_p.log()[None] + noise[:, :k]).argmax(dim=-1)  # [N, K]
+    result = gumbel_accept(drafts, target_p.log()[None].expand(SAMPLES, -1, -1), torch.full((SAMPLES,), k), noise)
     return target_p, draft_p, drafts, result
 
 
@@ -60,8 +77,9 @@ SETTINGS = [
 
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
-def test_output_distribution_matches_target(k, params):
-    target_p, draft_p, _, result = run_sampler(k, params)
+@pytest.mark.parametrize("scheme", ["rejection", "gumbel"])
+def test_output_distribution_matches_target(k, params, scheme):
+    target_p, draft_p, _, result = (run_sampler if scheme == "rejection" else run_gumbel)(k, params)
     out = result.output_token_ids
     for pos in range(k + 1):
         reached = result.num_accepted >= pos  # this position was emitted (accepted, recovered or bonus)
@@ -99,6 +117,10 @@ def test_acceptance_rate_matches_theory():
     assert abs(measured - expected) < 0.02
 
 
+def fixed_uniforms(batch, k):
+    return torch.full((batch, k), 0.5), torch.full((batch, k + 1), 0.5)
+
+
 def one_hot(ids, vocab):
     return torch.nn.functional.one_hot(torch.tensor(ids, dtype=torch.long), vocab).float()
 
@@ -107,8 +129,7 @@ def test_greedy_exact_prefix_then_target_token():
     # target argmax per position: 3, 1, 4, 2 ; draft proposes 3, 1, 5 -> accept 2, recover 4
     target = one_hot([[3, 1, 4, 2]], 8)
     drafts = torch.tensor([[3, 1, 5]])
-    gens = [torch.Generator().manual_seed(0)]
-    res = rejection_sample(drafts, one_hot([[3, 1, 5]], 8), target, torch.tensor([3]), gens)
+    res = rejection_sample(drafts, one_hot([[3, 1, 5]], 8), target, torch.tensor([3]), *fixed_uniforms(1, 3))
     assert res.num_accepted.tolist() == [2]
     assert res.output_token_ids.tolist() == [[3, 1, 4, -1]]
 
@@ -116,15 +137,14 @@ def test_greedy_exact_prefix_then_target_token():
 def test_all_accepted_gives_bonus_token():
     target = one_hot([[3, 1, 4, 2]], 8)
     drafts = torch.tensor([[3, 1, 4]])
-    res = rejection_sample(drafts, None, target, torch.tensor([3]), [torch.Generator().manual_seed(0)])
+    res = rejection_sample(drafts, None, target, torch.tensor([3]), *fixed_uniforms(1, 3))
     assert res.num_accepted.tolist() == [3]
     assert res.output_token_ids.tolist() == [[3, 1, 4, 2]]
 
 
 def test_first_draft_rejected():
     target = one_hot([[3, 1, 4, 2]], 8)
-    res = rejection_sample(torch.tensor([[0, 1, 4]]), None, target, torch.tensor([3]),
-                           [torch.Generator().manual_seed(0)])
+    res = rejection_sample(torch.tensor([[0, 1, 4]]), None, target, torch.tensor([3]), *fixed_uniforms(1, 3))
     assert res.num_accepted.tolist() == [0]
     assert res.output_token_ids.tolist() == [[3, -1, -1, -1]]
 
@@ -132,8 +152,7 @@ def test_first_draft_rejected():
 def test_rows_with_fewer_drafts_and_k_zero():
     target = one_hot([[3, 1, 4], [5, 6, 7]], 8)
     drafts = torch.tensor([[3, 1], [-1, -1]])
-    gens = [torch.Generator().manual_seed(i) for i in range(2)]
-    res = rejection_sample(drafts, None, target, torch.tensor([1, 0]), gens)
+    res = rejection_sample(drafts, None, target, torch.tensor([1, 0]), *fixed_uniforms(2, 2))
     # row 0 had one draft (3, accepted) -> bonus from position 1; row 1 had none -> plain sample at position 0
     assert res.output_token_ids.tolist() == [[3, 1, -1], [5, -1, -1]]
     assert res.num_accepted.tolist() == [1, 0]
@@ -142,7 +161,7 @@ def test_rows_with_fewer_drafts_and_k_zero():
 def test_shape_errors_are_clear():
     with pytest.raises(AssertionError, match=r"\[B, K\+1, V\]"):
         rejection_sample(torch.zeros(1, 2, dtype=torch.long), None, torch.zeros(1, 2, 5), torch.tensor([2]),
-                         [torch.Generator()])
+                         *fixed_uniforms(1, 2))
 
 
 def test_greedy_accept_is_the_one_hot_limit_of_rejection_sample():
@@ -155,5 +174,35 @@ def test_greedy_accept_is_the_one_hot_limit_of_rejection_sample():
         drafts = torch.randint(0, 4, (k,), generator=gen).tolist()
         tokens, accepted = greedy_accept(drafts, target)
         res = rejection_sample(torch.tensor([drafts], dtype=torch.long).view(1, k), one_hot([drafts], 4).view(1, k, 4),
-                               one_hot([target], 4), torch.tensor([k]), [torch.Generator().manual_seed(0)])
+                               one_hot([target], 4), torch.tensor([k]), *fixed_uniforms(1, k))
         assert tokens == res.tokens(0) and accepted == int(res.num_accepted[0])
+
+
+def test_gumbel_output_is_the_targets_choice_whatever_the_drafts():
+    """Drafter invariance at the sampler: the emitted tokens are argmax(log p + G) at each position reached, for
+    drafts from the draft model, random drafts, or none."""
+    k = 3
+    target_p, draft_p, drafts, result = run_gumbel(k, SamplingParams(temperature=1.0))
+    seeds, positions = counters(SAMPLES, k, 0)
+    choice = (target_p.log()[None] + gumbel(seeds, positions, VOCAB)).argmax(dim=-1)  # [N, K+1]
+    random_drafts = torch.randint(0, VOCAB, (SAMPLES, k), generator=torch.Generator().manual_seed(3))
+    noise = gumbel(seeds, positions, VOCAB)
+    for ids in (drafts, random_drafts):
+        res = gumbel_accept(ids, target_p.log()[None].expand(SAMPLES, -1, -1), torch.full((SAMPLES,), k), noise)
+        for pos in range(k + 1):
+            reached = res.num_accepted >= pos
+            assert torch.equal(res.output_token_ids[reached, pos], choice[reached, pos])
+    plain = gumbel_accept(torch.empty(SAMPLES, 0, dtype=torch.long), target_p.log()[None, :1].expand(SAMPLES, -1, -1),
+                          torch.zeros(SAMPLES, dtype=torch.long), noise[:, :1])
+    assert torch.equal(plain.output_token_ids[:, 0], choice[:, 0]), "K = 0 emits the same first token"
+
+
+def test_gumbel_acceptance_lies_between_the_coupling_bound_and_rejection_samplings():
+    """P(accept at position 0) >= (1 - TV) / (1 + TV) (Daliri et al. 2024, Thm. 2) and <= 1 - TV (the best any
+    coupling can do, which the rejection sampler attains)."""
+    target_p, draft_p, _, result = run_gumbel(1, SamplingParams(temperature=1.0))
+    distance = tv(target_p[0], draft_p[0])
+    measured = (result.num_accepted >= 1).float().mean().item()
+    assert (1 - distance) / (1 + distance) - 0.02 < measured < 1 - distance + 0.02
+    _, _, _, standard = run_sampler(1, SamplingParams(temperature=1.0))
+    assert measured < (standard.num_accepted >= 1).float().mean().item(), "rejection sampling accepts more"

@@ -6,6 +6,7 @@ import torch
 
 from engine import (DraftModelProposer, EmptyPromptError, ModelRunner, NgramProposer, PromptTooLongError,
                     SamplingParams, SpeculativeEngine)
+from engine.policy import CostProfile
 from tests.conftest import make_tiny_model, perturbed_copy, third_token_marginals, total_variation_bound
 
 PROMPTS = [
@@ -159,8 +160,10 @@ def test_streaming_deltas_add_up_to_the_text(target_model, tiny_tokenizer):
     assert len([d for d in deltas if d]) > 1
 
 
-def test_sampled_generation_is_lossless_end_to_end(tiny_tokenizer):
-    """The 3rd generated token's marginal, under speculation with rollbacks, equals the target's exact marginal."""
+@pytest.mark.parametrize("seeded", [True, False], ids=["gumbel", "rejection"])
+def test_sampled_generation_is_lossless_end_to_end(tiny_tokenizer, seeded):
+    """The 3rd generated token's marginal, under speculation with rollbacks, equals the target's exact marginal:
+    seeded requests (Gumbel coupling, over many seeds) and unseeded ones (rejection sampling, seeds drawn)."""
     vocab = 8
     target = make_tiny_model("llama", vocab=vocab, seed=3)
     draft = perturbed_copy(target, 0.25, seed=4)
@@ -170,13 +173,54 @@ def test_sampled_generation_is_lossless_end_to_end(tiny_tokenizer):
     n = 3000
     runner = ModelRunner(target)
     engine = SpeculativeEngine(runner, tiny_tokenizer, DraftModelProposer(ModelRunner(draft), vocab), 2)
-    outs = engine.generate([prompt] * n, [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(n)])
+    outs = engine.generate([prompt] * n, [SamplingParams(**{**params.__dict__, "seed": i if seeded else None})
+                                          for i in range(n)])
     third = torch.tensor([o.token_ids[2] for o in outs])
     got = torch.bincount(third, minlength=vocab).float() / n
     bound = total_variation_bound(vocab, n)
     assert 0.5 * (got - exact).abs().sum() < bound
     assert 0.5 * (draft_marginal - exact).abs().sum() > 2 * bound, "the draft differs enough to be detectable"
     assert 0.1 < engine.stats.acceptance_rate < 0.95  # both acceptances and rollbacks happened
+
+
+ADAPTIVE = CostProfile((1, 8), ((0.010, 0.0105, 0.011, 0.0115), (0.020, 0.021, 0.022, 0.023)), (0.0005, 0.001))
+
+
+@pytest.mark.parametrize("draft", ["perturbed", "unrelated", "ngram"])
+def test_a_seeded_request_gives_the_same_text_for_any_k_batch_policy_and_draft(target_model, tiny_tokenizer, draft):
+    """Drafter invariance (Gumbel coupling): with a seed the text is that of plain decoding with that seed, whatever
+    K, the batch it shares rounds with, the adaptive policy, or the draft; a different seed gives another text."""
+    params = [SamplingParams(temperature=1.0, top_k=40, max_tokens=24, seed=100 + i, ignore_eos=True)
+              for i in range(8)]
+    plain = engine_with(target_model, tiny_tokenizer, None).generate(PROMPTS[:1], params[:1])[0].token_ids
+    engine = engine_with(target_model, tiny_tokenizer, draft, k=3)
+    for k in (0, 1, 3):
+        assert engine.generate(PROMPTS[:1], params[:1], k=k)[0].token_ids == plain, f"K = {k}"
+    batch = engine.generate([PROMPTS[i % 4] for i in range(8)], params, k=3)  # batch 8, mixed prompts
+    assert batch[0].token_ids == plain
+    engine.profile = ADAPTIVE  # the adaptive plan: K by acceptance and batch, round by round
+    adaptive = engine.generate([PROMPTS[i % 4] for i in range(8)], params)
+    assert [c.token_ids for c in adaptive] == [c.token_ids for c in batch]
+    assert engine.stats.num_drafts > 0, "drafts were made (and, with a random draft, mostly rejected)"
+    other = engine.generate(PROMPTS[:1], [SamplingParams(**{**params[0].__dict__, "seed": 999})])[0].token_ids
+    assert other != plain
+
+
+def test_unseeded_requests_differ_from_each_other(target_model, tiny_tokenizer):
+    engine = engine_with(target_model, tiny_tokenizer)
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    a, b = engine.generate([PROMPTS[0]] * 2, params)
+    assert a.token_ids != b.token_ids, "each request drew its own seed at admission"
+
+
+def test_logprobs_ride_along_with_their_tokens(target_model, tiny_tokenizer):
+    engine = engine_with(target_model, tiny_tokenizer)
+    [done] = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.8, max_tokens=12, seed=1, logprobs=3,
+                                                          ignore_eos=True))
+    assert len(done.logprobs) == len(done.token_ids) == 12
+    assert all(len(lp.top) == 3 and lp.top[0][1] + 1e-6 >= lp.logprob for lp in done.logprobs)
+    [plain] = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.8, max_tokens=12, seed=1, ignore_eos=True))
+    assert plain.logprobs is None and plain.token_ids == done.token_ids
 
 
 def test_speculation_switches_off_above_the_batch_threshold(target_model, tiny_tokenizer):
