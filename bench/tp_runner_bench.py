@@ -4,12 +4,16 @@ tp=2 over gloo (the transformers runner and the static runner on each rank's sha
 A random-weight Llama (default: hidden 1024, 8 heads, 4 key/value heads, MLP 2816, 8 layers, vocabulary 32000,
 fp32) is saved as safetensors; two spawned ranks (gloo, 1 torch thread each) load their shards from it with
 engine/shard_loading.py and build both runners; this process runs the tp=1 static runner over the whole model with
-as many threads as the two ranks together. Every round times each configuration and shape in turn (the order
+as many threads as the two ranks together, and with one. Every round times each configuration and shape in turn (the order
 rotates per round), `--steps` forwards each, so a slow patch of the shared machine hits all of them alike. A step is
 `Runner.forward` of `width` new tokens on each of `batch` sequences of `--context` tokens, rolled back after (as the
 target worker does after a rejection). Not a test:
 
-    flock /tmp/specserve-heavy.lock .venv/bin/python -m bench.tp_runner_bench --out bench/plots/tp_runner_bench.json
+    GOMP_SPINCOUNT=20000 flock /tmp/specserve-heavy.lock .venv/bin/python -m bench.tp_runner_bench \
+        --out bench/plots/tp_runner_bench.json
+
+(GOMP_SPINCOUNT as the served workers get it, deployments/model_deployments.py: on a shared machine an OpenMP
+team's threads otherwise spin at barriers while a descheduled peer holds them up.)
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 import torch
 
 SHAPES = [(1, 1), (1, 4), (8, 1), (8, 4)]  # (batch, width): decode and a K=3 verify at batch 1 and 8
-CONFIGS = ["tp1-static", "tp2-transformers", "tp2-static"]
+CONFIGS = ["tp1-static", "tp1-static-1thread", "tp2-transformers", "tp2-static"]
 MAX_MODEL_LEN = 512
 
 
@@ -138,12 +142,12 @@ def main() -> None:
     times: dict[str, list[float]] = {f"{c} b{b} w{w}": [] for c in CONFIGS for b, w in SHAPES}
     try:
         for round_no in range(args.rounds):
-            order = CONFIGS[round_no % 3:] + CONFIGS[: round_no % 3]
+            order = CONFIGS[round_no % len(CONFIGS):] + CONFIGS[: round_no % len(CONFIGS)]
             for batch, width in SHAPES:
                 for name in order:
                     key = f"{name} b{batch} w{width}"
-                    if name == "tp1-static":
-                        torch.set_num_threads(threads)
+                    if name.startswith("tp1"):
+                        torch.set_num_threads(1 if name.endswith("1thread") else threads)
                         times[key] += time_block(single, single_state, batch, width, args.steps)
                         continue
                     for q in commands:
@@ -163,7 +167,7 @@ def main() -> None:
                         "p90_ms": ms[(9 * len(ms)) // 10], "n": len(ms)}
     print(f"random Llama: {params / 1e6:.1f}M params fp32, hidden {args.hidden}, {args.heads} heads, "
           f"{args.kv_heads} KV heads, {args.layers} layers, context {args.context}; tp=1 with {threads} threads, "
-          f"tp=2 ranks 1 thread each (gloo)")
+          f"tp=2 ranks 1 thread each (gloo); GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
     print("| config | batch | width | median ms | p10-p90 ms | n |")
     print("|---|---|---|---|---|---|")
     for c in CONFIGS:
