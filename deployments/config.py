@@ -176,6 +176,10 @@ class SpecServeConfig(StrictModel):
                                  f"profile: {exc}") from exc
         if self.limits.max_prompt_tokens >= self.model.max_model_len:
             raise ValueError("limits.max_prompt_tokens must be below model.max_model_len")
+        if self.tp_size > 1 and self.runner.compile and self.runner.kind != "transformers":
+            # engine/static_tp.py: collectives inside compiled graphs / CUDA graphs are not built or tested
+            raise ValueError(f"runner.compile is not supported with tp_size {self.tp_size}: the tensor-parallel static "
+                             f"runner runs eagerly; set runner.compile: false (or runner.kind: transformers)")
         return self
 
     def engine_config(self) -> EngineConfig:

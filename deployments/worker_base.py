@@ -177,6 +177,7 @@ class ModelWorker:
         runner = self.model_runner()
         return {"live_sequences": runner.num_live if runner else 0, "calls": self.calls, "rows": self.rows,
                 "kv_capacity": getattr(runner, "capacity", None) if runner else None, "pid": os.getpid(),
+                "runner": type(runner).__name__ if runner else None,
                 "torch_threads": self.torch_threads, "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
 
     def ping(self) -> float:

@@ -23,9 +23,8 @@ import time
 
 from engine.accept import RowVerify, row_scheme, verify_rows
 from engine.calibrate import measure_draft_costs, measure_target_costs
-from engine.factory import EngineConfig, build_proposer, build_target
+from engine.factory import EngineConfig, build_proposer, build_target, make_runner
 from engine.loading import load_tokenizer, resolve
-from engine.model_runner import ModelRunner
 from engine.proposers import DraftRequest
 from engine.runner import Runner, resolve_dtype
 from engine.shard_loading import load_shard, rank_device
@@ -198,12 +197,14 @@ class TargetWorkerCore(ModelWorker):
             self.full_parameters = num_parameters(self.runner.model)
             warm_up(self.runner, self.config.num_speculative_tokens, "target")
             return
-        # shards run on the transformers runner: the static runner's fused forward has no collectives
+        # a shard runs on the static runner (its heads' fused weights and KV cache, collectives inside the step:
+        # engine/static_tp.py) where the family is covered and runner is auto/static; on transformers' otherwise.
+        # Every rank builds the same runner at the same time (the static one agrees on its slot count).
         dtype = resolve_dtype(self.config.target_dtype, self.config.device)
         model = load_shard(resolve(self.config.target), dtype, self.config.device, self.rank, self.world,
                            trust_remote_code=self.config.trust_remote_code)
         self.full_parameters = full_num_parameters(model, self.world)
-        self.runner = ModelRunner(model, max_model_len=self.config.max_model_len, vocab_size=model.config.vocab_size)
+        self.runner = make_runner(model, self.config, vocab_size=model.config.vocab_size)
 
     def connect_peers(self, endpoints: list[Endpoint]) -> None:
         """Rank 0: connect to ranks 1.. (in order), which from then on take their calls from rank 0 alone."""

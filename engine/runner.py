@@ -4,7 +4,8 @@ Two runners implement it:
 - `StaticRunner` (engine/static_runner.py), the fast path for the Llama family: a compiled, mask-free forward over
   a KV cache preallocated once within a byte budget;
 - `ModelRunner` (engine/model_runner.py), the fallback for every other transformers model (and tensor-parallel
-  shards): the transformers forward over a slotted cache that grows on demand.
+  shards configured with `runner: transformers`; the static runner runs the others, engine/static_tp.py): the
+  transformers forward over a slotted cache that grows on demand.
 
 Both keep, per sequence, the token ids whose keys/values are cached; `sync` rolls the cache back to the prefix the
 caller's committed tokens agree with, which is how rejected draft tokens disappear on both draft and target.

@@ -14,7 +14,8 @@ CUDA), in the spirit of gpt-fast's `model.py` (static cache + `torch.compile(mod
   no host-built mask: each row's causal limit comes from its own start position, inside the graph.
 
 Families: Llama, Mistral, Qwen2 (q/k/v biases) and Gemma (embedding scaled by sqrt(hidden), (1 + w) RMSNorm
-weights, GELU-tanh MLP). Others keep the transformers path (engine/model_runner.py).
+weights, GELU-tanh MLP). Others keep the transformers path (engine/model_runner.py). A tensor-parallel rank's shard
+(engine/tensor_parallel.py) runs here too, its heads and KV cache only, with collectives: engine/static_tp.py.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 from .cpu_kernels import linear
 from .llama_fast import _rope  # x [B, heads, W, D] rotated by cos/sin [B, 1, W, D]
 from .quantize import Int8WeightOnlyLinear
+from .static_tp import Shard, embed, gather_vocab, reduce_sum, row_parallel_bias, shard_of, why_shard_unsupported
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma")
 # ATen's int8 weight-only kernel is built for decode (a few rows); a prompt chunk dequantizes for one dense product
@@ -51,6 +53,8 @@ def why_unsupported(model: nn.Module) -> str | None:
     if rope.get("rope_type", rope.get("type")) not in _STATIC_ROPE:
         return f"RoPE type {rope.get('rope_type')!r} (its tables change with the sequence length)"
     base = model.base_model
+    if shard_of(model) is not None:
+        return why_shard_unsupported(model)
     for layer in base.layers:
         attn, mlp = layer.self_attn, layer.mlp
         mods = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
@@ -62,18 +66,20 @@ def why_unsupported(model: nn.Module) -> str | None:
     return None
 
 
-def _fuse(modules: list[nn.Module], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                   torch.Tensor | None]:
-    """(weight [out, in], int8 scales [out] or None, bias [out] or None) of projections fused along outputs."""
+def _fuse(modules: list[nn.Module], dtype: torch.dtype, with_bias: bool = True) -> tuple[
+        torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(weight [out, in], int8 scales [out] or None, bias [out] or None) of projections fused along outputs
+    (`with_bias=False`: biases left out, a row-parallel layer's whole bias is added after its all-reduce)."""
     if all(isinstance(m, Int8WeightOnlyLinear) for m in modules):
         weight = torch.cat([m.weight_int8 for m in modules])
         scales = torch.cat([m.scales for m in modules]).to(dtype)
     else:
         weight, scales = torch.cat([m.weight.detach() for m in modules]).to(dtype), None
-    biases = [m.bias for m in modules]
+    biases = [getattr(m, "bias", None) if with_bias else None for m in modules]
     bias = None
     if any(b is not None for b in biases):
-        bias = torch.cat([b.detach().to(dtype) if b is not None else torch.zeros(m.out_features, dtype=dtype)
+        bias = torch.cat([b.detach().to(dtype) if b is not None
+                          else torch.zeros(m.weight.shape[0], dtype=dtype, device=m.weight.device)
                           for m, b in zip(modules, biases)])
     return weight, scales, bias
 
@@ -81,9 +87,9 @@ def _fuse(modules: list[nn.Module], dtype: torch.dtype) -> tuple[torch.Tensor, t
 class _Projection(nn.Module):
     """One fused projection; int8 weights (per-channel scales) are dequantized inside the product."""
 
-    def __init__(self, modules: list[nn.Module], dtype: torch.dtype) -> None:
+    def __init__(self, modules: list[nn.Module], dtype: torch.dtype, with_bias: bool = True) -> None:
         super().__init__()
-        weight, scales, bias = _fuse(modules, dtype)
+        weight, scales, bias = _fuse(modules, dtype, with_bias)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.scales = None if scales is None else nn.Parameter(scales, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -116,9 +122,11 @@ class _Layer(nn.Module):
         self.post_norm = nn.Parameter(layer.post_attention_layernorm.weight.detach().float() + norm_offset,
                                       requires_grad=False)
         self.qkv = _Projection([attn.q_proj, attn.k_proj, attn.v_proj], dtype)
-        self.o = _Projection([attn.o_proj], dtype)
         self.gate_up = _Projection([mlp.gate_proj, mlp.up_proj], dtype)
-        self.down = _Projection([mlp.down_proj], dtype)
+        # row-parallel (a shard): the product's partial sums are all-reduced, then the whole bias is added once
+        self.o_bias, self.down_bias = row_parallel_bias(attn.o_proj, dtype), row_parallel_bias(mlp.down_proj, dtype)
+        self.o = _Projection([attn.o_proj], dtype, with_bias=self.o_bias is None)
+        self.down = _Projection([mlp.down_proj], dtype, with_bias=self.down_bias is None)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., H], weight [H] fp32
@@ -171,9 +179,11 @@ class StaticLlama(nn.Module):
         gemma = config.model_type == "gemma"
         self.dtype, self.device = dtype, device
         self.num_slots, self.capacity = num_slots, capacity
+        self.shard: Shard | None = shard_of(model)  # a tensor-parallel rank's: its heads, KV heads, vocabulary rows
+        world = self.shard.world if self.shard else 1
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.num_heads = config.num_attention_heads // world
+        self.num_kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // world
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.eps = getattr(config, "rms_norm_eps", 1e-6)
         self.scale = self.head_dim ** -0.5
@@ -188,7 +198,7 @@ class StaticLlama(nn.Module):
         self.lm_head = _Projection([head], dtype)
         if getattr(head, "weight", None) is base.embed_tokens.weight and self.lm_head.scales is None:
             self.lm_head.weight = self.embed  # tied: one copy
-        self.vocab_size = self.lm_head.weight.shape[0]
+        self.vocab_size = self.lm_head.weight.shape[0] * world
         cos, sin = _rope_tables(base.rotary_emb, capacity, device)
         self.register_buffer("cos", cos.to(dtype), persistent=False)  # [capacity, D]
         self.register_buffer("sin", sin.to(dtype), persistent=False)
@@ -209,10 +219,11 @@ class StaticLlama(nn.Module):
         return [getattr(self, f"v_cache_{i}") for i in range(len(self.layers))]
 
     @staticmethod
-    def slot_bytes(config, capacity: int, dtype: torch.dtype) -> int:
-        """KV-cache bytes of one slot (keys and values of every layer)."""
+    def slot_bytes(config, capacity: int, dtype: torch.dtype, world: int = 1) -> int:
+        """KV-cache bytes of one slot (keys and values of every layer) on one of `world` tensor-parallel ranks,
+        which holds 1/world of the key/value heads."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // world
         return 2 * config.num_hidden_layers * kv_heads * capacity * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def cache_bytes(self) -> int:
@@ -228,7 +239,7 @@ class StaticLlama(nn.Module):
     ) -> torch.Tensor:  # [B, W or 1, V] float32
         batch, width = tokens.shape
         positions = starts[:, None] + torch.arange(width, device=tokens.device)[None, :]  # [B, W]
-        hidden = F.embedding(tokens, self.embed)
+        hidden = F.embedding(tokens, self.embed) if self.shard is None else embed(tokens, self.embed, self.shard)
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, W, D]
@@ -246,15 +257,26 @@ class StaticLlama(nn.Module):
             keys = k_cache[first_slot : first_slot + batch, :, :kv_len]
             values = v_cache[first_slot : first_slot + batch, :, :kv_len]
             attn = grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), positions, self.scale)
-            hidden = hidden + layer.o(attn.transpose(1, 2).reshape(batch, width, -1))
+            attn = attn.transpose(1, 2).reshape(batch, width, -1)
+            hidden = hidden + self._row_parallel(layer.o, layer.o_bias, attn)
             x = _rms_norm(hidden, layer.post_norm, self.eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-            hidden = hidden + layer.down(act * up)
+            hidden = hidden + self._row_parallel(layer.down, layer.down_bias, act * up)
         if last_only:
             hidden = hidden[:, -1:]
         hidden = _rms_norm(hidden, self.final_norm, self.eps)
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return (logits if self.shard is None else gather_vocab(logits, self.shard)).float()
+
+    def _row_parallel(self, projection: _Projection, bias: torch.Tensor | None,
+                      x: torch.Tensor) -> torch.Tensor:  # [B, W, in (/world)] -> [B, W, H]
+        """o_proj / down_proj: whole, or a shard's partial product summed over the ranks (then its whole bias)."""
+        out = projection(x)
+        if self.shard is None:
+            return out
+        out = reduce_sum(out, self.shard)
+        return out if bias is None else out + bias
 
     @torch.no_grad()
     def move_slot(self, src: int, dst: int, length: int) -> None:

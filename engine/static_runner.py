@@ -17,6 +17,11 @@
   runs the same forward eagerly.
 - **No host sync inside a step.** Inputs are built on the host and copied in one go; the step itself never reads
   a device value back (tests/engine/test_static_runner.py runs it with host reads made to raise).
+- **Tensor parallelism.** Given a rank's shard (engine/shard_loading.py's `load_shard`), the runner holds that
+  rank's fused weights and its heads' KV cache only, so one slot costs 1/world of its single-rank bytes and the same
+  byte budget holds world times more sequences per rank (still at most `max_num_seqs`); the ranks agree on the
+  fewest slots any of them can hold. Steps run eagerly (engine/static_tp.py: compile is refused under tensor
+  parallelism).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 
 from .runner import ContextWindowError, SlotTable, SlotTableAccess, SeqSlot, config_context_window
 from .static_llama import StaticLlama
+from .static_tp import agree_num_slots, shard_of
 
 MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks, alone
 GIB = 1 << 30
@@ -130,9 +136,17 @@ class StaticRunner(SlotTableAccess):
         self.device = param.device
         self.dtype = dtype or (param.dtype if param.is_floating_point() else torch.float32)
         capacity = self.max_model_len + self.prefill_chunk  # scratch tail for padded and dummy rows
-        slot_bytes = StaticLlama.slot_bytes(config, capacity, self.dtype)
+        shard = shard_of(model)
+        if shard is not None and compile:
+            raise ValueError(
+                f"runner.compile is not supported for tensor-parallel targets (tp_size {shard.world}): collectives "
+                f"inside compiled graphs and CUDA graphs are not built or tested; set compile: false (the static "
+                f"runner then runs its steps eagerly) or use the transformers runner")
+        slot_bytes = StaticLlama.slot_bytes(config, capacity, self.dtype, shard.world if shard else 1)
         num_slots = plan_num_slots(slot_bytes, budget.bytes_for(self.device), budget.max_num_seqs,
                                    f" of {self.max_model_len} tokens")
+        if shard is not None:
+            num_slots = agree_num_slots(num_slots, shard, self.device)
         self.model = StaticLlama(model, num_slots=num_slots, capacity=capacity, dtype=self.dtype)
         self.vocab_size = vocab_size or self.model.vocab_size
         self.batch_buckets = buckets_up_to(num_slots)

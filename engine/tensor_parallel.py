@@ -39,14 +39,16 @@ class CollectiveError(RuntimeError):
     """A collective failed (a peer rank died, or timed out): this process group can no longer compute."""
 
 
-def _all_reduce(t: torch.Tensor, group) -> None:
+def all_reduce_sum(t: torch.Tensor, group) -> None:
+    """Sum `t` over the group's ranks, in place; CollectiveError if a peer is gone or the group timed out."""
     try:
         dist.all_reduce(t, group=group)
     except RuntimeError as exc:
         raise CollectiveError(f"all_reduce failed: {exc}") from exc
 
 
-def _all_gather(parts: list[torch.Tensor], t: torch.Tensor, group) -> None:
+def all_gather_parts(parts: list[torch.Tensor], t: torch.Tensor, group) -> None:
+    """Every rank's `t` into `parts` (rank order); CollectiveError as all_reduce_sum."""
     try:
         dist.all_gather(parts, t, group=group)
     except RuntimeError as exc:
@@ -105,7 +107,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in/world] -> [..., out]
         out = linear(x, self.weight)
-        _all_reduce(out, self.group)
+        all_reduce_sum(out, self.group)
         return out if self.bias is None else out + self.bias
 
 
@@ -122,7 +124,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])
         out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[..., None]
-        _all_reduce(out, self.group)
+        all_reduce_sum(out, self.group)
         return out
 
 
@@ -137,7 +139,7 @@ class VocabParallelLMHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V]
         local = linear(x, self.weight).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.world)]
-        _all_gather(parts, local, self.group)
+        all_gather_parts(parts, local, self.group)
         return torch.cat(parts, dim=-1)
 
 

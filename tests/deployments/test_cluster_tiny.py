@@ -63,6 +63,7 @@ def test_tp2_matches_tp1_and_each_rank_holds_a_shard(ray_cluster, tiny_model_dir
     assert len({r["pid"] for r in ranks}) == 2, "two worker processes"
     for r in ranks:
         assert r["parameters"] < 0.55 * r["full_parameters"], r  # a shard, not a full copy
+        assert r["runner"] == "StaticRunner", r  # the static runner over the rank's shard (engine/static_tp.py)
         assert r["gomp_spincount"] == "20000", r  # the worker processes got their environment
     serve.delete("tp1")
     serve.delete("tp2")

@@ -2,7 +2,8 @@
 
 Rank 0 is the replica's one entry point and passes every verify and release on to rank 1 in its own order, so the
 ranks pair the same rows in their collectives however the routers' calls interleave. Checked against a single-rank
-target given the same calls: the same tokens for every sequence, greedy and sampled (rank 0 samples).
+target given the same calls: the same tokens for every sequence, greedy and sampled (rank 0 samples). The ranks run
+the static runner over their shards (engine/static_tp.py), or transformers' where the config says so.
 """
 
 import asyncio
@@ -42,7 +43,7 @@ def _rank_main(rank, port, engine_config, endpoints, peers, stop):
     endpoint = core.start_channel()
     if rank == 0:  # like TargetServer: rank 0 is called only once it is connected to the other rank
         core.connect_peers([peers.get(timeout=120)])
-    endpoints.put((rank, endpoint))
+    endpoints.put((rank, endpoint, core.stats()))
     stop.wait(300)
 
 
@@ -80,7 +81,8 @@ async def _router(call, router: int) -> dict[str, list[int]]:
 
 
 def test_routers_calling_one_tensor_parallel_replica_at_once_get_single_rank_results(tiny_model_dirs):
-    config = tiny_config(tiny_model_dirs).engine_config()
+    # a KV budget of 5 single-rank sequences (the routers keep 4 live at once), so the ranks' 10 show
+    config = tiny_config(tiny_model_dirs, runner={"kv_cache_gib": 0.0013}).engine_config()
     ctx = multiprocessing.get_context("spawn")
     endpoints, peers, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
     port = _free_port()
@@ -89,10 +91,14 @@ def test_routers_calling_one_tensor_parallel_replica_at_once_get_single_rank_res
     for p in procs:
         p.start()
     try:
-        rank, endpoint = endpoints.get(timeout=180)
+        rank, endpoint, stats1 = endpoints.get(timeout=180)
         assert rank == 1
         peers.put(endpoint)
-        rank, rank0 = endpoints.get(timeout=180)
+        rank, rank0, stats0 = endpoints.get(timeout=180)
+        for stats in (stats0, stats1):  # the static runner over each rank's shard, half the weights each
+            assert stats["runner"] == "StaticRunner", stats
+            assert stats["parameters"] < 0.55 * stats["full_parameters"], stats
+        assert stats0["kv_capacity"] == stats1["kv_capacity"] > 0  # the ranks agreed on their slots
         channels = [AsyncChannels() for _ in range(ROUTERS)]  # each router process has its own connections
 
         async def run_all():
@@ -104,10 +110,10 @@ def test_routers_calling_one_tensor_parallel_replica_at_once_get_single_rank_res
     finally:
         _stop_ranks(procs, stop)
 
-    # one rank on the runner the shards use (transformers'): the ranks' logits differ from it only by the order of
-    # float32 sums, so sampled rows draw the same tokens (the static runner's fused kernels differ by more, enough
-    # to move an inverse-CDF boundary now and then over a few hundred sampled rounds)
-    reference = TargetWorkerCore(dataclasses.replace(config, runner="transformers"))
+    reference = TargetWorkerCore(config)
+    assert reference.stats()["runner"] == "StaticRunner"
+    # the same budget holds twice the sequences per rank (half the KV heads each), up to max_num_seqs
+    assert reference.stats()["kv_capacity"] == 5 and stats0["kv_capacity"] == 10
 
     async def local(method, *args):
         return getattr(reference, method)(*args)
@@ -159,7 +165,7 @@ def _stuck_rank_main(rank, port, engine_config, endpoints, peers, stop, timeout_
     endpoint = core.start_channel()
     if rank == 0:
         core.connect_peers([peers.get(timeout=120)])
-    endpoints.put((rank, endpoint))
+    endpoints.put((rank, endpoint, None))
     stop.wait(300)
 
 
@@ -182,9 +188,9 @@ def test_a_stuck_peer_fails_rank_0s_call_after_the_collective_timeout(tiny_model
     for p in procs:
         p.start()
     try:
-        _, endpoint = endpoints.get(timeout=180)
+        _, endpoint, _ = endpoints.get(timeout=180)
         peers.put(endpoint)
-        _, rank0 = endpoints.get(timeout=180)
+        _, rank0, _ = endpoints.get(timeout=180)
 
         async def rounds():
             channels = AsyncChannels()
@@ -236,3 +242,26 @@ def test_init_distributed_sets_the_backend_timeout_and_nccl_error_handling(tiny_
     assert seen == [("gloo", datetime.timedelta(seconds=60), None, None),
                     ("nccl", datetime.timedelta(seconds=30), torch.device("cuda", 0), "1"),
                     ("nccl", datetime.timedelta(seconds=7), torch.device("cuda", 0), "3")]
+
+
+def test_a_tp_target_runs_the_runner_its_config_names(tiny_model_dirs):
+    """`runner.kind: transformers` keeps a shard on the transformers runner (built without collectives, so one rank
+    can load here); compile is refused for tensor-parallel targets, by the config and by the runner itself."""
+    import dataclasses
+
+    import pytest
+    from pydantic import ValidationError
+
+    from engine.model_runner import ModelRunner
+
+    config = tiny_config(tiny_model_dirs, runner={"kind": "transformers"}, tp_size=2)
+    core = TargetWorkerCore(config.engine_config(), 0, 2)
+    core.load()
+    assert isinstance(core.runner, ModelRunner) and core.stats()["runner"] == "ModelRunner"
+    assert core.stats()["parameters"] < 0.55 * core.stats()["full_parameters"]
+    with pytest.raises(ValidationError, match="runner.compile is not supported with tp_size 2"):
+        tiny_config(tiny_model_dirs, runner={"compile": True}, tp_size=2)
+    tiny_config(tiny_model_dirs, runner={"compile": True, "kind": "transformers"}, tp_size=2)  # draft only
+    compiled = dataclasses.replace(tiny_config(tiny_model_dirs).engine_config(), compile=True)
+    with pytest.raises(ValueError, match="compile is not supported for tensor-parallel targets"):
+        TargetWorkerCore(compiled, 0, 2).load()  # refused before any collective or compilation

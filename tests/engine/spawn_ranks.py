@@ -13,9 +13,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(worker, world: int, *args, timeout: float = 120) -> dict:
+def run_ranks(worker, world: int, *args, timeout: float = 120, exitcodes: dict[int, int] | None = None) -> dict:
     """Run `worker(rank, world, port, *args, results)` in `world` spawned processes and wait for all of them (each
-    must exit 0); returns what they stored in the shared `results` dict."""
+    must exit 0, or with its code in `exitcodes`); returns what they stored in the shared `results` dict."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
@@ -23,7 +23,9 @@ def run_ranks(worker, world: int, *args, timeout: float = 120) -> dict:
         procs = [ctx.Process(target=worker, args=(r, world, port, *args, results)) for r in range(world)]
         for p in procs:
             p.start()
-        for p in procs:
+        for rank, p in enumerate(procs):
             p.join(timeout=timeout)
-            assert p.exitcode == 0
+            if p.exitcode is None:
+                p.kill()
+            assert p.exitcode == (exitcodes or {}).get(rank, 0), (rank, p.exitcode)
         return dict(results)
