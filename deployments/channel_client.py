@@ -147,14 +147,13 @@ class AsyncChannels:
             raise value
         return value
 
-    async def chain(self, first: Endpoint, last: Endpoint, method: str, *args, first_replies: bool = False):
+    async def chain(self, first: Endpoint, last: Endpoint, method: str, *args):
         """A chained call: `method(*args, route)` at `first`, whose handler passes its work on to `last` with
-        `ChannelRelay.send(route, ...)`. Returns (the first handler's result or None, the last step's result).
+        `ChannelRelay.send(route, ...)`. Returns the last step's result.
 
-        The worker at `first` answers only if its handler raised, unless `first_replies` (then its handler's result
-        comes back too, while the last step runs: what the last worker does not need need not travel through it). A
-        worker's exception is raised here; a lost connection to either worker is ChannelClosed naming it. After a
-        failure both connections are closed, since a late frame might still come on either.
+        The worker at `first` answers only if its handler raised. A worker's exception is raised here; a lost
+        connection to either worker is ChannelClosed naming it. After a failure both connections are closed, since a
+        late frame might still come on either.
         """
         to_last = await self._take(last)
         try:
@@ -162,23 +161,13 @@ class AsyncChannels:
         except BaseException:
             self._give_back(to_last)
             raise
-        loop = asyncio.get_running_loop()
-        if first_replies:  # a future per connection: the first worker's reply, then the last one's
-            from_first, from_last = loop.create_future(), loop.create_future()
-        else:  # one future: the last worker's reply, or the first one's failure, whichever comes
-            from_first = from_last = loop.create_future()
-        to_first.expect(from_first)
-        to_last.expect(from_last)
-        first_value = None
+        # one future: the last worker's reply, or the first one's failure, whichever comes
+        answer = asyncio.get_running_loop().create_future()
+        to_first.expect(answer)
+        to_last.expect(answer)
         try:
-            to_first.send(method, (*args, (last.wire(), to_last.conn_id)), REPLY if first_replies else ERRORS_ONLY)
-            if first_replies:
-                conn, frame = await from_first
-                if frame is not None and frame[0]:
-                    first_value = frame[1]
-                    conn, frame = await from_last
-            else:
-                conn, frame = await from_first
+            to_first.send(method, (*args, (last.wire(), to_last.conn_id)), ERRORS_ONLY)
+            conn, frame = await answer
         except BaseException:
             to_first.close()
             to_last.close()
@@ -186,7 +175,7 @@ class AsyncChannels:
         if conn is to_last and frame is not None and frame[0]:
             to_first.expect(None)  # a frame there now would be a protocol error
             self._give_back(to_first, to_last)
-            return first_value, frame[1]
+            return frame[1]
         to_first.close()
         to_last.close()
         if frame is None:

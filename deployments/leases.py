@@ -67,7 +67,7 @@ class RayDraftLease(_RayLease):
         the compact proposals of unseeded sampled rows) to the target's rank 0, which samples and answers here with
         the tokens, the draft's among them."""
         try:
-            _, result = await self._channels.chain(
+            result = await self._channels.chain(
                 self.endpoint, target.endpoint, "propose_chained", [call.wire() for call in calls],
                 [call.wire() for call in verify_calls], members)
         except ChannelClosed as exc:

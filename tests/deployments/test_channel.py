@@ -76,7 +76,7 @@ def test_frames_of_megabytes_cross_whole_both_ways_and_through_a_chain():
 
     async def run():
         (echoed,) = await channels.call(last.endpoint, "echo", big)
-        _, chained = await channels.chain(first.endpoint, last.endpoint, "double", big)
+        chained = await channels.chain(first.endpoint, last.endpoint, "double", big)
         return echoed, chained
 
     echoed, chained = asyncio.run(run())
@@ -211,15 +211,11 @@ def _first(relay: ChannelRelay, unreachable: Endpoint | None = None):
     def pass_on(method):
         return lambda x, route: relay.send(route, method)
 
-    def double_and_tell(x, route):  # with first_replies: its own result comes back too
-        relay.send(route, "plus_one", 2 * x)
-        return f"told {x}"
-
     def astray(x, route):
         relay.send((unreachable.wire(), route[1]), "plus_one", x)
 
     return ChannelServer({"double": double, "fail_here": fail_here, "fail_there": pass_on("fail"),
-                          "hang_there": pass_on("hang"), "astray": astray, "double_and_tell": double_and_tell},
+                          "hang_there": pass_on("hang"), "astray": astray},
                          "127.0.0.1", bind_host="127.0.0.1")
 
 
@@ -230,10 +226,9 @@ def test_a_chained_call_is_answered_by_its_last_worker_on_the_callers_own_connec
     channels = AsyncChannels()
 
     async def run():
-        results = [(await channels.chain(first.endpoint, last.endpoint, "double", x))[1] for x in range(4)]
+        results = [await channels.chain(first.endpoint, last.endpoint, "double", x) for x in range(4)]
         both = await asyncio.gather(channels.chain(first.endpoint, last.endpoint, "double", 10),
                                     channels.call(last.endpoint, "plus_one", 100))
-        both[0] = both[0][1]
         return results, both, {e: len(c) for e, c in channels._idle.items()}
 
     results, both, idle = asyncio.run(run())
@@ -242,26 +237,6 @@ def test_a_chained_call_is_answered_by_its_last_worker_on_the_callers_own_connec
     assert len(relay._senders) == 1, "the first worker reuses its connection to the last"
     for server in (first, last):
         server.close()
-
-
-def test_a_chained_call_can_bring_the_first_workers_result_back_too():
-    last = _server(plus_one=lambda y: y + 1)
-    first = _first(ChannelRelay())
-    channels = AsyncChannels()
-
-    async def run():
-        results = [await channels.chain(first.endpoint, last.endpoint, "double_and_tell", x, first_replies=True)
-                   for x in (1, 2)]
-        with pytest.raises(Boom, match="failed before passing on"):
-            await channels.chain(first.endpoint, last.endpoint, "fail_here", 1, first_replies=True)
-        results.append(await channels.chain(first.endpoint, last.endpoint, "double_and_tell", 3, first_replies=True))
-        return results, {e: len(c) for e, c in channels._idle.items()}
-
-    results, idle = asyncio.run(run())
-    assert results == [("told 1", 3), ("told 2", 5), ("told 3", 7)]
-    assert idle == {first.endpoint: 1, last.endpoint: 1}, "after the failure, fresh connections, reused again"
-    first.close()
-    last.close()
 
 
 def test_a_chained_calls_errors_come_back_from_whichever_worker_raised():
@@ -278,9 +253,12 @@ def test_a_chained_calls_errors_come_back_from_whichever_worker_raised():
             await channels.chain(first.endpoint, last.endpoint, "fail_there", 1)
         with pytest.raises(RelayFailed):  # the last worker is unreachable from the first: the first says so
             await channels.chain(first.endpoint, last.endpoint, "astray", 1)
-        return await channels.chain(first.endpoint, last.endpoint, "double", 2)
+        result = await channels.chain(first.endpoint, last.endpoint, "double", 2)
+        return result, {e: len(c) for e, c in channels._idle.items()}
 
-    assert asyncio.run(run()) == (None, 5), "the workers serve on after the failures"
+    result, idle = asyncio.run(run())
+    assert result == 5, "the workers serve on after the failures"
+    assert idle == {first.endpoint: 1, last.endpoint: 1}, "after the failures, fresh connections, reused again"
     first.close()
     last.close()
 
