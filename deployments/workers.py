@@ -111,8 +111,8 @@ class DraftWorkerCore(ModelWorker):
             return DraftResult([], {}, time.perf_counter() - start, cancelled=True)
         self._counted(len(calls))
         ids, counts = proposal.token_ids.tolist(), proposal.num_tokens.tolist()
-        proposals = {b: proposal_to_wire(proposal.proposal(b)) for b in range(len(calls))
-                     if proposal.proposal(b) is not None}
+        proposals = {b: proposal_to_wire(compact) for b in range(len(calls))
+                     if (compact := proposal.proposal(b)) is not None}
         return DraftResult(drafts=[row[:n] for row, n in zip(ids, counts)], proposals=proposals,
                            seconds=time.perf_counter() - start)
 

@@ -106,10 +106,7 @@ class DraftModelProposer:
         n = min(self.top_n, self.target_vocab_size)
         top_ids = torch.zeros(batch, k_max, n, dtype=torch.int32)
         top_probs = torch.zeros(batch, k_max, n)
-        for r in requests:
-            if not self.runner.has(r.seq_id):
-                self.runner.add(r.seq_id)
-        feeds = [self.runner.sync(r.seq_id, r.tokens) for r in requests]
+        feeds = self._feeds(requests)
         active = list(range(batch))
         for step in range(k_max):
             logits = self.runner.forward([requests[i].seq_id for i in active], [feeds[i] for i in active],
@@ -144,11 +141,16 @@ class DraftModelProposer:
     def read(self, requests: Sequence[DraftRequest]) -> None:
         """Bring each request's cache up to its tokens without drafting (a long prompt read one chunk per call,
         between the rounds of running streams); the logits are not needed."""
+        feeds = self._feeds(requests)
+        self.runner.forward([r.seq_id for r in requests], feeds, [1] * len(requests))
+
+    def _feeds(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Each request's tokens its cache lacks (a slot given to new sequences; the cache rolled back to the
+        common prefix)."""
         for r in requests:
             if not self.runner.has(r.seq_id):
                 self.runner.add(r.seq_id)
-        feeds = [self.runner.sync(r.seq_id, r.tokens) for r in requests]
-        self.runner.forward([r.seq_id for r in requests], feeds, [1] * len(requests))
+        return [self.runner.sync(r.seq_id, r.tokens) for r in requests]
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)

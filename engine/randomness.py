@@ -74,11 +74,15 @@ def _absorb(h: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 _TOKEN_KEYS: dict[tuple[int, str], torch.Tensor] = {}
 
 
-def _token_keys(vocab: int, device: torch.device) -> torch.Tensor:  # [V] int64: each token id's own hash
+def _token_key(token_ids: torch.Tensor) -> torch.Tensor:  # int64: each token id's own hash
+    return _mix((token_ids.long() + _GOLDEN) & MASK32)
+
+
+def _token_keys(vocab: int, device: torch.device) -> torch.Tensor:  # [V] int64: `_token_key` of 0..V-1, cached
     key = (vocab, str(device))
     keys = _TOKEN_KEYS.get(key)
     if keys is None:
-        keys = _TOKEN_KEYS[key] = _mix((torch.arange(vocab, device=device) + _GOLDEN) & MASK32)
+        keys = _TOKEN_KEYS[key] = _token_key(torch.arange(vocab, device=device))
     return keys
 
 
@@ -94,7 +98,7 @@ def hash32(
     h = _absorb(h, (seeds >> 32) & MASK32)
     h = _absorb(h, positions)
     if token_ids is not None:  # as `gumbel` computes it: the token's key xor the position's hash, mixed
-        h = _mix_(_mix((token_ids.long() + _GOLDEN) & MASK32) ^ h[..., None])
+        h = _mix_(_token_key(token_ids) ^ h[..., None])
     return h
 
 

@@ -7,8 +7,8 @@ Two schemes, both exact (the emitted tokens are distributed as the target's proc
   with probability min(1, p_i(x_i) / q_i(x_i)), p_i the target's; at the first rejection a *recovered* token is
   drawn from norm(max(0, p_i - q_i)); when all drafts are accepted a *bonus* token is drawn from p_{K+1}. The proof
   (Leviathan et al., Appendix A.1) uses only that x_i was drawn from q_i, so q_i may be any proposal the draft
-  really sampled from: a truncated, renormalised top-N of the draft model's distribution (engine/proposal.py)
-  is as exact as the full one. Words follow vLLM: accepted, recovered, bonus. A draft without probabilities
+  really sampled from: the draft model's distribution kept on its top N tokens with a uniform tail over the rest
+  (engine/proposal.py) is as exact as the full one. Words follow vLLM: accepted, recovered, bonus. A draft without probabilities
   (n-gram lookup) is a one-hot q: accept with probability p_i(x_i), recover from p_i with x_i removed.
 - `gumbel_accept`, for seeded rows (Daliri, Musco, Suresh 2024, arXiv 2408.07978, "Coupling without communication
   and drafter-invariant speculative decoding"): the target's token at a position is argmax(log p + G), G the

@@ -51,7 +51,6 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-
 @dataclass(frozen=True)
 class BatchSampling:
     """The sampling settings of B rows as tensors, so processing is one batched call."""
