@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenizers.decoders import DecodeStream
+
 
 @dataclass(frozen=True)
 class Cut:
@@ -17,7 +19,15 @@ class Cut:
 
 
 class OutputText:
-    """The decoded output of one sequence, the stop-string search, and what may be streamed yet."""
+    """The decoded output of one sequence, the stop-string search, and what may be streamed yet.
+
+    Decoding is incremental: each token's text comes from the tokenizer's own streaming decoder
+    (`tokenizers.decoders.DecodeStream`, what vLLM's fast detokenizer uses), a few microseconds per token, where
+    decoding the whole output every round cost O(length) per round (bench/RESULTS.md, issue 18: 21 ms per round for
+    32 rows at 1,000 tokens). A token that ends inside a multi-byte character yields its text with the next one; a
+    sequence that finishes there gets the full decoding's replacement character. Tokenizers without a Rust backend
+    decode the whole output per token, as before.
+    """
 
     def __init__(self, tokenizer, stop: Sequence[str]) -> None:
         self.tokenizer = tokenizer
@@ -26,28 +36,44 @@ class OutputText:
         self.token_ids: list[int] = []
         self.text = ""
         self.streamed = 0  # characters of `text` already handed out
+        self._pending = 0  # trailing tokens whose text is not complete yet (part of a character)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = DecodeStream(skip_special_tokens=True) if backend is not None else None
+        self._backend = backend
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def _piece(self, token: int) -> str | None:
+        """The text `token` completes (after self.token_ids), or None while a character is incomplete."""
+        if self._stream is not None:
+            return self._stream.step(self._backend, token)
+        candidate = self._decode(self.token_ids + [token])
+        return None if candidate.endswith("\ufffd") else candidate[len(self.text):]
+
     def extend(self, new_ids: Sequence[int]) -> int | None:
-        """Append tokens; if a stop string appears, keep only the tokens up to it and return how many were kept."""
-        if not new_ids:
-            return None
-        candidate = self._decode(self.token_ids + list(new_ids))
-        hit = self._find_stop(candidate, len(self.text))
-        if hit is None:
-            self.token_ids.extend(new_ids)
-            self.text = candidate
-            return None
-        # the fewest tokens whose text already contains the stop string
-        for keep in range(1, len(new_ids) + 1):
-            partial = self._decode(self.token_ids + list(new_ids[:keep]))
-            if self._find_stop(partial, len(self.text)) is not None:
-                break
-        self.token_ids.extend(new_ids[:keep])
-        self.text = candidate[:hit]
-        return keep
+        """Append tokens; if a stop string appears, keep only the tokens up to it and return how many were kept
+        (the fewest whose text contains it)."""
+        for kept, token in enumerate(new_ids, 1):
+            piece = self._piece(int(token))
+            self.token_ids.append(int(token))
+            if not piece:
+                self._pending += 1
+                continue
+            self._pending = 0
+            old_len = len(self.text)
+            self.text += piece
+            hit = self._find_stop(self.text, old_len)
+            if hit is not None:
+                self.text = self.text[:hit]
+                return kept
+        return None
+
+    def finish(self) -> None:
+        """The sequence ended after a token inside a character: its text ends as the full decoding's does."""
+        if self._pending:
+            self.text = self._decode(self.token_ids)
+            self._pending = 0
 
     def _find_stop(self, text: str, old_len: int) -> int | None:
         if not self.stop:
@@ -58,6 +84,8 @@ class OutputText:
 
     def take_delta(self, final: bool) -> str:
         """Text not yet streamed. Holds back an incomplete UTF-8 character and a possible stop-string prefix."""
+        if final:
+            self.finish()
         safe = len(self.text)
         if not final:
             while safe > self.streamed and self.text[safe - 1] == "\ufffd":
