@@ -23,10 +23,11 @@ class OutputText:
 
     Decoding is incremental: each token's text comes from the tokenizer's own streaming decoder
     (`tokenizers.decoders.DecodeStream`, what vLLM's fast detokenizer uses), a few microseconds per token, where
-    decoding the whole output every round cost O(length) per round (bench/RESULTS.md, issue 18: 21 ms per round for
-    32 rows at 1,000 tokens). A token that ends inside a multi-byte character yields its text with the next one; a
-    sequence that finishes there gets the full decoding's replacement character. Tokenizers without a Rust backend
-    decode the whole output per token, as before.
+    decoding the whole output every round cost O(length) per round (bench/RESULTS.md, issue 18: 16-22 ms per round
+    for 32 rows at 1,000 tokens). Text ending inside a multi-byte character waits for the token that completes it;
+    a finished sequence's text is decoded whole once (a sequence that ends inside a character ends with the
+    replacement character, as the full decoding does). Tokenizers without a Rust backend decode the whole output
+    each round, as before.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str]) -> None:
@@ -36,7 +37,7 @@ class OutputText:
         self.token_ids: list[int] = []
         self.text = ""
         self.streamed = 0  # characters of `text` already handed out
-        self._pending = 0  # trailing tokens whose text is not complete yet (part of a character)
+        self._stopped = False  # cut at a stop string: the text ends before it
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stream = DecodeStream(skip_special_tokens=True) if backend is not None else None
         self._backend = backend
@@ -44,36 +45,36 @@ class OutputText:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def _piece(self, token: int) -> str | None:
-        """The text `token` completes (after self.token_ids), or None while a character is incomplete."""
+    def _pieces(self, new_ids: list[int]) -> str:
+        """The text `new_ids` complete after self.token_ids (held back while a character is incomplete)."""
         if self._stream is not None:
-            return self._stream.step(self._backend, token)
-        candidate = self._decode(self.token_ids + [token])
-        return None if candidate.endswith("\ufffd") else candidate[len(self.text):]
+            return self._stream.step(self._backend, new_ids) or ""
+        return self._decode(self.token_ids + new_ids).rstrip("\ufffd")[len(self.text):]
 
     def extend(self, new_ids: Sequence[int]) -> int | None:
         """Append tokens; if a stop string appears, keep only the tokens up to it and return how many were kept
         (the fewest whose text contains it)."""
-        for kept, token in enumerate(new_ids, 1):
-            piece = self._piece(int(token))
-            self.token_ids.append(int(token))
-            if not piece:
-                self._pending += 1
-                continue
-            self._pending = 0
-            old_len = len(self.text)
-            self.text += piece
-            hit = self._find_stop(self.text, old_len)
-            if hit is not None:
-                self.text = self.text[:hit]
-                return kept
-        return None
+        new = [int(t) for t in new_ids]
+        old_len = len(self.text)
+        self.text += self._pieces(new)
+        hit = self._find_stop(self.text, old_len)
+        if hit is None:
+            self.token_ids.extend(new)
+            return None
+        # the round's tokens hold a stop string (once per sequence): the fewest of them whose text contains it
+        for keep in range(1, len(new) + 1):
+            if self._find_stop(self._decode(self.token_ids + new[:keep]), old_len) is not None:
+                break
+        self.token_ids.extend(new[:keep])
+        self.text = self.text[:hit]
+        self._stopped = True
+        return keep
 
     def finish(self) -> None:
-        """The sequence ended after a token inside a character: its text ends as the full decoding's does."""
-        if self._pending:
+        """The sequence has ended: its text is the full decoding of its tokens (which differs from the streamed
+        pieces only when it ended inside a character), or the text before the stop string that ended it."""
+        if not self._stopped:
             self.text = self._decode(self.token_ids)
-            self._pending = 0
 
     def _find_stop(self, text: str, old_len: int) -> int | None:
         if not self.stop:
