@@ -134,7 +134,7 @@ def test_workers_without_the_custom_resource_could_land_elsewhere():
 def test_pod_memory_too_small_for_the_workers():
     rs = _rs()
     limits = _group(rs, "target")["template"]["spec"]["containers"][0]["resources"]
-    limits["limits"]["memory"] = limits["requests"]["memory"] = "32Gi"  # 2 x 20Gi workers + object store
+    limits["limits"]["memory"] = limits["requests"]["memory"] = "24Gi"  # < 2 x 12Gi workers + 4Gi object store
     assert any("Target#0" in p for p in fit.place(rs, PROD, "min").problems)
 
 
