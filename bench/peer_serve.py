@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -84,12 +85,12 @@ ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
 def client_argv(base_url: str, model_name: str, tokenizer_dir: str, dataset: Path, concurrency: int,
                 num_prompts: int, max_tokens: int, warmups: int, result_dir: Path, result_file: str,
-                seed: int, backend: str = "openai") -> list[str]:
+                seed: int, backend: str = "openai", temperature: float = 0.0) -> list[str]:
     return [str(VLLM_PYTHON), str(VLLM_CLI), "bench", "serve", "--backend", backend, "--base-url", base_url,
             "--endpoint", ENDPOINTS[backend], "--model", model_name, "--tokenizer", tokenizer_dir,
             "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
             "--custom-output-len", str(max_tokens), "--num-prompts", str(num_prompts),
-            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--temperature", "0",
+            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--temperature", f"{temperature:g}",
             "--ignore-eos", "--num-warmups", str(warmups), "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", result_file,
@@ -226,7 +227,8 @@ def _measure_one(server: ManagedServer, args, c: int, dataset: Path, tokenizer_d
     name = f"{server.name}_c{c}.json"
     stats0 = _ours_stats(server) if server.name.startswith("ours") else None
     argv = client_argv(server.base_url, server.model_name, tokenizer_dir, dataset, c, n, args.max_tokens,
-                       c if args.warmups is None else args.warmups, runs_dir, name, args.seed, args.backend)
+                       c if args.warmups is None else args.warmups, runs_dir, name, args.seed, args.backend,
+                       args.temperature)
     print(f"== {server.name}: concurrency {c}, {n} prompts", flush=True)
     with open(runs_dir / f"{server.name}_c{c}.client.log", "w") as log:
         proc = subprocess.run(argv, cwd=ROOT, env=vllm_env(args.kv_cache_gib), stdout=log,
@@ -261,6 +263,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
     ap.add_argument("--num-prompts", type=int, default=None, help="per concurrency (default: max(12, 2 x C))")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request (default greedy; the targets assume greedy)")
+    ap.add_argument("--ours-root", default=None,
+                    help="run our server from this source tree (PYTHONPATH; e.g. a `git archive` of an older "
+                         "commit) instead of the installed one, to compare commits served alike")
     ap.add_argument("--backend", choices=sorted(ENDPOINTS), default="openai",
                     help="the client's backend: openai (/v1/completions, prompts rendered by the chat template "
                          "here) or openai-chat (/v1/chat/completions: each prompt's messages' text joined into one "
@@ -329,8 +336,10 @@ def main(argv: list[str] | None = None) -> None:
                 cfg_path = runs_dir / f"{name}.yaml"
                 cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
                 cmd = [str(Path(sys.executable).parent / "serve"), "run", str(cfg_path), "--address", "local"]
-                server = ManagedServer(name, cmd, base_url, served, runs_dir / f"{name}.log")
-                info = {"kind": "ours", "config": cfg["applications"][0]["args"]}
+                env = None if args.ours_root is None else {**os.environ, "PYTHONPATH": str(Path(args.ours_root))}
+                server = ManagedServer(name, cmd, base_url, served, runs_dir / f"{name}.log", env=env)
+                info = {"kind": "ours", "config": cfg["applications"][0]["args"],
+                        "source": args.ours_root or "installed"}
             else:
                 cmd = vllm_serve_argv(model_dir, dtype, served, args.port, max_model_len, VLLM_SPECULATIVE[name])
                 server = ManagedServer(name, cmd, base_url, served, runs_dir / f"{name}.log",
@@ -369,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     targets = evaluate_targets(runs)
     params.update({"target_dtype_config": model_cfg.target_dtype, "target_dtype_ours": target_dtype, "dtype_vllm": dtype, "model_dir": model_dir,
                    "served_model_name": served, "max_model_len": max_model_len, "prompts": args.prompts,
-                   "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True,
+                   "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": True,
                    "concurrency": args.concurrency, "num_prompts": {c: args.num_prompts or default_num_prompts(c)
                                                                     for c in args.concurrency},
                    "ours_config": args.ours_config, "ours_overrides": common, "seed": args.seed,

@@ -50,7 +50,8 @@ class CompletionLogprobs:
     text_offset: list[int] = field(default_factory=list)
     offset: int = 0  # the characters before the next token (the echoed prompt's, then the tokens')
 
-    def add(self, pieces: TokenPieces, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> "CompletionLogprobs":
+    def add(self, pieces: TokenPieces, token_ids: Sequence[int],
+            logprobs: Sequence[TokenLogprob]) -> "CompletionLogprobs":
         """Append tokens; returns just those tokens' object (a stream chunk's)."""
         new = CompletionLogprobs(offset=self.offset)
         for t, lp in zip(token_ids, logprobs):
