@@ -16,6 +16,9 @@ adds one recovered token there, or one bonus token when every draft was accepted
   counter uniforms (seed, position, ACCEPT / RESIDUAL) against the draft's compact proposal (engine/proposal.py),
   or a one-hot draft (n-gram lookup) when there is none. Its acceptance is the higher of the two.
 
+Structured outputs: a row's grammar mask (`RowVerify.allowed`, engine/grammar.py) sets the tokens it does not
+allow to -inf at each position before all of the above (`apply_grammar_masks`).
+
 Logprobs (a request's `logprobs = n`): each emitted token's log-probability and the top n, from the distribution
 the sampler drew from (temperature, top-k, top-p applied); greedy rows, whose processed distribution is one-hot,
 report the model's own log-softmax instead (what vLLM returns by default).
@@ -62,6 +65,9 @@ class RowVerify:
     scheme: RowScheme  # seed, coupled, and the absolute position of the row's first scored token
     drafts: Sequence[int]  # K_b draft tokens (empty: plain decoding)
     proposal: CompactProposal | None = None  # unseeded sampled model drafts; None: one-hot (n-gram) or not needed
+    # [>= 1, V] bool: the tokens the row's grammar allows at each scored position, row j after drafts[:j]
+    # (engine/grammar.GrammarMatcher.masks); None: no grammar
+    allowed: torch.Tensor | None = None
 
 
 def row_scheme(params: SamplingParams, seed: int, coupled: bool, position: int) -> RowScheme:
@@ -75,6 +81,7 @@ def verify_rows(
     """Each row's verdict, computed on logits' device; only token ids (and asked logprobs) leave it."""
     assert logits.dim() == 3 and logits.shape[0] == len(rows), "logits must be [B, T, V]"
     assert all(logits.shape[1] >= len(r.drafts) + 1 for r in rows), "a row has more drafts than scored positions"
+    logits = apply_grammar_masks(logits, rows)
     results: dict[int, RejectionResult | tuple[list[int], int]] = {}
     processed: dict[int, torch.Tensor] = {}  # sampled row -> [T, V] its processed distribution (for logprobs)
     greedy = [b for b, r in enumerate(rows) if r.params.greedy]
@@ -102,6 +109,23 @@ def verify_rows(
             logprobs = token_logprobs(dist[: len(tokens)], tokens, row.params.logprobs)
         verdicts.append(Verdict(tokens, accepted, logprobs))
     return verdicts
+
+
+def apply_grammar_masks(
+    logits: torch.Tensor,  # [B, T, V]
+    rows: Sequence[RowVerify],  # B rows
+) -> torch.Tensor:  # [B, T, V]: `logits` itself when no row has a grammar, else a copy
+    """Structured outputs' hook: the tokens a row's grammar does not allow get -inf at each position, before any
+    other processing (engine/grammar.py), so every scheme below samples from the constrained target distribution
+    and a draft outside the grammar is rejected."""
+    if all(r.allowed is None for r in rows):
+        return logits
+    logits = logits.clone()
+    for b, row in enumerate(rows):
+        if row.allowed is not None:
+            width = min(row.allowed.shape[0], logits.shape[1])
+            logits[b, :width].masked_fill_(~row.allowed[:width].to(logits.device), float("-inf"))
+    return logits
 
 
 def _sample_group(

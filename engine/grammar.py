@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -274,7 +274,7 @@ class SequenceGrammars:
     """The matchers of the live sequences that asked for a grammar, by sequence id (a worker's, or the in-process
     engine's), with the output start of each (the prompt's length: the grammar covers the output only)."""
 
-    compiler: Callable[[], GrammarCompiler]  # the process's compiler, made on first use
+    compiler: GrammarCompiler  # the process's (its tokenizer table is built on the first grammar)
     _rows: dict[str, tuple[GrammarMatcher, int]] = field(default_factory=dict)
     _specs: dict[str, GrammarSpec] = field(default_factory=dict)
 
@@ -283,7 +283,7 @@ class SequenceGrammars:
         held = self._rows.get(seq_id)
         if held is not None and self._specs[seq_id] == spec and held[1] == output_start:
             return
-        self._rows[seq_id] = (self.compiler().matcher(spec), output_start)
+        self._rows[seq_id] = (self.compiler.matcher(spec), output_start)
         self._specs[seq_id] = spec
 
     def has(self, seq_id: str) -> bool:

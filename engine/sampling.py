@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grammar import GrammarSpec
+
 
 MAX_LOGPROBS = 20  # the top-n a request may ask for (OpenAI's limit)
 
@@ -30,6 +32,9 @@ class SamplingParams:
     seed: int | None = None  # given: drafter-invariant Gumbel-coupled sampling (engine/accept.py)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: not asked; n >= 0: each emitted token's logprob and the top n
+    # structured outputs (engine/grammar.py): every emitted token is one the grammar allows, and the row stops when
+    # the grammar completes (EOS stops such a row even with ignore_eos)
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):

@@ -66,7 +66,7 @@ class SequenceState:
         if k < 0:
             raise ValueError("k must be >= 0")
         return cls(request_id, prompt_ids, params, k, max_model_len,
-                   frozenset() if params.ignore_eos else eos_token_ids,
+                   frozenset() if params.ignore_eos and params.grammar is None else eos_token_ids,
                    OutputText(tokenizer, params.stop), params.seed if params.seed is not None else draw_seed())
 
     @property

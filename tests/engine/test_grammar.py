@@ -118,7 +118,7 @@ def test_an_eos_where_the_grammar_does_not_accept_is_off_the_grammar(compiler):
 
 
 def test_sequence_grammars_cover_the_output_only_and_release(compiler):
-    rows = SequenceGrammars(lambda: compiler)
+    rows = SequenceGrammars(compiler)
     prompt = ids("zzz")  # the prompt is outside the grammar
     rows.track("s", GrammarSpec("regex", "ab+c"), len(prompt))
     masks = rows.masks("s", prompt + ids("a"), ids("b"))
