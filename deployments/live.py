@@ -76,8 +76,9 @@ class LiveRequest:
 
     def _delta(self, start: int, tokens: list[int]) -> SeqDelta:
         p = self.seq.params
+        grammar = p.grammar.wire() if p.grammar is not None and start == 0 else None  # once per sequence and worker
         return SeqDelta(self.seq.request_id, start, tokens, p.temperature, p.top_k, p.top_p, self.seq.seed,
-                        self.seq.coupled, p.logprobs)
+                        self.seq.coupled, p.logprobs, grammar, len(self.seq.prompt_ids))
 
     def draft_delta(self, extra: list[int], end: int | None = None) -> SeqDelta:
         """The call that leaves the draft worker holding the committed tokens plus `extra`, re-sending as little as

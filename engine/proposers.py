@@ -152,15 +152,21 @@ class DraftModelProposer:
         """Each request's grammar matcher synced to its tokens (None: no grammar, or no grammars here)."""
         if self.grammars is None:
             return [None] * len(requests)
-        for r in requests:
-            if r.grammar is not None:
-                self.grammars.track(r.seq_id, r.grammar, r.output_start)
+        self._track(requests)
         return [self.grammars.matcher(r.seq_id, r.tokens) for r in requests]
+
+    def _track(self, requests: Sequence[DraftRequest]) -> None:
+        """Keep a matcher for each request that brings its grammar (a sequence's first call: it is sent once)."""
+        if self.grammars is not None:
+            for r in requests:
+                if r.grammar is not None:
+                    self.grammars.track(r.seq_id, r.grammar, r.output_start)
 
     def read(self, requests: Sequence[DraftRequest]) -> None:
         """Bring each request's cache up to its tokens without drafting (a long prompt read one chunk per call,
         between the rounds of running streams); the logits are not needed."""
         feeds = self._feeds(requests)
+        self._track(requests)
         self.runner.forward([r.seq_id for r in requests], feeds, [1] * len(requests))
 
     def _feeds(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
