@@ -154,12 +154,17 @@ def _sample_group(
                             uniforms(seeds, positions[:, :k_max], ACCEPT), uniforms(seeds, positions, RESIDUAL))
 
 
+LOGPROB_FLOOR = -9999.0  # vLLM's floor for log 0 in its responses
+
+
 def token_logprobs(
     logprobs: torch.Tensor,  # [n, V] log-probabilities at the emitted positions
     tokens: Sequence[int],  # n emitted tokens
     top: int,
 ) -> list[TokenLogprob]:
-    """The emitted tokens' log-probabilities and the top `top` of each position, as plain Python numbers."""
+    """The emitted tokens' log-probabilities and the top `top` of each position, as plain Python numbers. A token of
+    probability 0 (outside a grammar or top-k) reports LOGPROB_FLOOR, as vLLM's API does: JSON has no -inf."""
+    logprobs = logprobs.clamp(min=LOGPROB_FLOOR)
     chosen = logprobs.gather(-1, torch.tensor(list(tokens), device=logprobs.device)[:, None]).squeeze(-1).tolist()
     if top <= 0:
         return [TokenLogprob(lp, ()) for lp in chosen]

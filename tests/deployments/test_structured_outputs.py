@@ -3,6 +3,7 @@ cluster): response_format json_schema / json_object, vLLM's structured_outputs (
 grammars refused with a 400 naming their parameter before admission, greedy speculation unchanged by a grammar."""
 
 import json
+import math
 import re
 
 import jsonschema
@@ -129,3 +130,33 @@ def test_bad_grammars_are_a_400_naming_the_parameter_before_admission(served, bo
         client.completions.create(model="tiny", prompt="x", max_tokens=5, extra_body=body)
     assert (error_of(info.value).get("param") or "").startswith(param), error_of(info.value)
     assert broker.calls == calls_before and router.scheduler.num_live == 0, "never admitted to the scheduler"
+
+
+def test_drafts_made_ahead_under_a_grammar_change_nothing(byte_model_dirs, served):
+    """With speculation.overlap the draft worker drafts round r+1 on a guess of round r (its matcher follows the
+    guessed tokens and rolls back when the guess was wrong); the output is still greedy plain decoding's."""
+    client, _, _ = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=120, temperature=0,
+                                           response_format=fmt, extra_body={"speculative": {"enabled": False}})
+    config = tiny_config(byte_model_dirs, speculation={"num_speculative_tokens": 3, "overlap": True})
+    router = Router(config, LocalBroker(config))
+    with http_server(router) as base:
+        ahead = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0).chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=120, temperature=0, response_format=fmt)
+    assert router.scheduler.stats.ahead_drafts > 0, "drafts were made ahead"
+    assert ahead.choices[0].message.content == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_logprobs_come_from_the_constrained_distribution(served, temperature):
+    """At the first position of a choice between "yes" and "no" only 'y' and 'n' have mass; the tokens the grammar
+    refuses report vLLM's floor (JSON has no -inf), never a 500."""
+    client, _, _ = served
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=temperature,
+                                       logprobs=True, top_logprobs=4,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    first = r.choices[0].logprobs.content[0]
+    mass = {t.token: t.logprob for t in first.top_logprobs if t.logprob > -9999.0}
+    assert set(mass) == {"y", "n"} and abs(sum(math.exp(v) for v in mass.values()) - 1) < 1e-4
+    assert [t.logprob for t in first.top_logprobs if t.token not in mass] == [-9999.0, -9999.0]
