@@ -29,6 +29,7 @@ its first EOS; past it, the only allowed token is EOS.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -38,6 +39,9 @@ import numpy as np
 import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+SLOW_COMPILE_S = 0.05  # a compile this slow is logged (it holds up the thread that compiles it)
+
+log = logging.getLogger(__name__)
 
 
 class GrammarError(ValueError):
@@ -160,6 +164,8 @@ class GrammarCompiler:
         self.stats.compiles += 1
         self.stats.seconds += seconds
         self.stats.max_seconds = max(self.stats.max_seconds, seconds)
+        if seconds > SLOW_COMPILE_S:
+            log.warning("a %s grammar took %.0f ms to compile", spec.kind, 1000 * seconds)
         self._compiled[spec] = compiled
         if len(self._compiled) > self.capacity:
             self._compiled.popitem(last=False)
@@ -236,15 +242,18 @@ class GrammarMatcher:
         """The tokens the grammar allows next: EOS only where it accepts, EOS alone once it has ended."""
         if self.off_grammar:
             return None
-        eos_only = torch.zeros(self.vocab_size, dtype=torch.bool)
-        eos_only[[e for e in sorted(self.eos_ids) if e < self.vocab_size]] = True
         if self._ended_by_eos():
-            return eos_only
+            return self._eos_only()
         bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         allowed = torch.from_numpy(bits[: self.vocab_size].astype(bool))
         if not bool(allowed.any()):  # an error state: end the row rather than sample from nothing
-            return eos_only
+            return self._eos_only()
         return allowed
+
+    def _eos_only(self) -> torch.Tensor:  # [V] bool
+        eos_only = torch.zeros(self.vocab_size, dtype=torch.bool)
+        eos_only[[e for e in sorted(self.eos_ids) if e < self.vocab_size]] = True
+        return eos_only
 
     def masks(self, drafts: Sequence[int]) -> torch.Tensor | None:  # [len(drafts) + 1, V] bool, or None
         """The allowed tokens at each verify position: row j is the grammar's state after the synced output plus
@@ -262,7 +271,10 @@ class GrammarMatcher:
                 break
             self.sync(base + list(drafts[: j + 1]))
             row = self.allowed()
-            if row is None:
+            if row is None:  # the matcher would not take a token its mask allowed: refuse it here instead
+                out[j, token] = False
+                if not bool(out[j].any()):
+                    out[j] = self._eos_only()
                 break
             out[j + 1] = row
         self.sync(base)

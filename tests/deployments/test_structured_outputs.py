@@ -10,7 +10,9 @@ import jsonschema
 import openai
 import pytest
 
+from deployments.messages import DraftCall, DraftResult, SeqDelta, VerifyCall, VerifyResult
 from deployments.router import Router
+from engine.grammar import GrammarSpec
 from tests.deployments.conftest import LocalBroker, http_server, tiny_config
 
 SCHEMA = {"type": "object",
@@ -160,3 +162,43 @@ def test_logprobs_come_from_the_constrained_distribution(served, temperature):
     mass = {t.token: t.logprob for t in first.top_logprobs if t.logprob > -9999.0}
     assert set(mass) == {"y", "n"} and abs(sum(math.exp(v) for v in mass.values()) - 1) < 1e-4
     assert [t.logprob for t in first.top_logprobs if t.token not in mass] == [-9999.0, -9999.0]
+
+
+def test_ngram_drafts_from_the_router_are_unmasked_and_the_target_keeps_the_output_right(byte_model_dirs):
+    """With n-gram drafting the router proposes (it never computes masks); drafts outside the grammar are
+    rejected by the target's masks, and the output is greedy plain decoding's under the schema."""
+    config = tiny_config(byte_model_dirs, model={"draft": "ngram"}, speculation={"num_speculative_tokens": 3})
+    router = Router(config, LocalBroker(config))
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    with http_server(router) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        texts = [client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=120, temperature=0,
+                                                response_format=fmt, extra_body={"speculative": speculative})
+                 for speculative in ({"k": 3, "adaptive": False}, {"enabled": False})]
+    assert texts[0].usage.speculative["num_draft_tokens"] > 0, "n-gram drafts were verified"
+    assert texts[0].choices[0].message.content == texts[1].choices[0].message.content
+    jsonschema.validate(json.loads(texts[0].choices[0].message.content), SCHEMA)
+
+
+def test_a_worker_keeps_the_grammar_its_sequences_first_delta_brought(served):
+    """The grammar travels once per sequence and worker (in the delta that starts at 0); later rounds send only
+    tokens, and the target still masks them; the draft masks its drafts; release drops both matchers."""
+    _, broker, router = served
+    spec = GrammarSpec("regex", "[0-9]{6}")
+    prompt = router.tokenizer("Number:")["input_ids"]
+    target, draft = broker.cores["target"], broker.cores["draft"]
+
+    def delta(start, tokens, grammar=None):
+        return SeqDelta("g1", start, tokens, 0.0, 0, 1.0, 7, False, None, grammar, len(prompt))
+
+    drafted = DraftResult.from_wire(draft.propose([DraftCall(delta(0, prompt, spec.wire()), 3).wire()])).drafts[0]
+    assert re.fullmatch("[0-9]+", router.tokenizer.decode(drafted)), "the draft masks its own drafts"
+    first = VerifyResult.from_wire(target.verify([VerifyCall(delta(0, prompt, spec.wire()), []).wire()]))
+    out = first.verdicts[0].tokens
+    off = router.tokenizer("xy")["input_ids"]  # drafts outside the grammar, in a delta without it
+    second = VerifyResult.from_wire(target.verify([VerifyCall(delta(len(prompt), out), off).wire()]))
+    assert second.verdicts[0].num_accepted == 0
+    assert re.fullmatch("[0-9]{2,4}", router.tokenizer.decode(out + second.verdicts[0].tokens))
+    target.release(["g1"])
+    draft.release(["g1"])
+    assert not target.grammars.has("g1") and not draft.proposer.grammars.has("g1")
