@@ -14,47 +14,66 @@ from dataclasses import dataclass
 class Cut:
     keep: int  # how many of the offered tokens to keep
     finish_reason: str | None  # "stop" | "length" | None (still running)
+    stop_token: bool = False  # the last kept token is EOS or a stop_token_id (it ended the sequence)
 
 
 class OutputText:
-    """The decoded output of one sequence, the stop-string search, and what may be streamed yet."""
+    """The decoded output of one sequence, the stop-string search, and what may be streamed yet.
 
-    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
+    vLLM's meanings (its v1 detokenizer): `skip_special_tokens` leaves special tokens out of the text; a sequence
+    ended by a stop token (EOS or a stop_token_id) keeps the token's id but not its text, and a stop string is cut
+    from the text, unless `include_stop_str`; a stop string counts only where it ends in the text of a token after
+    the first `min_tokens` ones.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str], skip_special_tokens: bool = True,
+                 include_stop_str: bool = False, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
-        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop_str = include_stop_str
+        self.min_tokens = min_tokens
+        self._min_text: int | None = 0 if min_tokens == 0 else None  # text length of the first min_tokens tokens
         self.token_ids: list[int] = []
         self.text = ""
         self.streamed = 0  # characters of `text` already handed out
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
 
-    def extend(self, new_ids: Sequence[int]) -> int | None:
-        """Append tokens; if a stop string appears, keep only the tokens up to it and return how many were kept."""
+    def extend(self, new_ids: Sequence[int], ends_with_stop_token: bool = False) -> int | None:
+        """Append tokens; if a stop string appears, keep only the tokens up to it and return how many were kept.
+        `ends_with_stop_token`: the last one ended the sequence (EOS, a stop_token_id): its text is left out
+        unless include_stop_str."""
         if not new_ids:
             return None
-        candidate = self._decode(self.token_ids + list(new_ids))
+        textual = list(new_ids[:-1] if ends_with_stop_token and not self.include_stop_str else new_ids)
+        ids = self.token_ids + textual
+        if self._min_text is None and len(ids) >= self.min_tokens:
+            self._min_text = len(self._decode(ids[: self.min_tokens]))
+        candidate = self._decode(ids)
         hit = self._find_stop(candidate, len(self.text))
         if hit is None:
             self.token_ids.extend(new_ids)
             self.text = candidate
             return None
         # the fewest tokens whose text already contains the stop string
-        for keep in range(1, len(new_ids) + 1):
-            partial = self._decode(self.token_ids + list(new_ids[:keep]))
+        for keep in range(1, len(textual) + 1):
+            partial = self._decode(self.token_ids + textual[:keep])
             if self._find_stop(partial, len(self.text)) is not None:
                 break
-        self.token_ids.extend(new_ids[:keep])
-        self.text = candidate[:hit]
+        self.token_ids.extend(textual[:keep])
+        self.text = candidate[: hit[0] + (hit[1] if self.include_stop_str else 0)]
         return keep
 
-    def _find_stop(self, text: str, old_len: int) -> int | None:
-        if not self.stop:
+    def _find_stop(self, text: str, old_len: int) -> tuple[int, int] | None:
+        """The earliest stop string ending past `old_len` and past the first min_tokens tokens' text: (index,
+        length)."""
+        if not self.stop or self._min_text is None:
             return None
-        start = max(0, old_len - self._max_stop + 1)
-        found = [i for s in self.stop if (i := text.find(s, start)) != -1]
-        return min(found) if found else None
+        found = [(i, len(s)) for s in self.stop
+                 if (i := text.find(s, max(0, old_len - len(s) + 1, self._min_text - len(s) + 1))) != -1]
+        return min(found, key=lambda hit: hit[0]) if found else None
 
     def take_delta(self, final: bool) -> str:
         """Text not yet streamed. Holds back an incomplete UTF-8 character and a possible stop-string prefix."""
@@ -74,15 +93,16 @@ class OutputText:
 
 def cut_at_eos_and_length(
     tokens: Sequence[int],
-    eos_ids: frozenset[int],
+    eos_ids: frozenset[int],  # the ids that end a sequence: EOS and stop_token_ids
     remaining: int,  # tokens the sequence may still emit (max_tokens and context window)
+    min_left: int = 0,  # tokens still owed to min_tokens: a stop id among the first min_left does not stop
 ) -> Cut:
-    """Keep tokens up to and including the first EOS, and never more than `remaining`."""
+    """Keep tokens up to and including the first EOS or stop token, and never more than `remaining`."""
     for i, tok in enumerate(tokens):
         if i >= remaining:
             return Cut(keep=i, finish_reason="length")
-        if tok in eos_ids:
-            return Cut(keep=i + 1, finish_reason="stop")
+        if tok in eos_ids and i >= min_left:
+            return Cut(keep=i + 1, finish_reason="stop", stop_token=True)
     if len(tokens) >= remaining:
         return Cut(keep=len(tokens), finish_reason="length")
     return Cut(keep=len(tokens), finish_reason=None)

@@ -12,11 +12,11 @@ EOS = frozenset({1, 9})
 
 @pytest.mark.parametrize("tokens,remaining,cut", [
     ([5, 6, 7], 10, Cut(3, None)),  # nothing stops it
-    ([5, 1, 7], 10, Cut(2, "stop")),  # EOS kept, what follows it dropped
-    ([9, 1], 10, Cut(1, "stop")),  # the first of several EOS ids
+    ([5, 1, 7], 10, Cut(2, "stop", True)),  # EOS kept, what follows it dropped
+    ([9, 1], 10, Cut(1, "stop", True)),  # the first of several EOS ids
     ([5, 6, 7, 8], 2, Cut(2, "length")),  # max_tokens inside the chunk
     ([5, 6], 2, Cut(2, "length")),  # exactly the last allowed tokens
-    ([5, 1, 7], 2, Cut(2, "stop")),  # EOS as the last allowed token: a stop, not a length cut
+    ([5, 1, 7], 2, Cut(2, "stop", True)),  # EOS as the last allowed token: a stop, not a length cut
     ([5, 6, 1], 2, Cut(2, "length")),  # EOS beyond the limit is never reached
     ([5], 0, Cut(0, "length")),
     ([], 3, Cut(0, None)),
