@@ -69,6 +69,22 @@ class LogitsProcessor(Protocol):
 
 
 @dataclass(frozen=True)
+class BatchItem:
+    """One row's share of a batched processor call (`apply_batch`)."""
+
+    row: int  # the row of the [B, T, V] logits
+    width: int  # its real scored positions: 0 .. width-1
+    context: RowContext
+    processor: LogitsProcessor
+
+
+def apply_one(processor, logits: torch.Tensor, context: RowContext) -> torch.Tensor:  # [T, V] -> [T, V]
+    """`__call__` for a processor class that only writes `apply_batch`: the row as a batch of one."""
+    type(processor).apply_batch(logits[None], [BatchItem(0, logits.shape[0], context, processor)])
+    return logits
+
+
+@dataclass(frozen=True)
 class RowProcessing:
     """One row's logits processors and the committed tokens they read."""
 
@@ -86,21 +102,35 @@ def process_logits(
     drafts: Sequence[Sequence[int]],  # B rows: each row's speculative tokens after its committed ones
     first: Sequence[int] | None = None,  # B rows: position 0 scores the token after drafts[:first[b]]; None: 0s
 ) -> torch.Tensor:  # [B, T, V]: `logits` itself when no row has a processor, else a float32 copy
-    """Every row's processors over its real scored positions, len(drafts[b]) - first[b] + 1 of them (the target:
-    each draft's position and the bonus one; a draft step: its one position). Positions past those are left as they
-    are (padding rows of a batch with uneven K)."""
+    """Every row's processors, in its order, over its real scored positions, len(drafts[b]) - first[b] + 1 of them
+    (the target: each draft's position and the bonus one; a draft step: its one position). What a row's padding
+    positions (a batch with uneven K) hold afterwards is unspecified: nothing reads them.
+
+    Batched where cheap: the rows' i-th processors are applied together, one `apply_batch(logits, items)` call per
+    class that has one (the built-ins do: the rows' penalties are one gather and scatter), else one call per row.
+    Rows whose tuples line up (the built-ins come in one order, engine/builtin_processors.py) share every call.
+    """
     assert logits.dim() == 3 and logits.shape[0] == len(rows) == len(drafts), "logits must be [B, T, V], B rows"
     busy = [b for b, row in enumerate(rows) if row is not None and row.processors]
     if not busy:
         return logits
     out = logits.float().clone()
+    items: dict[int, tuple[int, RowContext]] = {}  # row -> (width, context)
     for b in busy:
         start = 0 if first is None else first[b]
         width = min(out.shape[1], len(drafts[b]) - start + 1)
         assert width >= 1, "a row scores at least one position"
-        context = rows[b].context(drafts[b], start)
-        row_logits = out[b, :width]
-        for processor in rows[b].processors:
-            row_logits = processor(row_logits, context)
-        out[b, :width] = row_logits
+        items[b] = (width, rows[b].context(drafts[b], start))
+    for stage in range(max(len(rows[b].processors) for b in busy)):
+        by_class: dict[type, list[BatchItem]] = {}
+        for b in busy:
+            if stage < len(rows[b].processors):
+                processor = rows[b].processors[stage]
+                by_class.setdefault(type(processor), []).append(BatchItem(b, *items[b], processor))
+        for kind, members in by_class.items():
+            if hasattr(kind, "apply_batch"):
+                kind.apply_batch(out, members)
+                continue
+            for item in members:
+                out[item.row, : item.width] = item.processor(out[item.row, : item.width], item.context)
     return out
