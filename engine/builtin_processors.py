@@ -30,6 +30,9 @@ from .logits_processing import BatchItem, LogitsProcessor, RowContext, apply_one
 from .sampling import SamplingParams
 
 
+LOGIT_LIMIT = 1e20  # what a penalty may make of a finite logit, at most
+
+
 def _ids(values: Sequence[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
@@ -147,7 +150,9 @@ class Penalties:
         seen = (count > 0) | torch.from_numpy(in_prompt).to(device)[:, None, :]
         repetition = setting[:, 0]
         new = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-        new = new.clamp(max=torch.finfo(new.dtype).max)  # a tiny repetition penalty must not make +inf
+        # an extreme repetition penalty (vLLM allows any > 0) must not make a finite logit infinite: +inf gives NaN
+        # probabilities, -inf everywhere leaves nothing to sample; |logit| <= 1e20 changes no real distribution
+        new = torch.where(sub.isinf(), sub, new.clamp(-LOGIT_LIMIT, LOGIT_LIMIT))
         new = new - setting[:, 1] * count.float() - setting[:, 2] * (count > 0).float()
         live = index[1] < torch.tensor([i.width for i in items], device=device)[:, None, None]
         logits[index] = torch.where(live, new, sub)

@@ -14,9 +14,15 @@ The seam, for whoever adds a processor (structured outputs' grammar mask, say):
   in place): row t of `logits` scores the token after `context.history(t)`. It is per sequence (it may hold
   state, e.g. a grammar matcher advanced over the committed tokens; the drafts are speculative: a processor must
   not commit them, it reads them to compute the later positions and forgets them);
+- a processor class may also have a static `apply_batch(logits [B, T, V], items: Sequence[BatchItem])` that
+  processes several rows in place at once (each item: the row, its real positions, its context, its processor);
+  `process_logits` then calls it once for the rows that have that class at the same place of their tuples, else
+  calls each row's processor (`apply_one` turns an `apply_batch` into a `__call__`);
 - a row's processors are a tuple in a `RowProcessing`, applied in order; `process_logits` applies every row's to a
   batch of logits: from `engine.accept.verify_rows` (the target, every scored position of the round) and
-  `engine.proposers.DraftModelProposer.propose` (each draft step), before argmax / `logits_to_probs`;
+  `engine.proposers.DraftModelProposer.propose` (each draft step), before argmax / `logits_to_probs`. Put the
+  built-ins first (SequenceState and the workers do) and new processors after them; a -inf mask commutes with
+  them anyway (-inf stays -inf under a bias or a penalty);
 - the built-in processors, vLLM's request parameters, are engine/builtin_processors.py; the in-process engine keeps
   a sequence's processors on its `SequenceState.processors`, a served worker in its per-sequence store
   (deployments/worker_base.KnownTokens), built once from the settings the router sends with the sequence's

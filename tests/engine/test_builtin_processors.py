@@ -82,10 +82,13 @@ def test_min_tokens_masks_eos_even_with_ignore_eos_and_the_settings_survive_the_
     assert LogitsSettings.from_wire(LogitsSettings.of(PARAMS, 4, EOS).wire()) == LogitsSettings.of(PARAMS, 4, EOS)
 
 
-def test_a_tiny_repetition_penalty_gives_no_nan():
-    params = SamplingParams(repetition_penalty=1e-30, temperature=1.0)
-    logits = torch.full((1, 1, VOCAB), 5.0)
-    probs = logits_to_probs(process_logits(logits, [_row(params)], [[]]), BatchSampling.from_params([params]))
+@pytest.mark.parametrize("penalty,logit", [(1e-30, 5.0), (1e38, -5.0)])
+def test_an_extreme_repetition_penalty_leaves_something_to_sample(penalty, logit):
+    params = SamplingParams(repetition_penalty=penalty, temperature=1.0)
+    logits = torch.full((1, 1, VOCAB), logit)
+    every_token = list(range(VOCAB))  # every token seen: all of them penalised
+    row = RowProcessing(LogitsSettings.of(params, VOCAB, ()).processors(), every_token, VOCAB)
+    probs = logits_to_probs(process_logits(logits, [row], [[]]), BatchSampling.from_params([params]))
     assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
 
 
