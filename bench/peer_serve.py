@@ -79,11 +79,14 @@ def default_num_prompts(concurrency: int) -> int:
     return max(12, 2 * concurrency)
 
 
+ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}  # the client's backends
+
+
 def client_argv(base_url: str, model_name: str, tokenizer_dir: str, dataset: Path, concurrency: int,
                 num_prompts: int, max_tokens: int, warmups: int, result_dir: Path, result_file: str,
-                seed: int) -> list[str]:
-    return [str(VLLM_PYTHON), str(VLLM_CLI), "bench", "serve", "--backend", "openai", "--base-url", base_url,
-            "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", tokenizer_dir,
+                seed: int, backend: str = "openai") -> list[str]:
+    return [str(VLLM_PYTHON), str(VLLM_CLI), "bench", "serve", "--backend", backend, "--base-url", base_url,
+            "--endpoint", ENDPOINTS[backend], "--model", model_name, "--tokenizer", tokenizer_dir,
             "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
             "--custom-output-len", str(max_tokens), "--num-prompts", str(num_prompts),
             "--max-concurrency", str(concurrency), "--request-rate", "inf", "--temperature", "0",
@@ -223,7 +226,7 @@ def _measure_one(server: ManagedServer, args, c: int, dataset: Path, tokenizer_d
     name = f"{server.name}_c{c}.json"
     stats0 = _ours_stats(server) if server.name.startswith("ours") else None
     argv = client_argv(server.base_url, server.model_name, tokenizer_dir, dataset, c, n, args.max_tokens,
-                       c if args.warmups is None else args.warmups, runs_dir, name, args.seed)
+                       c if args.warmups is None else args.warmups, runs_dir, name, args.seed, args.backend)
     print(f"== {server.name}: concurrency {c}, {n} prompts", flush=True)
     with open(runs_dir / f"{server.name}_c{c}.client.log", "w") as log:
         proc = subprocess.run(argv, cwd=ROOT, env=vllm_env(args.kv_cache_gib), stdout=log,
@@ -258,6 +261,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
     ap.add_argument("--num-prompts", type=int, default=None, help="per concurrency (default: max(12, 2 x C))")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--backend", choices=sorted(ENDPOINTS), default="openai",
+                    help="the client's backend: openai (/v1/completions, prompts rendered by the chat template "
+                         "here) or openai-chat (/v1/chat/completions: each prompt's messages' text joined into one "
+                         "user message, which the client sends as a list of text parts; the server applies the "
+                         "template)")
     ap.add_argument("--warmups", type=int, default=None, help="client warm-up requests (default: C)")
     ap.add_argument("--prompts", default="bench/prompts.jsonl")
     ap.add_argument("--ours-config", default="serve_config.yaml")
@@ -303,8 +311,11 @@ def main(argv: list[str] | None = None) -> None:
     runs_dir.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(model_dir)
     dataset = Path(tempfile.mkstemp(suffix=".jsonl", prefix="peer_serve_")[1])
-    write_dataset(load_prompts(str(ROOT / args.prompts)), lambda m: tok.apply_chat_template(
-        m, tokenize=False, add_generation_prompt=True), dataset)
+    if args.backend == "openai":
+        render = lambda m: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)  # noqa: E731
+    else:
+        render = lambda m: "\n\n".join(message["content"] for message in m)  # noqa: E731
+    write_dataset(load_prompts(str(ROOT / args.prompts)), render, dataset)
 
     base_url = f"http://127.0.0.1:{args.port}"
     runs: dict[str, dict[int, dict]] = {}
@@ -364,8 +375,9 @@ def main(argv: list[str] | None = None) -> None:
                    "ours_config": args.ours_config, "ours_overrides": common, "seed": args.seed,
                    "vllm_cpu_kvcache_space_gib": vllm_env(args.kv_cache_gib)["VLLM_CPU_KVCACHE_SPACE"],
                    "vllm_version": vllm_version(), "client": "vllm bench serve (vllm.benchmarks.serve), "
-                   "backend openai, /v1/completions, dataset custom, chat template applied by us, "
-                   "--skip-chat-template"})
+                   f"backend {args.backend}, {ENDPOINTS[args.backend]}, dataset custom, "
+                   + ("chat template applied by us, " if args.backend == "openai" else
+                      "messages joined into one user message, ") + "--skip-chat-template"})
     result = {"params": params, **report, "runs": {s: {str(c): r for c, r in by_c.items()}
                                                    for s, by_c in runs.items()}, "targets": targets}
     out.write_text(json.dumps(result, indent=2))

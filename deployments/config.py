@@ -103,6 +103,7 @@ class LimitsSection(StrictModel):
     max_tokens: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
     max_prompt_tokens: int = Field(2000, ge=1)
     max_stop_strings: int = Field(8, ge=0)
+    max_choices: int = Field(16, ge=1, description="most choices one request may ask for (its prompts times n)")
     max_body_bytes: int = Field(1_000_000, ge=1024)
     max_live_sequences_per_router: int = Field(64, ge=1, description="admission limit; beyond it 503")
     max_queue_wait_s: float = Field(

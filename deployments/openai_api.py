@@ -1,13 +1,18 @@
-"""The OpenAI-compatible HTTP API: request models, error JSON, and the FastAPI app over a `Router`.
+"""The OpenAI-compatible HTTP API: request models and the FastAPI app over a `Router`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events ending in
-`data: [DONE]`), GET /v1/models, GET /health (200 once completions can run, 503 before). Extension fields:
-`speculative: {"k": int, "enabled": bool, "adaptive": bool, "overlap": bool}`, `top_k`, `ignore_eos`;
-`usage.speculative` reports the request's rounds, drafted and accepted tokens.
+`data: [DONE]`), GET /v1/models, POST /tokenize and /detokenize (vLLM's shapes), GET /health (200 once completions
+can run, 503 before), GET /stats. Extension fields: `speculative: {"k": int, "enabled": bool, "adaptive": bool,
+"overlap": bool}`, `top_k`, `ignore_eos`; `usage.speculative` reports the request's rounds, drafted and accepted
+tokens.
+
+The request models declare what the server implements; any other field a client sends is refused with a 400
+naming it unless it carries its unused value (deployments/api_params.py). Response shapes: api_responses.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -15,21 +20,17 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.sampling import MAX_LOGPROBS
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
+from .api_errors import APIError
+from .api_params import refuse_unsupported
+from .api_responses import CompletionLogprobs, TokenPieces, chat_logprobs, interleave, merged_usage
 
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "create_app"]
 
 
 class SpeculativeOptions(BaseModel):
@@ -43,17 +44,19 @@ class SpeculativeOptions(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # undeclared fields are kept and checked by api_params.refuse_unsupported: implemented, neutral, or a 400
+    model_config = ConfigDict(extra="allow")
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
-    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    n: int = Field(1, ge=1, description="choices to generate (each an independent sample of the prompt)")
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -81,30 +84,82 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] = Field(..., description="text, or token ids")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        ..., description="text, token ids, or a list of either (one set of choices per prompt)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="each token's log-probability and the top n alternatives")
+    echo: bool = Field(False, description="the prompt's text before the completion's")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: a string or token list is one; a list of strings or token lists is many."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt) if prompt else [prompt]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # other part types carry other fields: refused by their type
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # tool-call fields: api_params.MESSAGE_NEUTRAL
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def template_dict(self, index: int) -> dict:
+        """The message as the chat template reads it: text parts joined by newlines (vLLM's joining)."""
+        where = f"messages[{index}].content"
+        if self.content is None:
+            raise APIError(400, f"{where} is missing (a message without tool calls needs content)", param=where)
+        if isinstance(self.content, str):
+            text = self.content
+        else:
+            for j, part in enumerate(self.content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"{where}[{j}]: content parts of type {part.type!r} are not supported "
+                                        "(this server serves a text model: only 'text' parts)",
+                                   param=f"{where}[{j}].type", code="unsupported_content")
+            text = "\n".join(part.text for part in self.content)
+        message = {"role": self.role, "content": text}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, description="each output token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="and the n most likely alternatives")
+
+    def logprobs_n(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int, stats) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "speculative": stats.as_dict() if stats is not None else None,
-    }
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
 
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/stats")
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/stats", "/tokenize", "/detokenize")
 
 
 def _route_label(path: str) -> str:
@@ -119,6 +174,7 @@ def _sse(obj: dict | str) -> bytes:
 def create_app(router) -> FastAPI:
     """The FastAPI app serving `router` (a deployments.router.Router)."""
     app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding server")
+    pieces = TokenPieces(router.tokenizer)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -179,67 +235,111 @@ def create_app(router) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": router.model_name, "object": "model", "created": 0,
-                                            "owned_by": "specserve"}]}
+                                            "owned_by": "specserve", "root": router.model_name, "parent": None,
+                                            "max_model_len": router.config.model.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ids = router.tokenize(body)
+        return {"count": len(ids), "max_model_len": router.config.model.max_model_len, "tokens": ids,
+                "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return {"prompt": router.detokenize(body)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        refuse_unsupported(body)
         return await _serve(body, router.prepare_completion(body), chat=False, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        refuse_unsupported(body)
         return await _serve(body, router.prepare_chat(body), chat=True, request=request)
 
-    async def _serve(body, prepared, chat: bool, request: Request):
+    async def _serve(body, prepared: list, chat: bool, request: Request):
+        """Every choice of the request (n per prompt), merged into one response or one event stream."""
         created = int(time.time())
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
-        outputs = router.run(prepared, rid, getattr(request.state, "admission_slot", None))
-        if not body.stream:
-            text, last = "", None
-            async for out in outputs:
-                text += out.new_text
-                last = out
-            choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-            return {"id": rid, "object": obj, "created": created, "model": router.model_name, "choices": [choice],
-                    "usage": usage_json(last.num_prompt_tokens, last.num_output_tokens, last.stats)}
+        choices = router.choices(prepared, body.n)
+        slots = router.more_slots(getattr(request.state, "admission_slot", None), len(choices))
+        streams = [router.run(p, f"{rid}-{i}" if len(choices) > 1 else rid, slot)
+                   for i, (p, slot) in enumerate(zip(choices, slots))]
+        echo = [router.tokenizer.decode(p.prompt_ids) if getattr(body, "echo", False) else "" for p in choices]
+        texts = list(echo)
+        completion_lps = [CompletionLogprobs(offset=len(e)) for e in echo]
+        chat_lps: list[list[dict]] = [[] for _ in choices]
+        finals: list = [None] * len(choices)
 
-        first = await _first(outputs)  # admission errors become HTTP errors, before the stream starts
+        def add_logprobs(i: int, out) -> dict | None:
+            """The choice's logprobs for `out`'s tokens (kept for the whole response too), or None: not asked."""
+            if out.logprobs is None:
+                return None
+            if chat:
+                entries = chat_logprobs(pieces, out.new_token_ids, out.logprobs)
+                chat_lps[i].extend(entries)
+                return {"content": entries, "refusal": None}
+            return completion_lps[i].add(pieces, out.new_token_ids, out.logprobs).json()
+
+        try:
+            firsts = await asyncio.gather(*(_first(s) for s in streams))  # admission errors: HTTP errors
+        except BaseException:
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            raise
+
+        if not body.stream:
+            async for i, out in interleave([_prefixed(f, s) for f, s in zip(firsts, streams)]):
+                texts[i] += out.new_text
+                add_logprobs(i, out)
+                finals[i] = out
+            result = []
+            for i, last in enumerate(finals):
+                asked = last.logprobs is not None
+                choice = {"index": i, "finish_reason": last.finish_reason,
+                          "logprobs": (({"content": chat_lps[i], "refusal": None} if chat
+                                        else completion_lps[i].json()) if asked else None)}
+                choice.update({"message": {"role": "assistant", "content": texts[i]}} if chat else {"text": texts[i]})
+                result.append(choice)
+            return {"id": rid, "object": obj, "created": created, "model": router.model_name, "choices": result,
+                    "usage": merged_usage(finals, len(prepared))}
+
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+        def chunk(i: int, text: str | None, finish: str | None, logprobs: dict | None = None,
+                  role: bool = False) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": text or ""} if role else (
                     {"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
             return {"id": rid, "object": chunk_obj, "created": created, "model": router.model_name,
                     "choices": [choice]}
 
         async def events():
-            last = first
+            merged = interleave([_prefixed(f, s) for f, s in zip(firsts, streams)])
             try:
-                if chat:
-                    yield _sse(chunk("", None, role=True))
-                out = first
-                while True:
-                    if out.new_text or out.finished:
-                        yield _sse(chunk(out.new_text, out.finish_reason))
-                    last = out
-                    if out.finished:
-                        break
-                    out = await outputs.__anext__()
+                for i in range(len(choices)):
+                    if chat:
+                        yield _sse(chunk(i, "", None, role=True))
+                    elif echo[i]:
+                        yield _sse(chunk(i, echo[i], None))
+                async for i, out in merged:
+                    logprobs = add_logprobs(i, out)
+                    if out.new_text or out.finished or logprobs:
+                        yield _sse(chunk(i, out.new_text, out.finish_reason, logprobs))
+                    finals[i] = out
                 if include_usage:
                     yield _sse({"id": rid, "object": chunk_obj, "created": created, "model": router.model_name,
-                                "choices": [], "usage": usage_json(last.num_prompt_tokens, last.num_output_tokens,
-                                                                   last.stats)})
+                                "choices": [], "usage": merged_usage(finals, len(prepared))})
                 yield _sse("[DONE]")
             except Exception as exc:  # after the 200 header an error can only travel in the stream
                 yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
             finally:
-                await outputs.aclose()  # client gone or done: abort the request, free its caches
+                await merged.aclose()  # client gone or done: abort the requests, free their caches
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -252,3 +352,15 @@ async def _first(outputs):
         return await outputs.__anext__()
     except StopAsyncIteration:  # pragma: no cover - a request always yields at least its final output
         raise APIError(500, "the request produced no output", type_="server_error")
+
+
+async def _prefixed(first, rest):
+    """`first`, then what `rest` yields (a stream whose first output was awaited already); closing it closes
+    `rest` (which aborts its request)."""
+    try:
+        yield first
+        if not first.finished:
+            async for out in rest:
+                yield out
+    finally:
+        await rest.aclose()

@@ -10,7 +10,7 @@ import hmac
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.factory import DraftMethod
 from engine.loading import eos_token_ids, load_tokenizer, resolve
@@ -130,36 +130,91 @@ class Router:
         return {"status": "ok", "live_sequences": self.scheduler.num_live}
 
     # ---- request preparation --------------------------------------------------------------------------------
-    def prepare_completion(self, body: CompletionRequest) -> Prepared:
+    def prepare_completion(self, body: CompletionRequest) -> list[Prepared]:
+        """One Prepared per prompt of the request (a list of prompts gives several)."""
         arrival = time.perf_counter()
-        if isinstance(body.prompt, str):
-            if not body.prompt:
-                raise APIError(400, "prompt is empty", param="prompt", code="empty_prompt")
-            ids = self.tokenizer(body.prompt)["input_ids"]
-        else:
-            ids = list(body.prompt)
-            vocab = len(self.tokenizer)
-            if any(t < 0 or t >= vocab for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return self._prepare(body, ids, body.max_tokens, arrival)
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server does not "
+                                "compute; ask for one of them", param="echo", code="unsupported_parameter")
+        prompts = body.prompts()
+        if len(prompts) * body.n > self.config.limits.max_choices:
+            raise APIError(400, f"{len(prompts)} prompts x n={body.n} choices is over the limit of "
+                                f"{self.config.limits.max_choices} per request", param="n")
+        return [self._prepare(body, self._prompt_ids(prompt), body.max_tokens, arrival, body.logprobs)
+                for prompt in prompts]
 
-    def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "prompt is empty", param="prompt", code="empty_prompt")
+            return self.tokenizer(prompt)["input_ids"]
+        vocab = len(self.tokenizer)
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> list[Prepared]:
         arrival = time.perf_counter()
-        if not body.messages:
+        if body.n > self.config.limits.max_choices:
+            raise APIError(400, f"n={body.n} is over the limit of {self.config.limits.max_choices} per request",
+                           param="n")
+        ids = self._chat_ids(body.messages, add_generation_prompt=True)
+        return [self._prepare(body, ids, body.max_completion_tokens or body.max_tokens, arrival, body.logprobs_n())]
+
+    def _chat_ids(self, messages, add_generation_prompt: bool) -> list[int]:
+        if not messages:
             raise APIError(400, "messages is empty", param="messages", code="empty_prompt")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions",
                            param="messages", code="no_chat_template")
-        messages = [m.model_dump() for m in body.messages]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True)["input_ids"]
-        return self._prepare(body, list(ids), body.max_completion_tokens or body.max_tokens, arrival)
+        dicts = [m.template_dict(i) for i, m in enumerate(messages)]
+        return list(self.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+                                                       tokenize=True, return_dict=True)["input_ids"])
 
-    def _prepare(self, body, prompt_ids: list[int], max_tokens: int | None, arrival: float) -> Prepared:
-        cfg, limits = self.config, self.config.limits
-        if body.model != self.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
+    def choices(self, prepared: list[Prepared], n: int) -> list[Prepared]:
+        """n choices per prompt, in OpenAI's order (prompt by prompt). Seeded requests give choice j the seed
+        `seed + j` (vLLM's rule), so the choices differ and each repeats."""
+        return [p if j == 0 or p.params.seed is None else replace(p, params=replace(p.params, seed=p.params.seed + j))
+                for p in prepared for j in range(n)]
+
+    def more_slots(self, slot: AdmissionSlot | None, count: int) -> list[AdmissionSlot | None]:
+        """Admission places for `count` choices: the request's own (taken at the door) and one more per extra
+        choice, each under the admission limit (503 when there is none; the places taken are given back)."""
+        slots = [slot]
+        try:
+            for _ in range(count - 1):
+                slots.append(self.scheduler.admit())
+        except Overloaded as exc:
+            for taken in slots[1:]:
+                taken.release()
+            raise overloaded_error(exc) from exc
+        return slots
+
+    # ---- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------------------------
+    def tokenize(self, body) -> list[int]:
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if body.messages is not None:
+            return self._chat_ids(body.messages, body.add_generation_prompt)
+        return list(self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+
+    def detokenize(self, body) -> str:
+        self._check_model(body.model)
+        vocab = len(self.tokenizer)
+        if any(t < 0 or t >= vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return self.tokenizer.decode(body.tokens)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
+
+    def _prepare(self, body, prompt_ids: list[int], max_tokens: int | None, arrival: float,
+                 logprobs: int | None = None) -> Prepared:
+        cfg, limits = self.config, self.config.limits
+        self._check_model(body.model)
         if not prompt_ids:
             raise APIError(400, "prompt is empty", param="prompt", code="empty_prompt")
         if len(prompt_ids) > limits.max_prompt_tokens or len(prompt_ids) >= cfg.model.max_model_len:
@@ -181,7 +236,7 @@ class Router:
                 top_p=cfg.sampling.top_p if body.top_p is None else body.top_p,
                 top_k=cfg.sampling.top_k if body.top_k is None else body.top_k,
                 max_tokens=max_tokens, stop=tuple(stop), seed=body.seed, ignore_eos=body.ignore_eos,
-                **self._vllm_sampling(body),
+                logprobs=logprobs, **self._vllm_sampling(body),
             )
         except ValueError as exc:  # SamplingParams' messages begin with the parameter's name
             name = str(exc).split(" ", 1)[0]

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenizers.decoders import DecodeStream
+
 
 @dataclass(frozen=True)
 class Cut:
@@ -19,6 +21,14 @@ class Cut:
 
 class OutputText:
     """The decoded output of one sequence, the stop-string search, and what may be streamed yet.
+
+    Decoding is incremental: each token's text comes from the tokenizer's own streaming decoder
+    (`tokenizers.decoders.DecodeStream`, what vLLM's fast detokenizer uses), a few microseconds per token, where
+    decoding the whole output every round cost O(length) per round (bench/RESULTS.md, issue 18: 16-22 ms per round
+    for 32 rows at 1,000 tokens). Text ending inside a multi-byte character waits for the token that completes it;
+    a finished sequence's text is decoded whole once (a sequence that ends inside a character ends with the
+    replacement character, as the full decoding does). Tokenizers without a Rust backend decode the whole output
+    each round, as before.
 
     vLLM's meanings (its v1 detokenizer): `skip_special_tokens` leaves special tokens out of the text; a sequence
     ended by a stop token (EOS or a stop_token_id) keeps the token's id but not its text, and a stop string is cut
@@ -37,34 +47,52 @@ class OutputText:
         self.token_ids: list[int] = []
         self.text = ""
         self.streamed = 0  # characters of `text` already handed out
+        self._stopped = False  # cut at a stop string: the text ends before it
+        self._untexted = 0  # trailing token ids without text (a stop token's, left out)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if backend is not None else None
+        self._backend = backend
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
 
-    def extend(self, new_ids: Sequence[int], ends_with_stop_token: bool = False) -> int | None:
-        """Append tokens; if a stop string appears, keep only the tokens up to it and return how many were kept.
-        `ends_with_stop_token`: the last one ended the sequence (EOS, a stop_token_id): its text is left out
-        unless include_stop_str."""
+    def _pieces(self, new_ids: list[int]) -> str:
+        """The text `new_ids` complete after self.token_ids (held back while a character is incomplete)."""
         if not new_ids:
-            return None
-        textual = list(new_ids[:-1] if ends_with_stop_token and not self.include_stop_str else new_ids)
-        ids = self.token_ids + textual
-        if self._min_text is None and len(ids) >= self.min_tokens:
-            self._min_text = len(self._decode(ids[: self.min_tokens]))
-        candidate = self._decode(ids)
-        hit = self._find_stop(candidate, len(self.text))
+            return ""
+        if self._stream is not None:
+            return self._stream.step(self._backend, new_ids) or ""
+        return self._decode(self.token_ids + new_ids).rstrip("\ufffd")[len(self.text):]
+
+    def extend(self, new_ids: Sequence[int], ends_with_stop_token: bool = False) -> int | None:
+        """Append tokens; if a stop string appears, keep only the tokens up to it and return how many were kept
+        (the fewest whose text contains it). `ends_with_stop_token`: the last one ended the sequence (EOS, a
+        stop_token_id): its text is left out unless include_stop_str."""
+        new = [int(t) for t in new_ids]
+        textual = new[:-1] if ends_with_stop_token and not self.include_stop_str else new
+        old_len = len(self.text)
+        self.text += self._pieces(textual)
+        if self._min_text is None and len(self.token_ids) + len(textual) >= self.min_tokens:
+            self._min_text = len(self._decode((self.token_ids + textual)[: self.min_tokens]))
+        hit = self._find_stop(self.text, old_len)
         if hit is None:
-            self.token_ids.extend(new_ids)
-            self.text = candidate
+            self.token_ids.extend(new)
+            self._untexted = len(new) - len(textual)
             return None
-        # the fewest tokens whose text already contains the stop string
+        # the round's tokens hold a stop string (once per sequence): the fewest of them whose text contains it
         for keep in range(1, len(textual) + 1):
-            partial = self._decode(self.token_ids + textual[:keep])
-            if self._find_stop(partial, len(self.text)) is not None:
+            if self._find_stop(self._decode(self.token_ids + textual[:keep]), old_len) is not None:
                 break
         self.token_ids.extend(textual[:keep])
-        self.text = candidate[: hit[0] + (hit[1] if self.include_stop_str else 0)]
+        self.text = self.text[: hit[0] + (hit[1] if self.include_stop_str else 0)]
+        self._stopped = True
         return keep
+
+    def finish(self) -> None:
+        """The sequence has ended: its text is the full decoding of its tokens (which differs from the streamed
+        pieces only when it ended inside a character), or the text before the stop string that ended it."""
+        if not self._stopped:
+            self.text = self._decode(self.token_ids[: len(self.token_ids) - self._untexted])
 
     def _find_stop(self, text: str, old_len: int) -> tuple[int, int] | None:
         """The earliest stop string ending past `old_len` and past the first min_tokens tokens' text: (index,
@@ -77,6 +105,8 @@ class OutputText:
 
     def take_delta(self, final: bool) -> str:
         """Text not yet streamed. Holds back an incomplete UTF-8 character and a possible stop-string prefix."""
+        if final:
+            self.finish()
         safe = len(self.text)
         if not final:
             while safe > self.streamed and self.text[safe - 1] == "\ufffd":

@@ -41,6 +41,10 @@ def test_client_argv_asks_for_the_issue_setup(tmp_path):
     assert {"--ignore-eos", "--save-result", "--skip-chat-template"} <= set(argv)
     assert "50" in pairs["--metric-percentiles"].split(",")
     assert [peer_serve.default_num_prompts(c) for c in (1, 8, 16)] == [12, 16, 32]
+    chat = peer_serve.client_argv("http://h", "m", "/dir", tmp_path / "d.jsonl", 1, 2, 8, 1, tmp_path, "y.json", 0,
+                                  backend="openai-chat")
+    chat_pairs = dict(zip(chat, chat[1:]))
+    assert chat_pairs["--backend"] == "openai-chat" and chat_pairs["--endpoint"] == "/v1/chat/completions"
 
 
 def test_summarize_reads_p50s_and_falls_back_to_medians():

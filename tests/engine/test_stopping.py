@@ -77,11 +77,50 @@ def test_streaming_holds_back_an_incomplete_utf8_character():
     out = OutputText(ByteTokenizer(), stop=[])
     e_acute = "é".encode()
     out.extend([ord("a"), e_acute[0]])
-    assert out.text == "a\ufffd"
     assert out.take_delta(final=False) == "a"
     out.extend([e_acute[1]])
     assert out.take_delta(final=False) == "é"
     assert out.text == "aé"
+    out.extend([e_acute[0]])  # the sequence ends inside a character: as the full decoding ends
+    assert out.take_delta(final=True) == "\ufffd" and out.text == "aé\ufffd"
+
+
+def byte_level_tokenizer():
+    """A fast (Rust-backed) byte-level BPE tokenizer: token id = one byte, as GPT-2-style vocabularies split text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # GPT-2's byte -> character table: printable bytes stand for themselves, the others map past 255
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in chars.items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_incremental_decoding_equals_decoding_the_whole_output():
+    """The streaming decoder (a fast tokenizer's) against a full decode after every round, stop strings included."""
+    import random
+
+    tokenizer = byte_level_tokenizer()
+    assert tokenizer.backend_tokenizer is not None and tokenizer.decode(ids("héllo ✓")) == "héllo ✓"
+    text = "plain words, é accents, ✓ marks and 🙂 faces; then STOP and what follows"
+    rng = random.Random(0)
+    for trial in range(20):
+        out, tokens, streamed = OutputText(tokenizer, stop=["STOP"]), ids(text), ""
+        kept = None
+        while tokens and kept is None:
+            n = rng.randint(1, 5)
+            chunk, tokens = tokens[:n], tokens[n:]
+            kept = out.extend(chunk)
+            streamed += out.take_delta(final=kept is not None)
+            if kept is None:  # the text so far: all of it unless the round ended inside a character
+                full = tokenizer.decode(out.token_ids)
+                assert full.startswith(out.text) and (out.text == full or full.endswith("\ufffd"))
+        assert streamed == out.text == text[: text.index("STOP")]
+        assert out.token_ids == ids(text[: text.index("STOP") + 4])
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string_and_cuts_after_it():

@@ -1,0 +1,119 @@
+"""The HTTP API's response bodies: choices, usage and logprobs in OpenAI's shapes, and the merge of a request's
+choices (n > 1, or several prompts) into one response or one event stream.
+
+Logprobs come from the target's processed distribution, computed where it samples (engine/accept.py: each emitted
+token's log-probability and the top n); here they only get their JSON shape. A token's text is its own decoding,
+as vLLM reports it (a token that is part of a multi-byte character decodes to U+FFFD; `bytes` are that text's
+UTF-8 bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from engine.accept import TokenLogprob
+from engine.sequence import RequestOutput
+from engine.stats import SpecStats
+
+
+class TokenPieces:
+    """Each token's own text (cached: the vocabulary is fixed)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._piece = lru_cache(maxsize=65536)(lambda token_id: tokenizer.decode([token_id]))
+
+    def __call__(self, token_id: int) -> str:
+        return self._piece(int(token_id))
+
+
+def _entry(piece: str, logprob: float) -> dict:
+    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+
+
+def chat_logprobs(pieces: TokenPieces, token_ids: Sequence[int],
+                  logprobs: Sequence[TokenLogprob]) -> list[dict]:
+    """Chat's `logprobs.content` entries: per token its text, log-probability, bytes and `top_logprobs`."""
+    return [dict(_entry(pieces(t), lp.logprob), top_logprobs=[_entry(pieces(i), v) for i, v in lp.top])
+            for t, lp in zip(token_ids, logprobs)]
+
+
+@dataclass
+class CompletionLogprobs:
+    """Completions' `logprobs` object (the legacy shape), grown token by token."""
+
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+    offset: int = 0  # the characters before the next token (the echoed prompt's, then the tokens')
+
+    def add(self, pieces: TokenPieces, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> "CompletionLogprobs":
+        """Append tokens; returns just those tokens' object (a stream chunk's)."""
+        new = CompletionLogprobs(offset=self.offset)
+        for t, lp in zip(token_ids, logprobs):
+            piece = pieces(t)
+            top = {pieces(i): v for i, v in lp.top}
+            top.setdefault(piece, lp.logprob)  # vLLM's shape: the sampled token is always among them
+            for target in (self, new):
+                target.tokens.append(piece)
+                target.token_logprobs.append(lp.logprob)
+                target.top_logprobs.append(top)
+                target.text_offset.append(target.offset)
+                target.offset += len(piece)
+        return new
+
+    def json(self) -> dict:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+                "text_offset": self.text_offset}
+
+
+def usage_json(prompt_tokens: int, completion_tokens: int, stats: SpecStats | None) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "speculative": stats.as_dict() if stats is not None else None,
+    }
+
+
+def merged_usage(finals: Sequence[RequestOutput], prompts: int) -> dict:
+    """One response's usage over its choices: each prompt counted once (its `n` choices share it), every choice's
+    completion tokens, and the speculation statistics summed."""
+    stats = SpecStats()
+    for out in finals:
+        stats.merge(out.stats)
+    per_prompt = len(finals) // prompts
+    prompt_tokens = sum(out.num_prompt_tokens for out in finals[::per_prompt])
+    return usage_json(prompt_tokens, sum(out.num_output_tokens for out in finals), stats)
+
+
+async def interleave(streams: Sequence[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from every stream as each arrives, until all have finished. Closing it closes every
+    stream (which aborts their requests)."""
+    pending: dict[asyncio.Task, int] = {}
+
+    def next_of(index: int) -> None:
+        pending[asyncio.ensure_future(streams[index].__anext__())] = index
+
+    try:
+        for index in range(len(streams)):
+            next_of(index)
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                index = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield index, out
+                if not out.finished:
+                    next_of(index)
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
