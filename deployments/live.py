@@ -75,9 +75,11 @@ class LiveRequest:
         return self._delta(sent, self.seq.tokens[sent:end])
 
     def _delta(self, start: int, tokens: list[int]) -> SeqDelta:
-        p = self.seq.params
+        p, settings = self.seq.params, self.seq.logits_settings
+        # the logits settings go with a sequence's first call to a worker only (it keeps them: worker_base.py)
         return SeqDelta(self.seq.request_id, start, tokens, p.temperature, p.top_k, p.top_p, self.seq.seed,
-                        self.seq.coupled, p.logprobs)
+                        self.seq.coupled, p.logprobs, p.min_p,
+                        settings.wire() if start == 0 and settings is not None else None)
 
     def draft_delta(self, extra: list[int], end: int | None = None) -> SeqDelta:
         """The call that leaves the draft worker holding the committed tokens plus `extra`, re-sending as little as

@@ -56,14 +56,20 @@ class SeqDelta:
     seed: int  # the request's own seed or the one drawn for it at admission (engine/randomness.py)
     coupled: bool = False  # the request brought its seed: Gumbel-coupled sampling (engine/accept.py)
     logprobs: int | None = None  # SamplingParams.logprobs
+    min_p: float = 0.0  # SamplingParams.min_p
+    # the sequence's logits processing (engine/builtin_processors.LogitsSettings.wire(): its prompt length,
+    # penalties, logit_bias, min_tokens), sent with a sequence's first call only (start == 0): the worker keeps it
+    # with the sequence's tokens (worker_base.KnownTokens) and counts the penalties from the tokens it holds
+    logits: tuple | None = None
 
     def sampling(self) -> SamplingParams:
+        """The settings the sampler needs each round (the logits processors come from `logits`, kept)."""
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              seed=self.seed if self.coupled else None, logprobs=self.logprobs)
+                              seed=self.seed if self.coupled else None, logprobs=self.logprobs, min_p=self.min_p)
 
     def wire(self) -> tuple:
         return (self.seq_id, self.start, self.tokens, self.temperature, self.top_k, self.top_p, self.seed,
-                self.coupled, self.logprobs)
+                self.coupled, self.logprobs, self.min_p, self.logits)
 
 
 @dataclass(frozen=True)

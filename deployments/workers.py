@@ -97,7 +97,7 @@ class DraftWorkerCore(ModelWorker):
         for call in calls:
             tokens = self._known.apply(call.seq)  # the first draft's absolute position is len(tokens)
             requests.append(DraftRequest(call.seq.seq_id, tokens, call.k, call.seq.sampling(), call.seq.seed,
-                                         call.seq.coupled))
+                                         call.seq.coupled, self._known.processing(call.seq.seq_id)))
         if all(call.k == 0 for call in calls):  # a prompt chunk, read only (scheduler._draft_reads_chunk)
             self.proposer.read(requests)
             self._counted(len(calls))
@@ -277,7 +277,7 @@ class TargetWorkerCore(ModelWorker):
         for call, position in zip(calls, positions):
             params = call.seq.sampling()
             rows.append(RowVerify(params, row_scheme(params, call.seq.seed, call.seq.coupled, position), call.draft,
-                                  proposal_from_wire(call.proposal)))
+                                  proposal_from_wire(call.proposal), self._known.processing(call.seq.seq_id)))
         # the accept step on the target's device (engine/accept.py, the in-process engine's too): tokens come back
         return VerifyResult(verify_rows(logits, rows), time.perf_counter() - start)
 

@@ -109,7 +109,8 @@ class SpeculativeEngine:
         widths = [len(d) + 1 for d in drafts]
         logits = self.target.forward([s.request_id for s in seqs], feeds, widths)  # [B, K+1, V]
         verdicts = verify_rows(logits, [RowVerify(s.params, row_scheme(s.params, s.seed, s.coupled, s.num_tokens),
-                                                  drafts[b], proposals[b]) for b, s in enumerate(seqs)])
+                                                  drafts[b], proposals[b], s.processing())
+                                        for b, s in enumerate(seqs)])
         t2 = time.perf_counter()
         outputs = [self._commit(s, len(drafts[b]), verdicts[b]) for b, s in enumerate(seqs)]
         t3 = time.perf_counter()
@@ -140,7 +141,8 @@ class SpeculativeEngine:
         if not rows or self.proposer is None:
             return drafts, proposals
         proposal = self.proposer.propose([
-            DraftRequest(seqs[b].request_id, seqs[b].tokens, ks[b], seqs[b].params, seqs[b].seed, seqs[b].coupled)
+            DraftRequest(seqs[b].request_id, seqs[b].tokens, ks[b], seqs[b].params, seqs[b].seed, seqs[b].coupled,
+                         seqs[b].processing())
             for b in rows
         ])
         for i, b in enumerate(rows):
