@@ -2,8 +2,8 @@
 
 The request models (deployments/openai_api.py) declare what the server implements and keep every other field a
 client sent (pydantic's `extra="allow"`). `refuse_unsupported` then accepts an undeclared field only where it is
-listed here with the value that means "not used" (clients often send defaults: `presence_penalty: 0`,
-`tools: []`, `logprobs: false`), or where it cannot change the output (`user`, a cache-routing hint). Any other
+listed here with the value that means "not used" (clients often send defaults: `tools: []`,
+`logprobs: false`), or where it cannot change the output (`user`, a cache-routing hint). Any other
 undeclared field, or a listed one with another value, is answered 400 with `param` set to it, as OpenAI answers an
 unrecognized argument. So a user who sets a parameter gets either its effect or an error, never a quiet default.
 """
@@ -30,9 +30,6 @@ NO_EFFECT = frozenset({
 # field -> the values that mean "not used": OpenAI's parameters, then vLLM's extensions (its defaults)
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     # OpenAI chat and completions
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "logit_bias": _EMPTY,
     "tools": _EMPTY,
     "tool_choice": (None, "none", "auto"),  # with no tools: nothing to call
     "functions": _EMPTY,
@@ -47,15 +44,9 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
     # vLLM's extensions
-    "repetition_penalty": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0),
-    "min_tokens": (None, 0),
-    "stop_token_ids": _EMPTY,
     "bad_words": _EMPTY,
     "allowed_token_ids": _NULL,
-    "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
-    "include_stop_str_in_output": (None, False),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "truncate_prompt_tokens": _NULL,

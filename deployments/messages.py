@@ -58,21 +58,27 @@ class SeqDelta:
     seed: int  # the request's own seed or the one drawn for it at admission (engine/randomness.py)
     coupled: bool = False  # the request brought its seed: Gumbel-coupled sampling (engine/accept.py)
     logprobs: int | None = None  # SamplingParams.logprobs
+    min_p: float = 0.0  # SamplingParams.min_p
+    # the sequence's logits processing (engine/builtin_processors.LogitsSettings.wire(): its prompt length,
+    # penalties, logit_bias, min_tokens), sent with a sequence's first call only (start == 0): the worker keeps it
+    # with the sequence's tokens (worker_base.KnownTokens) and counts the penalties from the tokens it holds
+    logits: tuple | None = None
     # structured outputs: the request's GrammarSpec.wire(), on a sequence's first delta to a worker only (start 0:
     # the worker keeps a matcher from then on, engine/grammar.py), and where its output begins (the prompt's length)
     grammar: tuple | None = None
     output_start: int = 0
 
     def sampling(self) -> SamplingParams:
+        """The settings the sampler needs each round (the logits processors come from `logits`, kept)."""
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              seed=self.seed if self.coupled else None, logprobs=self.logprobs)
+                              seed=self.seed if self.coupled else None, logprobs=self.logprobs, min_p=self.min_p)
 
     def grammar_spec(self) -> GrammarSpec | None:
         return GrammarSpec.from_wire(self.grammar)
 
     def wire(self) -> tuple:
         return (self.seq_id, self.start, self.tokens, self.temperature, self.top_k, self.top_p, self.seed,
-                self.coupled, self.logprobs, self.grammar, self.output_start)
+                self.coupled, self.logprobs, self.min_p, self.logits, self.grammar, self.output_start)
 
 
 @dataclass(frozen=True)

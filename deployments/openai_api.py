@@ -65,6 +65,18 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     speculative: SpeculativeOptions | None = None
     user: str | None = None
+    # vLLM's sampling parameters (engine/sampling.SamplingParams; the ids are checked against the vocabulary by the
+    # router)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit, "
+                                                                  "clamped to [-100, 100]")
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # structured outputs (deployments/structured.py): OpenAI's and vLLM's ways to ask for a grammar
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

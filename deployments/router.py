@@ -241,10 +241,12 @@ class Router:
                 top_p=cfg.sampling.top_p if body.top_p is None else body.top_p,
                 top_k=cfg.sampling.top_k if body.top_k is None else body.top_k,
                 max_tokens=max_tokens, stop=tuple(stop), seed=body.seed, ignore_eos=body.ignore_eos,
-                logprobs=logprobs, grammar=grammar,
+                logprobs=logprobs, grammar=grammar, **self._vllm_sampling(body),
             )
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
+        except ValueError as exc:  # SamplingParams' messages begin with the parameter's name
+            name = str(exc).split(" ", 1)[0]
+            raise APIError(400, str(exc), param=name if name in SamplingParams.__dataclass_fields__ else None
+                           ) from exc
         k, adaptive, overlap = None, None, None
         if body.speculative is not None:
             k = 0 if not body.speculative.enabled else body.speculative.k
@@ -252,6 +254,30 @@ class Router:
         if self.config.log_prompts:
             logger.info("prompt: %r", self.tokenizer.decode(prompt_ids))
         return Prepared(prompt_ids, params, k, adaptive, overlap, arrival)
+
+    def _vllm_sampling(self, body) -> dict:
+        """vLLM's sampling parameters of a request, as SamplingParams fields; token ids outside the vocabulary are
+        a 400 naming the parameter."""
+        vocab = len(self.tokenizer)
+        bias = {}
+        for key, value in (body.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if not 0 <= token < vocab:
+                raise APIError(400, f"logit_bias token id {token} is outside the vocabulary [0, {vocab})",
+                               param="logit_bias")
+            bias[token] = value
+        stop_ids = body.stop_token_ids or []
+        if any(not 0 <= t < vocab for t in stop_ids):
+            raise APIError(400, f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+        fields = {"presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+                  "repetition_penalty": body.repetition_penalty, "min_p": body.min_p}
+        return {**{k: v for k, v in fields.items() if v is not None}, "logit_bias": tuple(bias.items()),
+                "min_tokens": body.min_tokens, "stop_token_ids": tuple(stop_ids),
+                "include_stop_str_in_output": body.include_stop_str_in_output,
+                "skip_special_tokens": body.skip_special_tokens}
 
     async def run(self, prepared: Prepared, request_id: str, slot: AdmissionSlot | None = None):
         """The request's per-round outputs; scheduler errors become API errors."""

@@ -19,7 +19,9 @@ from collections.abc import Callable
 
 import torch
 
+from engine.builtin_processors import LogitsSettings
 from engine.factory import EngineConfig
+from engine.logits_processing import LogitsProcessor, RowProcessing
 from engine.runner import Runner
 
 from .channel import ChannelServer
@@ -46,10 +48,12 @@ def node_address() -> str:
 
 
 class KnownTokens:
-    """The committed tokens each sequence has sent to a worker."""
+    """The committed tokens each sequence has sent to a worker, and its logits processors (engine/
+    logits_processing.py), built once from the settings its first call (start 0) carried."""
 
     def __init__(self) -> None:
         self.tokens: dict[str, list[int]] = {}
+        self._processing: dict[str, tuple[int, tuple[LogitsProcessor, ...]]] = {}  # seq -> (prompt_len, processors)
 
     def apply(self, delta: SeqDelta) -> list[int]:
         known = self.tokens.get(delta.seq_id)
@@ -59,12 +63,24 @@ class KnownTokens:
             known = self.tokens[delta.seq_id] = []
         if delta.start > len(known):
             raise UnknownSequenceError(delta.seq_id)
+        if delta.start == 0:  # a sequence's first call (or a re-send from scratch) carries its settings
+            self._processing.pop(delta.seq_id, None)
+            if delta.logits is not None:
+                settings = LogitsSettings.from_wire(delta.logits)
+                if processors := settings.processors():
+                    self._processing[delta.seq_id] = (settings.prompt_len, processors)
         del known[delta.start :]
         known.extend(delta.tokens)
         return known
 
+    def processing(self, seq_id: str) -> RowProcessing | None:
+        """The sequence's logits processors over the tokens it has sent (None: none)."""
+        held = self._processing.get(seq_id)
+        return None if held is None else RowProcessing(held[1], self.tokens[seq_id], held[0])
+
     def pop(self, seq_id: str) -> None:
         self.tokens.pop(seq_id, None)
+        self._processing.pop(seq_id, None)
 
 
 class BusyClock:

@@ -101,7 +101,8 @@ class DraftWorkerCore(ModelWorker):
         for call in calls:
             tokens = self._known.apply(call.seq)  # the first draft's absolute position is len(tokens)
             requests.append(DraftRequest(call.seq.seq_id, tokens, call.k, call.seq.sampling(), call.seq.seed,
-                                         call.seq.coupled, call.seq.grammar_spec(), call.seq.output_start))
+                                         call.seq.coupled, self._known.processing(call.seq.seq_id),
+                                         call.seq.grammar_spec(), call.seq.output_start))
         if all(call.k == 0 for call in calls):  # a prompt chunk, read only (scheduler._draft_reads_chunk)
             self.proposer.read(requests)
             self._counted(len(calls))
@@ -284,7 +285,8 @@ class TargetWorkerCore(ModelWorker):
         for call, position in zip(calls, positions):
             params = call.seq.sampling()
             rows.append(RowVerify(params, row_scheme(params, call.seq.seed, call.seq.coupled, position), call.draft,
-                                  proposal_from_wire(call.proposal), self._grammar_masks(call)))
+                                  proposal_from_wire(call.proposal), self._known.processing(call.seq.seq_id),
+                                  self._grammar_masks(call)))
         # the accept step on the target's device (engine/accept.py, the in-process engine's too): tokens come back
         verdicts = verify_rows(logits, rows)
         for call, verdict in zip(calls, verdicts):  # a grammar keeps the accepted drafts and the token after them

@@ -16,8 +16,13 @@ adds one recovered token there, or one bonus token when every draft was accepted
   counter uniforms (seed, position, ACCEPT / RESIDUAL) against the draft's compact proposal (engine/proposal.py),
   or a one-hot draft (n-gram lookup) when there is none. Its acceptance is the higher of the two.
 
+Logits processors (penalties, logit_bias, min_tokens, a grammar: engine/logits_processing.py) run first, on every
+scored position with its own history (the committed tokens plus the drafts before it), for every scheme: the
+greedy argmax, the Gumbel choice and the ratio test all see the processed distribution plain decoding would use.
+
 Structured outputs: a row's grammar mask (`RowVerify.allowed`, engine/grammar.py) sets the tokens it does not
-allow to -inf at each position before all of the above (`apply_grammar_masks`).
+allow to -inf at each position (`apply_grammar_masks`), before the logits processors (it commutes with them: -inf
+stays -inf) and everything above; greedy rows' raw logprobs are grammar-masked, as vLLM's are.
 
 Logprobs (a request's `logprobs = n`): each emitted token's log-probability and the top n, from the distribution
 the sampler drew from (temperature, top-k, top-p applied); greedy rows, whose processed distribution is one-hot,
@@ -36,6 +41,7 @@ from .policy import AcceptanceTracker
 from .proposal import CompactProposal, RowScheme, dense
 from .randomness import ACCEPT, RESIDUAL, gumbel, seeds_tensor, uniforms
 from .rejection import RejectionResult, greedy_accept, gumbel_accept, rejection_sample
+from .logits_processing import RowProcessing, process_logits
 from .sampling import BatchSampling, SamplingParams, logits_to_probs
 from .sequence import RequestOutput, SequenceState
 from .stats import SpecStats
@@ -65,6 +71,7 @@ class RowVerify:
     scheme: RowScheme  # seed, coupled, and the absolute position of the row's first scored token
     drafts: Sequence[int]  # K_b draft tokens (empty: plain decoding)
     proposal: CompactProposal | None = None  # unseeded sampled model drafts; None: one-hot (n-gram) or not needed
+    processing: RowProcessing | None = None  # the row's logits processors and committed tokens; None: none
     # [>= 1, V] bool: the tokens the row's grammar allows at each scored position, row j after drafts[:j]
     # (engine/grammar.GrammarMatcher.masks); None: no grammar
     allowed: torch.Tensor | None = None
@@ -82,6 +89,8 @@ def verify_rows(
     assert logits.dim() == 3 and logits.shape[0] == len(rows), "logits must be [B, T, V]"
     assert all(logits.shape[1] >= len(r.drafts) + 1 for r in rows), "a row has more drafts than scored positions"
     logits = apply_grammar_masks(logits, rows)
+    raw = logits  # greedy rows' logprobs are the model's own (vLLM's default raw logprobs), grammar-masked as vLLM's
+    logits = process_logits(logits, [r.processing for r in rows], [r.drafts for r in rows])  # per position
     results: dict[int, RejectionResult | tuple[list[int], int]] = {}
     processed: dict[int, torch.Tensor] = {}  # sampled row -> [T, V] its processed distribution (for logprobs)
     greedy = [b for b, r in enumerate(rows) if r.params.greedy]
@@ -105,7 +114,7 @@ def verify_rows(
         tokens, accepted = results[b]
         logprobs = None
         if row.params.logprobs is not None:
-            dist = processed[b].log() if b in processed else logits[b].float().log_softmax(dim=-1)
+            dist = processed[b].log() if b in processed else raw[b].float().log_softmax(dim=-1)
             logprobs = token_logprobs(dist[: len(tokens)], tokens, row.params.logprobs)
         verdicts.append(Verdict(tokens, accepted, logprobs))
     return verdicts

@@ -82,7 +82,7 @@ class GrammarSpec:
 
 
 def grammar_text(spec: GrammarSpec) -> str:
-    """llguidance's grammar definition of `spec` (the mapping of vLLM's guidance backend, serialize_guidance_grammar)."""
+    """llguidance's grammar definition of `spec` (vLLM's guidance backend's mapping, serialize_guidance_grammar)."""
     import llguidance
 
     whitespace = {"whitespace_flexible": spec.any_whitespace}

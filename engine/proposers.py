@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .grammar import GrammarMatcher, GrammarSpec, SequenceGrammars
+from .logits_processing import RowProcessing, process_logits
 from .model_runner import ModelRunner
 from .proposal import TOP_N, CompactProposal, RowScheme, choose_draft_tokens
 from .sampling import BatchSampling, SamplingParams, logits_to_probs
@@ -27,6 +28,9 @@ class DraftRequest:
     sampling: SamplingParams
     seed: int = 0  # the request's seed (its own or drawn at admission): engine/randomness.py
     coupled: bool = False  # the request brought its seed: Gumbel-coupled drafts (engine/proposal.py)
+    # the request's logits processors (engine/logits_processing.py), applied at each draft step with the tokens
+    # drafted so far: the draft's distribution is processed as the target's is at that position
+    processing: RowProcessing | None = None
     grammar: GrammarSpec | None = None  # structured outputs: the draft masks its proposals (engine/grammar.py)
     output_start: int = 0  # where the output begins in `tokens` (the grammar covers the output only)
 
@@ -121,6 +125,9 @@ class DraftModelProposer:
                                          [1] * len(active))  # [A, 1, V_draft]
             # the draft's logits beyond the target vocabulary can never be proposed
             step_logits = mask_draft_logits(logits[:, :, : self.target_vocab_size], [matchers[i] for i in active])
+            if any(requests[i].processing is not None for i in active):  # step j sees the j tokens drafted so far
+                step_logits = process_logits(step_logits, [requests[i].processing for i in active],
+                                             [token_ids[i, :step].tolist() for i in active], [step] * len(active))
             sampling = BatchSampling.from_params([requests[i].sampling for i in active])
             # sampled on the draft's device with counter-based random numbers; only tokens and top-N leave it
             step_probs = fit_vocab(logits_to_probs(step_logits, sampling), self.target_vocab_size)[:, 0]

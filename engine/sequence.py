@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .builtin_processors import LogitsSettings
+from .logits_processing import LogitsProcessor, RowProcessing
 from .randomness import draw_seed
 from .sampling import SamplingParams
 from .stats import SpecStats
@@ -50,13 +52,17 @@ class SequenceState:
     params: SamplingParams
     k: int  # draft tokens per round this request asks for (0 = plain decoding)
     max_model_len: int
-    eos_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]  # the ids that end the sequence: EOS (unless ignore_eos) and stop_token_ids
     text: OutputText
     # the request's seed, or one drawn at admission: every random number of its sampling is a function of it
     # and of the token position (engine/randomness.py), wherever it is computed
     seed: int
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
+    # the built-in logits processing (sent to workers once, deployments/messages.SeqDelta.logits) and the processors
+    # applied to this sequence's draft and target logits at every position (engine/logits_processing.py)
+    logits_settings: LogitsSettings | None = None
+    processors: tuple[LogitsProcessor, ...] = ()
 
     @classmethod
     def create(cls, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, k: int,
@@ -65,14 +71,24 @@ class SequenceState:
         check_prompt(prompt_ids, max_model_len)
         if k < 0:
             raise ValueError("k must be >= 0")
-        return cls(request_id, prompt_ids, params, k, max_model_len,
-                   frozenset() if params.ignore_eos and params.grammar is None else eos_token_ids,
-                   OutputText(tokenizer, params.stop), params.seed if params.seed is not None else draw_seed())
+        settings = LogitsSettings.of(params, len(prompt_ids), eos_token_ids)
+        # EOS stops a grammar's row even with ignore_eos (a finished grammar allows nothing else)
+        keep_eos = not params.ignore_eos or params.grammar is not None
+        stop_ids = (frozenset(eos_token_ids) if keep_eos else frozenset()) | frozenset(params.stop_token_ids)
+        text = OutputText(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens,
+                          include_stop_str=params.include_stop_str_in_output, min_tokens=params.min_tokens)
+        return cls(request_id, prompt_ids, params, k, max_model_len, stop_ids, text,
+                   params.seed if params.seed is not None else draw_seed(),
+                   logits_settings=settings, processors=settings.processors())
 
     @property
     def coupled(self) -> bool:
         """Seeded by the request itself: Gumbel-coupled, drafter-invariant sampling (engine/accept.py)."""
         return self.params.seed is not None
+
+    def processing(self) -> RowProcessing | None:
+        """The row's logits processing for a draft or verify call (None: no processor)."""
+        return RowProcessing(self.processors, self.tokens, len(self.prompt_ids)) if self.processors else None
 
     @property
     def tokens(self) -> list[int]:
@@ -93,11 +109,13 @@ class SequenceState:
 
     def commit(self, tokens: list[int], num_draft: int, num_accepted: int,
                logprobs: list | None = None) -> RequestOutput:
-        """Append one round's tokens, cutting at EOS, max_tokens, the window and stop strings."""
-        cut = cut_at_eos_and_length(tokens, self.eos_token_ids, self.remaining())
+        """Append one round's tokens, cutting at EOS or a stop token (not before min_tokens), max_tokens, the window
+        and stop strings."""
+        cut = cut_at_eos_and_length(tokens, self.eos_token_ids, self.remaining(),
+                                    self.params.min_tokens - len(self.text.token_ids))
         kept = tokens[: cut.keep]
         finish = cut.finish_reason
-        stopped_at = self.text.extend(kept)
+        stopped_at = self.text.extend(kept, ends_with_stop_token=cut.stop_token)
         if stopped_at is not None:
             kept, finish = kept[:stopped_at], "stop"
         self.stats.record(num_draft, num_accepted, len(kept))

@@ -116,7 +116,7 @@ class SpeculativeEngine:
         widths = [len(d) + 1 for d in drafts]
         logits = self.target.forward([s.request_id for s in seqs], feeds, widths)  # [B, K+1, V]
         verdicts = verify_rows(logits, [RowVerify(s.params, row_scheme(s.params, s.seed, s.coupled, s.num_tokens),
-                                                  drafts[b], proposals[b],
+                                                  drafts[b], proposals[b], s.processing(),
                                                   self.grammars.masks(s.request_id, s.tokens, drafts[b]))
                                         for b, s in enumerate(seqs)])
         t2 = time.perf_counter()
@@ -150,7 +150,7 @@ class SpeculativeEngine:
             return drafts, proposals
         proposal = self.proposer.propose([
             DraftRequest(seqs[b].request_id, seqs[b].tokens, ks[b], seqs[b].params, seqs[b].seed, seqs[b].coupled,
-                         seqs[b].params.grammar, len(seqs[b].prompt_ids))
+                         seqs[b].processing(), seqs[b].params.grammar, len(seqs[b].prompt_ids))
             for b in rows
         ])
         for i, b in enumerate(rows):

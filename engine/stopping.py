@@ -16,6 +16,7 @@ from tokenizers.decoders import DecodeStream
 class Cut:
     keep: int  # how many of the offered tokens to keep
     finish_reason: str | None  # "stop" | "length" | None (still running)
+    stop_token: bool = False  # the last kept token is EOS or a stop_token_id (it ended the sequence)
 
 
 class OutputText:
@@ -28,45 +29,62 @@ class OutputText:
     a finished sequence's text is decoded whole once (a sequence that ends inside a character ends with the
     replacement character, as the full decoding does). Tokenizers without a Rust backend decode the whole output
     each round, as before.
+
+    vLLM's meanings (its v1 detokenizer): `skip_special_tokens` leaves special tokens out of the text; a sequence
+    ended by a stop token (EOS or a stop_token_id) keeps the token's id but not its text, and a stop string is cut
+    from the text, unless `include_stop_str`; a stop string counts only where it ends in the text of a token after
+    the first `min_tokens` ones.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
+    def __init__(self, tokenizer, stop: Sequence[str], skip_special_tokens: bool = True,
+                 include_stop_str: bool = False, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
-        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop_str = include_stop_str
+        self.min_tokens = min_tokens
+        self._min_text: int | None = 0 if min_tokens == 0 else None  # text length of the first min_tokens tokens
         self.token_ids: list[int] = []
         self.text = ""
         self.streamed = 0  # characters of `text` already handed out
         self._stopped = False  # cut at a stop string: the text ends before it
+        self._untexted = 0  # trailing token ids without text (a stop token's, left out)
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._stream = DecodeStream(skip_special_tokens=True) if backend is not None else None
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if backend is not None else None
         self._backend = backend
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
 
     def _pieces(self, new_ids: list[int]) -> str:
         """The text `new_ids` complete after self.token_ids (held back while a character is incomplete)."""
+        if not new_ids:
+            return ""
         if self._stream is not None:
             return self._stream.step(self._backend, new_ids) or ""
         return self._decode(self.token_ids + new_ids).rstrip("\ufffd")[len(self.text):]
 
-    def extend(self, new_ids: Sequence[int]) -> int | None:
+    def extend(self, new_ids: Sequence[int], ends_with_stop_token: bool = False) -> int | None:
         """Append tokens; if a stop string appears, keep only the tokens up to it and return how many were kept
-        (the fewest whose text contains it)."""
+        (the fewest whose text contains it). `ends_with_stop_token`: the last one ended the sequence (EOS, a
+        stop_token_id): its text is left out unless include_stop_str."""
         new = [int(t) for t in new_ids]
+        textual = new[:-1] if ends_with_stop_token and not self.include_stop_str else new
         old_len = len(self.text)
-        self.text += self._pieces(new)
+        self.text += self._pieces(textual)
+        if self._min_text is None and len(self.token_ids) + len(textual) >= self.min_tokens:
+            self._min_text = len(self._decode((self.token_ids + textual)[: self.min_tokens]))
         hit = self._find_stop(self.text, old_len)
         if hit is None:
             self.token_ids.extend(new)
+            self._untexted = len(new) - len(textual)
             return None
         # the round's tokens hold a stop string (once per sequence): the fewest of them whose text contains it
-        for keep in range(1, len(new) + 1):
-            if self._find_stop(self._decode(self.token_ids + new[:keep]), old_len) is not None:
+        for keep in range(1, len(textual) + 1):
+            if self._find_stop(self._decode(self.token_ids + textual[:keep]), old_len) is not None:
                 break
-        self.token_ids.extend(new[:keep])
-        self.text = self.text[:hit]
+        self.token_ids.extend(textual[:keep])
+        self.text = self.text[: hit[0] + (hit[1] if self.include_stop_str else 0)]
         self._stopped = True
         return keep
 
@@ -74,14 +92,16 @@ class OutputText:
         """The sequence has ended: its text is the full decoding of its tokens (which differs from the streamed
         pieces only when it ended inside a character), or the text before the stop string that ended it."""
         if not self._stopped:
-            self.text = self._decode(self.token_ids)
+            self.text = self._decode(self.token_ids[: len(self.token_ids) - self._untexted])
 
-    def _find_stop(self, text: str, old_len: int) -> int | None:
-        if not self.stop:
+    def _find_stop(self, text: str, old_len: int) -> tuple[int, int] | None:
+        """The earliest stop string ending past `old_len` and past the first min_tokens tokens' text: (index,
+        length)."""
+        if not self.stop or self._min_text is None:
             return None
-        start = max(0, old_len - self._max_stop + 1)
-        found = [i for s in self.stop if (i := text.find(s, start)) != -1]
-        return min(found) if found else None
+        found = [(i, len(s)) for s in self.stop
+                 if (i := text.find(s, max(0, old_len - len(s) + 1, self._min_text - len(s) + 1))) != -1]
+        return min(found, key=lambda hit: hit[0]) if found else None
 
     def take_delta(self, final: bool) -> str:
         """Text not yet streamed. Holds back an incomplete UTF-8 character and a possible stop-string prefix."""
@@ -103,15 +123,16 @@ class OutputText:
 
 def cut_at_eos_and_length(
     tokens: Sequence[int],
-    eos_ids: frozenset[int],
+    eos_ids: frozenset[int],  # the ids that end a sequence: EOS and stop_token_ids
     remaining: int,  # tokens the sequence may still emit (max_tokens and context window)
+    min_left: int = 0,  # tokens still owed to min_tokens: a stop id among the first min_left does not stop
 ) -> Cut:
-    """Keep tokens up to and including the first EOS, and never more than `remaining`."""
+    """Keep tokens up to and including the first EOS or stop token, and never more than `remaining`."""
     for i, tok in enumerate(tokens):
         if i >= remaining:
             return Cut(keep=i, finish_reason="length")
-        if tok in eos_ids:
-            return Cut(keep=i + 1, finish_reason="stop")
+        if tok in eos_ids and i >= min_left:
+            return Cut(keep=i + 1, finish_reason="stop", stop_token=True)
     if len(tokens) >= remaining:
         return Cut(keep=len(tokens), finish_reason="length")
     return Cut(keep=len(tokens), finish_reason=None)

@@ -185,14 +185,22 @@ def test_calls_cross_the_channel_as_plain_tuples_and_come_back_equal():
 
     import numpy as np
 
+    from engine.builtin_processors import LogitsSettings
+    from engine.sampling import SamplingParams
+
     seq = SeqDelta("r", 4, [9, 10], 0.7, 20, 0.9, 123, True, 3)
+    settings = LogitsSettings.of(SamplingParams(presence_penalty=0.5, logit_bias=((7, 2.0),), min_tokens=2), 4, (1,))
+    first = SeqDelta("s", 0, [9, 10], 0.7, 20, 0.9, 123, True, 3, 0.1, settings.wire())  # a sequence's first call
     proposal = (np.zeros((2, 4), np.int32), np.full((2, 4), 0.25, np.float32))
-    for call, cls in ((DraftCall(seq, 3), DraftCall), (VerifyCall(seq, [11, 12]), VerifyCall)):
+    for call, cls in ((DraftCall(seq, 3), DraftCall), (VerifyCall(seq, [11, 12]), VerifyCall),
+                      (DraftCall(first, 3), DraftCall), (VerifyCall(first, []), VerifyCall)):
         wire = call.wire()
         assert b"deployments" not in pickle.dumps(wire, protocol=5), "no class travels, only builtins"
         assert cls.from_wire(pickle.loads(pickle.dumps(wire, protocol=5))) == call
     back = VerifyCall.from_wire(pickle.loads(pickle.dumps(VerifyCall(seq, [11, 12], proposal).wire(), protocol=5)))
     np.testing.assert_array_equal(back.proposal[1], proposal[1])
+    back = DraftCall.from_wire(pickle.loads(pickle.dumps(DraftCall(first, 3).wire(), protocol=5)))
+    assert LogitsSettings.from_wire(back.seq.logits) == settings and back.seq.sampling().min_p == 0.1
 
 
 def test_results_cross_the_channel_as_plain_tuples_and_come_back_equal():

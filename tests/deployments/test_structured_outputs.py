@@ -189,7 +189,7 @@ def test_a_worker_keeps_the_grammar_its_sequences_first_delta_brought(served):
     target, draft = broker.cores["target"], broker.cores["draft"]
 
     def delta(start, tokens, grammar=None):
-        return SeqDelta("g1", start, tokens, 0.0, 0, 1.0, 7, False, None, grammar, len(prompt))
+        return SeqDelta("g1", start, tokens, 0.0, 0, 1.0, 7, grammar=grammar, output_start=len(prompt))
 
     drafted = DraftResult.from_wire(draft.propose([DraftCall(delta(0, prompt, spec.wire()), 3).wire()])).drafts[0]
     assert re.fullmatch("[0-9]+", router.tokenizer.decode(drafted)), "the draft masks its own drafts"

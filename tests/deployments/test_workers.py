@@ -13,7 +13,9 @@ import torch
 from deployments.messages import DraftCall, DraftResult, SeqDelta, VerifyCall, VerifyResult
 from deployments.worker_base import UnknownSequenceError
 from deployments.workers import DraftWorkerCore, TargetWorkerCore
+from engine.builtin_processors import LogitsSettings
 from engine.loading import load_causal_lm, resolve
+from engine.sampling import SamplingParams
 from engine.rejection import greedy_accept
 from tests.conftest import TINY_VOCAB
 from tests.deployments.conftest import tiny_config
@@ -29,10 +31,11 @@ def part(reply, name: str):
 
 
 def delta(seq_id: str, tokens: list[int], start: int = 0, temperature: float = 0.0, seed: int | None = None,
-          logprobs: int | None = None):
-    """A request's delta; `seed` given: a seeded (Gumbel-coupled) request, else one whose seed was drawn (0 here)."""
+          logprobs: int | None = None, logits: LogitsSettings | None = None):
+    """A request's delta; `seed` given: a seeded (Gumbel-coupled) request, else one whose seed was drawn (0 here);
+    `logits`: its logits processing settings (sent with a sequence's first call only)."""
     return SeqDelta(seq_id, start, list(tokens), temperature, 0, 1.0, 0 if seed is None else seed, seed is not None,
-                    logprobs)
+                    logprobs, 0.0, None if logits is None else logits.wire())
 
 
 def verify_call(seq: SeqDelta, draft: list[int], proposal=None) -> tuple:
@@ -145,6 +148,42 @@ def test_release_frees_the_sequence_and_a_stale_continuation_is_refused(target):
     with pytest.raises(UnknownSequenceError):  # the router must re-send it from token 0 (a re-prefill)
         target.verify([verify_call(delta("x1", [4], start=len(PROMPT)), [])])
     target.release(["x1"])
+
+
+PENALISED = SamplingParams(max_tokens=16, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.4,
+                           logit_bias=((14, 1.0),))
+
+
+def test_the_target_processes_each_position_from_the_tokens_it_holds_with_settings_sent_once(target, models):
+    """The settings come with the first call only; later calls (deltas from `start`) are processed with them, and
+    the penalties counted from the tokens the worker holds plus the drafts before each position."""
+    from tests.engine.reference_processing import reference_greedy
+
+    settings = LogitsSettings.of(PENALISED, len(PROMPT), (1,))
+    want = reference_greedy(models[0], PROMPT, PENALISED, (1,))
+    reply = target.verify([verify_call(delta("p1", PROMPT, logits=settings), want[:3])])
+    [verdict] = part(reply, "verdicts")
+    assert verdict.tokens == want[:4] and verdict.num_accepted == 3, "the penalised continuation, accepted whole"
+    reply = target.verify([verify_call(delta("p1", want[:4], start=len(PROMPT)), want[4:7])])  # no settings now
+    [verdict] = part(reply, "verdicts")
+    assert verdict.tokens == want[4:8] and verdict.num_accepted == 3
+    plain = greedy_continuation(models[0], PROMPT, 8)
+    assert plain != want[:8], "the check can fail: the penalties change the text"
+    target.release(["p1"])
+    [fresh] = part(target.verify([verify_call(delta("p1", PROMPT), [])]), "verdicts")  # re-sent without settings
+    assert fresh.tokens == plain[:1]
+    target.release(["p1"])
+
+
+def test_the_draft_processes_its_steps_with_the_settings_of_the_first_call(draft, models):
+    forced = LogitsSettings.of(SamplingParams(logit_bias=((17, 100.0),)), len(PROMPT), ())
+    reply = draft.propose([draft_call(delta("d9", PROMPT, logits=forced), 3)])
+    assert part(reply, "drafts") == [[17, 17, 17]]
+    reply = draft.propose([draft_call(delta("d9", [17], start=len(PROMPT)), 2)])
+    assert part(reply, "drafts") == [[17, 17]], "kept for the sequence's later calls"
+    draft.release(["d9"])
+    assert part(draft.propose([draft_call(delta("d9", PROMPT), 1)]), "drafts") != [[17]]
+    draft.release(["d9"])
 
 
 def test_target_stats_and_ping(target):

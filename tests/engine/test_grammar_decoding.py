@@ -57,7 +57,8 @@ def masked_sampler_case(k: int, coupled: bool, one_hot: bool):
         drafts = torch.stack([inverse_cdf(draft_p[i].expand(SAMPLES, -1), u[:, i]) for i in range(k)], dim=1)
     order = draft_p.argsort(dim=-1, descending=True)
     proposal = None if one_hot or coupled else CompactProposal(order.int(), draft_p.gather(-1, order))
-    rows = [RowVerify(params, row_scheme(params, int(seeds[i]), coupled, 17), drafts[i].tolist(), proposal, allowed)
+    rows = [RowVerify(params, row_scheme(params, int(seeds[i]), coupled, 17), drafts[i].tolist(), proposal,
+                      allowed=allowed)
             for i in range(SAMPLES)]
     verdicts = verify_rows(target_logits[None].expand(SAMPLES, -1, -1), rows)
     masked = logits_to_probs(target_logits.masked_fill(~allowed, float("-inf"))[None], batch)[0]

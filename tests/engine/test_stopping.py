@@ -12,11 +12,11 @@ EOS = frozenset({1, 9})
 
 @pytest.mark.parametrize("tokens,remaining,cut", [
     ([5, 6, 7], 10, Cut(3, None)),  # nothing stops it
-    ([5, 1, 7], 10, Cut(2, "stop")),  # EOS kept, what follows it dropped
-    ([9, 1], 10, Cut(1, "stop")),  # the first of several EOS ids
+    ([5, 1, 7], 10, Cut(2, "stop", True)),  # EOS kept, what follows it dropped
+    ([9, 1], 10, Cut(1, "stop", True)),  # the first of several EOS ids
     ([5, 6, 7, 8], 2, Cut(2, "length")),  # max_tokens inside the chunk
     ([5, 6], 2, Cut(2, "length")),  # exactly the last allowed tokens
-    ([5, 1, 7], 2, Cut(2, "stop")),  # EOS as the last allowed token: a stop, not a length cut
+    ([5, 1, 7], 2, Cut(2, "stop", True)),  # EOS as the last allowed token: a stop, not a length cut
     ([5, 6, 1], 2, Cut(2, "length")),  # EOS beyond the limit is never reached
     ([5], 0, Cut(0, "length")),
     ([], 3, Cut(0, None)),
@@ -121,3 +121,42 @@ def test_incremental_decoding_equals_decoding_the_whole_output():
                 assert full.startswith(out.text) and (out.text == full or full.endswith("\ufffd"))
         assert streamed == out.text == text[: text.index("STOP")]
         assert out.token_ids == ids(text[: text.index("STOP") + 4])
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_cuts_after_it():
+    out = OutputText(ByteTokenizer(), stop=["END"], include_stop_str=True)
+    assert out.extend(ids("helloEND and more")) == len("helloEND")
+    assert out.text == "helloEND"
+
+
+def test_a_stop_string_within_the_first_min_tokens_does_not_count():
+    out = OutputText(ByteTokenizer(), stop=["ab"], min_tokens=4)
+    assert out.extend(ids("ab")) is None and out.extend(ids("x")) is None, "ends inside the first 4 tokens"
+    assert out.extend(ids("ab")) == 2 and out.text == "abx", "this 'ab' ends at token 5, past the first 4"
+    out = OutputText(ByteTokenizer(), stop=["ab"], min_tokens=4)
+    assert out.extend(ids("abxyab")) == 6 and out.text == "abxy", "the first 'ab' past min_tokens stops it"
+    straddle = OutputText(ByteTokenizer(), stop=["xyz"], min_tokens=2)
+    assert straddle.extend(ids("xyz")) == 3 and straddle.text == "", "it may begin inside, if it ends past them"
+
+
+def test_a_stop_tokens_text_is_left_out_unless_include_stop_str():
+    out = OutputText(ByteTokenizer(), stop=[])
+    assert out.extend(ids("ok!"), ends_with_stop_token=True) is None
+    assert out.text == "ok" and out.token_ids == ids("ok!"), "the stop token is emitted, its text is not"
+    kept = OutputText(ByteTokenizer(), stop=[], include_stop_str=True)
+    kept.extend(ids("ok!"), ends_with_stop_token=True)
+    assert kept.text == "ok!"
+
+
+def test_skip_special_tokens(tiny_tokenizer):
+    special = [0, 5, 1, 6]  # <pad> w5 </s> w6
+    assert OutputText(tiny_tokenizer, stop=[]).extend(special) is None
+    skipped, shown = OutputText(tiny_tokenizer, stop=[]), OutputText(tiny_tokenizer, stop=[], skip_special_tokens=False)
+    skipped.extend(special)
+    shown.extend(special)
+    assert skipped.text == "w5 w6" and shown.text == "<pad> w5 </s> w6"
+
+
+def test_a_stop_id_within_the_tokens_owed_to_min_tokens_does_not_stop():
+    assert cut_at_eos_and_length([1, 5, 9, 7], EOS, 10, min_left=2) == Cut(3, "stop", True)
+    assert cut_at_eos_and_length([1, 9], EOS, 10, min_left=2) == Cut(2, None)
