@@ -322,3 +322,24 @@ class SequenceGrammars:
 
     def __len__(self) -> int:
         return len(self._rows)
+
+
+class GrammarProcessor:
+    """A sequence's grammar as a logits processor of engine/logits_processing.py's seam: row t of `logits` scores
+    the token after the context's history t, so it gets the grammar's mask there (GrammarMatcher.masks over the
+    context's drafts). The same mask as `RowVerify.allowed` and the draft's `mask_draft_logits` apply today; this
+    is the piece that lets the grammar ride in a row's processors instead (see the issue note)."""
+
+    def __init__(self, matcher: GrammarMatcher) -> None:
+        self.matcher = matcher
+
+    def __call__(self, logits: torch.Tensor, context) -> torch.Tensor:  # [T, V] -> [T, V], in place
+        output = list(context.tokens[context.prompt_len:]) + list(context.drafts[: context.first])
+        self.matcher.sync(output)
+        width = logits.shape[0]
+        masks = self.matcher.masks(list(context.drafts[context.first: context.first + width - 1]))
+        if masks is not None:
+            vocab = min(logits.shape[-1], masks.shape[-1])
+            logits[:, :vocab].masked_fill_(~masks[:width, :vocab].to(logits.device), float("-inf"))
+            logits[:, vocab:] = float("-inf")  # ids past the grammar's table: never allowed
+        return logits

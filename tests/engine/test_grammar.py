@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, SequenceGrammars
+from engine.grammar import GrammarCompiler, GrammarError, GrammarProcessor, GrammarSpec, SequenceGrammars
 from tests.conftest import BYTE_VOCAB, EOS_ID, make_byte_tokenizer
 
 TOKENIZER = make_byte_tokenizer()
@@ -126,3 +126,20 @@ def test_sequence_grammars_cover_the_output_only_and_release(compiler):
     assert rows.masks("other", prompt, []) is None
     rows.release("s")
     assert len(rows) == 0 and rows.masks("s", prompt, []) is None
+
+
+def test_the_grammar_as_a_logits_processor_masks_each_position_of_the_seam(compiler):
+    """GrammarProcessor through engine/logits_processing.process_logits: the target's rows (each draft's position
+    and the bonus one) and a draft step (`first`) get the matcher's masks after their own history."""
+    from engine.logits_processing import RowProcessing, process_logits
+
+    spec = GrammarSpec.json_schema(SCHEMA)
+    prompt, output = ids("zz"), ids('{"name": "ab')
+    drafts = ids('c", "ok": tr')
+    row = RowProcessing((GrammarProcessor(compiler.matcher(spec)),), prompt + output, len(prompt))
+    logits = torch.randn(1, len(drafts) + 1, BYTE_VOCAB)
+    out = process_logits(logits, [row], [drafts])
+    want = fresh(compiler, spec, output).masks(drafts)
+    assert torch.equal(out[0].isfinite(), want)
+    step = process_logits(logits[:, :1], [row], [drafts[:2]], [2])  # a draft step after two drafts
+    assert torch.equal(step[0, 0].isfinite(), want[2])
