@@ -34,7 +34,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none", "auto"),  # with no tools: nothing to call
     "functions": _EMPTY,
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "store": (None, False),
     "modalities": (None, ["text"]),
     "audio": _NULL,
@@ -53,7 +52,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": _NULL,
     "prompt_logprobs": _NULL,
     "return_tokens_as_token_ids": (None, False),
-    "structured_outputs": _NULL,
     "guided_json": _NULL, "guided_regex": _NULL, "guided_choice": _NULL, "guided_grammar": _NULL,
     "logits_processors": _NULL,
     "chat_template": _NULL,

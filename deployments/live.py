@@ -76,10 +76,13 @@ class LiveRequest:
 
     def _delta(self, start: int, tokens: list[int]) -> SeqDelta:
         p, settings = self.seq.params, self.seq.logits_settings
-        # the logits settings go with a sequence's first call to a worker only (it keeps them: worker_base.py)
+        # the logits settings and the grammar go with a sequence's first call to a worker only (it keeps them:
+        # worker_base.py, engine/grammar.py)
+        first = start == 0
         return SeqDelta(self.seq.request_id, start, tokens, p.temperature, p.top_k, p.top_p, self.seq.seed,
                         self.seq.coupled, p.logprobs, p.min_p,
-                        settings.wire() if start == 0 and settings is not None else None)
+                        settings.wire() if first and settings is not None else None,
+                        p.grammar.wire() if first and p.grammar is not None else None, len(self.seq.prompt_ids))
 
     def draft_delta(self, extra: list[int], end: int | None = None) -> SeqDelta:
         """The call that leaves the draft worker holding the committed tokens plus `extra`, re-sending as little as

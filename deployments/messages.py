@@ -7,7 +7,8 @@ read calls `from_wire` and answer a result's `wire()`; the leases (deployments/l
 ones) turn the replies back into results. Everything between, the round loop included, sees these types.
 
 A round sends only token deltas: each call names a sequence, the position `start` from which the router's
-committed tokens are new to the worker, and those tokens, with its sampling settings and seed. The target worker
+committed tokens are new to the worker, and those tokens, with its sampling settings and seed (and, in its first
+delta to a worker, its grammar). The target worker
 samples (engine/accept.py, on its device) and answers per row the tokens to emit, how many drafts it accepted and,
 when asked, their logprobs: a few dozen bytes, never a probability tensor. The only distributions on the wire are
 the draft's compact proposals of unseeded sampled rows ([K, N] token ids and probabilities, engine/proposal.py):
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from engine.accept import TokenLogprob, Verdict
+from engine.grammar import GrammarSpec
 from engine.proposal import CompactProposal
 from engine.sampling import SamplingParams
 
@@ -61,15 +63,22 @@ class SeqDelta:
     # penalties, logit_bias, min_tokens), sent with a sequence's first call only (start == 0): the worker keeps it
     # with the sequence's tokens (worker_base.KnownTokens) and counts the penalties from the tokens it holds
     logits: tuple | None = None
+    # structured outputs: the request's GrammarSpec.wire(), on a sequence's first delta to a worker only (start 0:
+    # the worker keeps a matcher from then on, engine/grammar.py), and where its output begins (the prompt's length)
+    grammar: tuple | None = None
+    output_start: int = 0
 
     def sampling(self) -> SamplingParams:
         """The settings the sampler needs each round (the logits processors come from `logits`, kept)."""
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                               seed=self.seed if self.coupled else None, logprobs=self.logprobs, min_p=self.min_p)
 
+    def grammar_spec(self) -> GrammarSpec | None:
+        return GrammarSpec.from_wire(self.grammar)
+
     def wire(self) -> tuple:
         return (self.seq_id, self.start, self.tokens, self.temperature, self.top_k, self.top_p, self.seed,
-                self.coupled, self.logprobs, self.min_p, self.logits)
+                self.coupled, self.logprobs, self.min_p, self.logits, self.grammar, self.output_start)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from engine.sampling import MAX_LOGPROBS
 from .api_errors import APIError
 from .api_params import refuse_unsupported
 from .api_responses import CompletionLogprobs, TokenPieces, chat_logprobs, interleave, merged_usage
+from .structured import ResponseFormat, StructuredOutputs
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "create_app"]
 
@@ -76,6 +77,9 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured outputs (deployments/structured.py): OpenAI's and vLLM's ways to ask for a grammar
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, replace
 
 from engine.factory import DraftMethod
+from engine.grammar import GrammarCompiler
 from engine.loading import eos_token_ids, load_tokenizer, resolve
 from engine.policy import CostProfile
 from engine.sampling import SamplingParams
@@ -25,6 +26,7 @@ from .metrics import NullMetrics, observe
 from .openai_api import APIError, ChatCompletionRequest, CompletionRequest, create_app
 from .readiness import Readiness
 from .scheduler import Scheduler, SchedulerConfig
+from .structured import checked_grammar
 
 logger = logging.getLogger("ray.serve")
 
@@ -87,6 +89,8 @@ class Router:
         self.scheduler.metrics = self.metrics
         self.api_key = load_api_key(config)
         self.readiness = Readiness(broker, ("draft", "target") if mode is DraftMethod.MODEL else ("target",))
+        # structured outputs: grammars are compiled here to be checked (each distinct one once), never masked here
+        self.grammars = GrammarCompiler(self.tokenizer, len(self.tokenizer), self.scheduler.config.eos_token_ids)
 
     @property
     def model_name(self) -> str:
@@ -230,13 +234,14 @@ class Router:
             raise APIError(400, f"at most {limits.max_stop_strings} stop strings", param="stop")
         if any(not s for s in stop):
             raise APIError(400, "stop strings must not be empty", param="stop")
+        grammar = checked_grammar(body, self.grammars)  # a bad grammar: 400 naming its parameter, not admitted
         try:
             params = SamplingParams(
                 temperature=cfg.sampling.temperature if body.temperature is None else body.temperature,
                 top_p=cfg.sampling.top_p if body.top_p is None else body.top_p,
                 top_k=cfg.sampling.top_k if body.top_k is None else body.top_k,
                 max_tokens=max_tokens, stop=tuple(stop), seed=body.seed, ignore_eos=body.ignore_eos,
-                logprobs=logprobs, **self._vllm_sampling(body),
+                logprobs=logprobs, grammar=grammar, **self._vllm_sampling(body),
             )
         except ValueError as exc:  # SamplingParams' messages begin with the parameter's name
             name = str(exc).split(" ", 1)[0]

@@ -16,6 +16,7 @@ A collective that fails (a peer died) marks the rank broken: its calls and healt
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
@@ -24,7 +25,8 @@ import time
 from engine.accept import RowVerify, row_scheme, verify_rows
 from engine.calibrate import measure_draft_costs, measure_target_costs
 from engine.factory import EngineConfig, build_proposer, build_target, make_runner
-from engine.loading import load_tokenizer, resolve
+from engine.grammar import GrammarCompiler, GrammarError, SequenceGrammars
+from engine.loading import eos_token_ids, load_tokenizer, resolve
 from engine.proposers import DraftRequest
 from engine.runner import Runner, resolve_dtype
 from engine.shard_loading import load_shard, rank_device
@@ -35,6 +37,8 @@ from .channel_wire import ChannelClosed, Endpoint, Route
 from .errors import TensorParallelBroken
 from .messages import DraftCall, DraftResult, VerifyCall, VerifyResult, proposal_from_wire, proposal_to_wire
 from .worker_base import ModelWorker, cpu_startup_turn, warm_up
+
+log = logging.getLogger(__name__)
 
 
 class DraftWorkerCore(ModelWorker):
@@ -97,7 +101,8 @@ class DraftWorkerCore(ModelWorker):
         for call in calls:
             tokens = self._known.apply(call.seq)  # the first draft's absolute position is len(tokens)
             requests.append(DraftRequest(call.seq.seq_id, tokens, call.k, call.seq.sampling(), call.seq.seed,
-                                         call.seq.coupled, self._known.processing(call.seq.seq_id)))
+                                         call.seq.coupled, self._known.processing(call.seq.seq_id),
+                                         call.seq.grammar_spec(), call.seq.output_start))
         if all(call.k == 0 for call in calls):  # a prompt chunk, read only (scheduler._draft_reads_chunk)
             self.proposer.read(requests)
             self._counted(len(calls))
@@ -130,7 +135,9 @@ class DraftWorkerCore(ModelWorker):
         self.proposer.release(seq_id)
 
     def stats(self) -> dict:
-        return {**super().stats(), "cancelled_drafts": self.cancelled_drafts, "costs": self.costs}
+        grammars = getattr(self.proposer, "grammars", None)
+        return {**super().stats(), "cancelled_drafts": self.cancelled_drafts, "costs": self.costs,
+                "grammar": None if grammars is None else grammars.compiler.stats.as_dict()}
 
 
 class TargetWorkerCore(ModelWorker):
@@ -146,6 +153,7 @@ class TargetWorkerCore(ModelWorker):
         self.config = config
         self.runner: Runner | None = None
         self.costs: dict | None = None
+        self.grammars: SequenceGrammars | None = None  # rank 0: structured outputs' matchers (made on first use)
         if world == 1:
             with cpu_startup_turn(config):
                 self.on_model_thread(self.load)
@@ -277,17 +285,45 @@ class TargetWorkerCore(ModelWorker):
         for call, position in zip(calls, positions):
             params = call.seq.sampling()
             rows.append(RowVerify(params, row_scheme(params, call.seq.seed, call.seq.coupled, position), call.draft,
-                                  proposal_from_wire(call.proposal), self._known.processing(call.seq.seq_id)))
+                                  proposal_from_wire(call.proposal), self._known.processing(call.seq.seq_id),
+                                  self._grammar_masks(call)))
         # the accept step on the target's device (engine/accept.py, the in-process engine's too): tokens come back
-        return VerifyResult(verify_rows(logits, rows), time.perf_counter() - start)
+        verdicts = verify_rows(logits, rows)
+        for call, verdict in zip(calls, verdicts):  # a grammar keeps the accepted drafts and the token after them
+            if self.grammars is not None:
+                self.grammars.matcher(call.seq.seq_id, self._known.tokens[call.seq.seq_id] + verdict.tokens)
+        return VerifyResult(verdicts, time.perf_counter() - start)
+
+    def _grammar_masks(self, call: VerifyCall):  # [K+1, V] bool, or None: the row has no grammar
+        """The row's grammar masks at each verify position (engine/grammar.py): its matcher, made from the grammar
+        its sequence's first delta carried, synced to the committed tokens, probes the drafts."""
+        spec = call.seq.grammar_spec()
+        if spec is not None:
+            if self.grammars is None:
+                tokenizer = load_tokenizer(resolve(self.config.target), self.config.trust_remote_code)
+                eos = eos_token_ids(resolve(self.config.target).directory, tokenizer)
+                self.grammars = SequenceGrammars(GrammarCompiler(tokenizer, self.runner.vocab_size, eos))
+            try:
+                self.grammars.track(call.seq.seq_id, spec, call.seq.output_start)
+            except GrammarError:  # the router compiled it before admission: only a tokenizer mismatch gets here
+                log.exception("grammar of %s cannot be compiled on the target; it runs unconstrained", call.seq.seq_id)
+        if self.grammars is None:
+            return None
+        return self.grammars.masks(call.seq.seq_id, self._known.tokens[call.seq.seq_id], call.draft)
 
     def release(self, seq_ids: list[str]) -> None:
         """Rank 0 passes the release on to the other ranks, in order with the verifies."""
         self._in_group("release", (seq_ids,), self._release)
 
+    def _forget(self, seq_id: str) -> None:
+        super()._forget(seq_id)
+        if self.grammars is not None:
+            self.grammars.release(seq_id)
+
     def stats(self) -> dict:
         return {"rank": self.rank, **super().stats(), "parameters": num_parameters(self.runner.model),
-                "full_parameters": self.full_parameters}
+                "full_parameters": self.full_parameters,
+                "grammar": None if self.grammars is None else self.grammars.compiler.stats.as_dict()}
 
     def ping(self) -> float:
         """As ModelWorker.ping; a rank whose group broke fails its health check at once."""

@@ -20,6 +20,10 @@ Logits processors (penalties, logit_bias, min_tokens, a grammar: engine/logits_p
 scored position with its own history (the committed tokens plus the drafts before it), for every scheme: the
 greedy argmax, the Gumbel choice and the ratio test all see the processed distribution plain decoding would use.
 
+Structured outputs: a row's grammar mask (`RowVerify.allowed`, engine/grammar.py) sets the tokens it does not
+allow to -inf at each position (`apply_grammar_masks`), before the logits processors (it commutes with them: -inf
+stays -inf) and everything above; greedy rows' raw logprobs are grammar-masked, as vLLM's are.
+
 Logprobs (a request's `logprobs = n`): each emitted token's log-probability and the top n, from the distribution
 the sampler drew from (temperature, top-k, top-p applied); greedy rows, whose processed distribution is one-hot,
 report the model's own log-softmax instead (what vLLM returns by default).
@@ -68,6 +72,9 @@ class RowVerify:
     drafts: Sequence[int]  # K_b draft tokens (empty: plain decoding)
     proposal: CompactProposal | None = None  # unseeded sampled model drafts; None: one-hot (n-gram) or not needed
     processing: RowProcessing | None = None  # the row's logits processors and committed tokens; None: none
+    # [>= 1, V] bool: the tokens the row's grammar allows at each scored position, row j after drafts[:j]
+    # (engine/grammar.GrammarMatcher.masks); None: no grammar
+    allowed: torch.Tensor | None = None
 
 
 def row_scheme(params: SamplingParams, seed: int, coupled: bool, position: int) -> RowScheme:
@@ -81,7 +88,8 @@ def verify_rows(
     """Each row's verdict, computed on logits' device; only token ids (and asked logprobs) leave it."""
     assert logits.dim() == 3 and logits.shape[0] == len(rows), "logits must be [B, T, V]"
     assert all(logits.shape[1] >= len(r.drafts) + 1 for r in rows), "a row has more drafts than scored positions"
-    raw = logits  # greedy rows' logprobs are the model's own (vLLM's default raw logprobs)
+    logits = apply_grammar_masks(logits, rows)
+    raw = logits  # greedy rows' logprobs are the model's own (vLLM's default raw logprobs), grammar-masked as vLLM's
     logits = process_logits(logits, [r.processing for r in rows], [r.drafts for r in rows])  # per position
     results: dict[int, RejectionResult | tuple[list[int], int]] = {}
     processed: dict[int, torch.Tensor] = {}  # sampled row -> [T, V] its processed distribution (for logprobs)
@@ -112,6 +120,23 @@ def verify_rows(
     return verdicts
 
 
+def apply_grammar_masks(
+    logits: torch.Tensor,  # [B, T, V]
+    rows: Sequence[RowVerify],  # B rows
+) -> torch.Tensor:  # [B, T, V]: `logits` itself when no row has a grammar, else a copy
+    """Structured outputs' hook: the tokens a row's grammar does not allow get -inf at each position, before any
+    other processing (engine/grammar.py), so every scheme below samples from the constrained target distribution
+    and a draft outside the grammar is rejected."""
+    if all(r.allowed is None for r in rows):
+        return logits
+    logits = logits.clone()
+    for b, row in enumerate(rows):
+        if row.allowed is not None:
+            width = min(row.allowed.shape[0], logits.shape[1])
+            logits[b, :width].masked_fill_(~row.allowed[:width].to(logits.device), float("-inf"))
+    return logits
+
+
 def _sample_group(
     probs: torch.Tensor,  # [S, T, V] processed target distributions of rows sharing a scheme
     rows: Sequence[RowVerify],  # S rows
@@ -138,12 +163,17 @@ def _sample_group(
                             uniforms(seeds, positions[:, :k_max], ACCEPT), uniforms(seeds, positions, RESIDUAL))
 
 
+LOGPROB_FLOOR = -9999.0  # vLLM's floor for log 0 in its responses
+
+
 def token_logprobs(
     logprobs: torch.Tensor,  # [n, V] log-probabilities at the emitted positions
     tokens: Sequence[int],  # n emitted tokens
     top: int,
 ) -> list[TokenLogprob]:
-    """The emitted tokens' log-probabilities and the top `top` of each position, as plain Python numbers."""
+    """The emitted tokens' log-probabilities and the top `top` of each position, as plain Python numbers. A token of
+    probability 0 (outside a grammar or top-k) reports LOGPROB_FLOOR, as vLLM's API does: JSON has no -inf."""
+    logprobs = logprobs.clamp(min=LOGPROB_FLOOR)
     chosen = logprobs.gather(-1, torch.tensor(list(tokens), device=logprobs.device)[:, None]).squeeze(-1).tolist()
     if top <= 0:
         return [TokenLogprob(lp, ()) for lp in chosen]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .grammar import GrammarCompiler, SequenceGrammars
 from .loading import DEFAULT_MODEL, eos_token_ids, load_causal_lm, load_tokenizer, resolve
 from .model_runner import ModelRunner
 from .proposers import DraftModelProposer, NgramProposer, Proposer, check_tokenizers_compatible
@@ -105,7 +106,9 @@ def build_proposer(config: EngineConfig, target_tokenizer, target_vocab_size: in
     check_tokenizers_compatible(target_tokenizer, load_tokenizer(resolved, config.trust_remote_code))
     model = load_causal_lm(resolved, resolve_dtype(config.draft_dtype, config.device), config.device,
                            config.trust_remote_code)
-    return DraftModelProposer(make_runner(model, config), target_vocab_size)
+    grammars = SequenceGrammars(GrammarCompiler(target_tokenizer, target_vocab_size,
+                                                eos_token_ids(resolve(config.target).directory, target_tokenizer)))
+    return DraftModelProposer(make_runner(model, config), target_vocab_size, grammars=grammars)
 
 
 def build_engine(config: EngineConfig,

@@ -13,6 +13,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from .grammar import GrammarMatcher, GrammarSpec, SequenceGrammars
 from .logits_processing import RowProcessing, process_logits
 from .model_runner import ModelRunner
 from .proposal import TOP_N, CompactProposal, RowScheme, choose_draft_tokens
@@ -30,6 +31,8 @@ class DraftRequest:
     # the request's logits processors (engine/logits_processing.py), applied at each draft step with the tokens
     # drafted so far: the draft's distribution is processed as the target's is at that position
     processing: RowProcessing | None = None
+    grammar: GrammarSpec | None = None  # structured outputs: the draft masks its proposals (engine/grammar.py)
+    output_start: int = 0  # where the output begins in `tokens` (the grammar covers the output only)
 
     def scheme(self, step: int) -> RowScheme:
         return RowScheme(self.sampling.greedy, self.coupled, self.seed, len(self.tokens) + step)
@@ -96,10 +99,14 @@ def fit_vocab(
 class DraftModelProposer:
     """Proposes k tokens per sequence by running the draft model autoregressively, batched over sequences."""
 
-    def __init__(self, runner: ModelRunner, target_vocab_size: int, top_n: int = TOP_N) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab_size: int, top_n: int = TOP_N,
+                 grammars: SequenceGrammars | None = None) -> None:
         self.runner = runner
         self.target_vocab_size = target_vocab_size
         self.top_n = top_n
+        # structured outputs: the draft's own matcher per sequence, so its drafts stay in the grammar and are
+        # accepted; None: drafts unmasked (the target's mask alone keeps the output right)
+        self.grammars = grammars
 
     def propose(self, requests: Sequence[DraftRequest], stop: Callable[[], bool] | None = None) -> Proposal:
         """Draft up to k tokens per request; `stop()`, checked between steps, ends drafting early (the caller
@@ -111,12 +118,13 @@ class DraftModelProposer:
         top_ids = torch.zeros(batch, k_max, n, dtype=torch.int32)
         top_probs = torch.zeros(batch, k_max, n)
         feeds = self._feeds(requests)
+        matchers = self._matchers(requests)
         active = list(range(batch))
         for step in range(k_max):
             logits = self.runner.forward([requests[i].seq_id for i in active], [feeds[i] for i in active],
                                          [1] * len(active))  # [A, 1, V_draft]
             # the draft's logits beyond the target vocabulary can never be proposed
-            step_logits = logits[:, :, : self.target_vocab_size]
+            step_logits = mask_draft_logits(logits[:, :, : self.target_vocab_size], [matchers[i] for i in active])
             if any(requests[i].processing is not None for i in active):  # step j sees the j tokens drafted so far
                 step_logits = process_logits(step_logits, [requests[i].processing for i in active],
                                              [token_ids[i, :step].tolist() for i in active], [step] * len(active))
@@ -132,6 +140,8 @@ class DraftModelProposer:
             active_next = []
             for pos, i in enumerate(active):
                 feeds[i] = [int(tokens[pos])]
+                if matchers[i] is not None:
+                    matchers[i].advance(feeds[i])  # the next draft step's state (rolled back by the next sync)
                 if requests[i].k > step + 1:
                     active_next.append(i)
             active = active_next
@@ -145,10 +155,25 @@ class DraftModelProposer:
         return Proposal(token_ids=token_ids, num_tokens=num_tokens,
                         proposals=proposals if any(p is not None for p in proposals) else None)
 
+    def _matchers(self, requests: Sequence[DraftRequest]) -> list[GrammarMatcher | None]:
+        """Each request's grammar matcher synced to its tokens (None: no grammar, or no grammars here)."""
+        if self.grammars is None:
+            return [None] * len(requests)
+        self._track(requests)
+        return [self.grammars.matcher(r.seq_id, r.tokens) for r in requests]
+
+    def _track(self, requests: Sequence[DraftRequest]) -> None:
+        """Keep a matcher for each request that brings its grammar (a sequence's first call: it is sent once)."""
+        if self.grammars is not None:
+            for r in requests:
+                if r.grammar is not None:
+                    self.grammars.track(r.seq_id, r.grammar, r.output_start)
+
     def read(self, requests: Sequence[DraftRequest]) -> None:
         """Bring each request's cache up to its tokens without drafting (a long prompt read one chunk per call,
         between the rounds of running streams); the logits are not needed."""
         feeds = self._feeds(requests)
+        self._track(requests)
         self.runner.forward([r.seq_id for r in requests], feeds, [1] * len(requests))
 
     def _feeds(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
@@ -161,6 +186,27 @@ class DraftModelProposer:
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
+        if self.grammars is not None:
+            self.grammars.release(seq_id)
+
+
+def mask_draft_logits(
+    logits: torch.Tensor,  # [A, 1, V] one draft step's logits
+    matchers: Sequence[GrammarMatcher | None],  # A rows
+) -> torch.Tensor:  # [A, 1, V]: `logits` itself when no row is masked, else a copy
+    """The draft's own grammar masks (-inf where its grammar refuses, as the target does: engine/accept.py). A row
+    off its grammar, or whose allowed tokens all lie past the draft's vocabulary, is left unmasked: the target's
+    mask rejects what the grammar refuses."""
+    masks = [None if m is None else m.allowed() for m in matchers]
+    if all(mask is None for mask in masks):
+        return logits
+    logits = logits.clone()
+    for a, mask in enumerate(masks):
+        if mask is not None:
+            mask = mask[: logits.shape[-1]].to(logits.device)
+            if bool(mask.any()):
+                logits[a, 0].masked_fill_(~mask, float("-inf"))
+    return logits
 
 
 class NgramProposer:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grammar import GrammarSpec
+
 
 MAX_LOGPROBS = 20  # the top-n a request may ask for (OpenAI's limit)
 
@@ -41,6 +43,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # stop on these ids (the stop token is emitted, like EOS)
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    # structured outputs (engine/grammar.py): every emitted token is one the grammar allows, and the row stops when
+    # the grammar completes (EOS stops such a row even with ignore_eos)
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):

@@ -72,7 +72,9 @@ class SequenceState:
         if k < 0:
             raise ValueError("k must be >= 0")
         settings = LogitsSettings.of(params, len(prompt_ids), eos_token_ids)
-        stop_ids = (frozenset() if params.ignore_eos else frozenset(eos_token_ids)) | frozenset(params.stop_token_ids)
+        # EOS stops a grammar's row even with ignore_eos (a finished grammar allows nothing else)
+        keep_eos = not params.ignore_eos or params.grammar is not None
+        stop_ids = (frozenset(eos_token_ids) if keep_eos else frozenset()) | frozenset(params.stop_token_ids)
         text = OutputText(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens,
                           include_stop_str=params.include_stop_str_in_output, min_tokens=params.min_tokens)
         return cls(request_id, prompt_ids, params, k, max_model_len, stop_ids, text,

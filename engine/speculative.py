@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .accept import RowVerify, Verdict, commit, row_scheme, verify_rows
+from .grammar import GrammarCompiler, SequenceGrammars
 from .loading import tokenizer_eos_ids
 from .model_runner import ModelRunner
 from .policy import AcceptanceTracker, CostProfile
@@ -56,6 +57,9 @@ class SpeculativeEngine:
         self._trackers: dict[str, AcceptanceTracker] = {}  # each request's own acceptance (engine/policy.py)
         self._draft_read: dict[str, int] = {}  # committed tokens the draft model has read, by request
         self._fixed_k: set[str] = set()  # requests that asked for exactly their K every round
+        # structured outputs: the target's matcher per constrained request (engine/grammar.py); the proposer keeps
+        # its own
+        self.grammars = SequenceGrammars(GrammarCompiler(tokenizer, target.vocab_size, self.eos_token_ids))
 
     # ---- admission ------------------------------------------------------------------------------------------
     @property
@@ -76,6 +80,8 @@ class SpeculativeEngine:
         k = self.num_speculative_tokens if k is None else k
         seq = SequenceState.create(request_id, prompt_ids, params, k if self.proposer is not None else 0,
                                    self.target.max_model_len, self.eos_token_ids, self.tokenizer)
+        if params.grammar is not None:  # a bad grammar raises engine.grammar.GrammarError here
+            self.grammars.track(request_id, params.grammar, len(seq.prompt_ids))
         self.target.add(request_id)
         self._seqs[request_id] = seq
         self._trackers[request_id] = AcceptanceTracker(prior=self.population.acceptance)
@@ -92,6 +98,7 @@ class SpeculativeEngine:
         self._trackers.pop(seq.request_id, None)
         self._draft_read.pop(seq.request_id, None)
         self._fixed_k.discard(seq.request_id)
+        self.grammars.release(seq.request_id)
         self.target.release(seq.request_id)
         if self.proposer is not None:
             self.proposer.release(seq.request_id)
@@ -109,7 +116,8 @@ class SpeculativeEngine:
         widths = [len(d) + 1 for d in drafts]
         logits = self.target.forward([s.request_id for s in seqs], feeds, widths)  # [B, K+1, V]
         verdicts = verify_rows(logits, [RowVerify(s.params, row_scheme(s.params, s.seed, s.coupled, s.num_tokens),
-                                                  drafts[b], proposals[b], s.processing())
+                                                  drafts[b], proposals[b], s.processing(),
+                                                  self.grammars.masks(s.request_id, s.tokens, drafts[b]))
                                         for b, s in enumerate(seqs)])
         t2 = time.perf_counter()
         outputs = [self._commit(s, len(drafts[b]), verdicts[b]) for b, s in enumerate(seqs)]
@@ -142,7 +150,7 @@ class SpeculativeEngine:
             return drafts, proposals
         proposal = self.proposer.propose([
             DraftRequest(seqs[b].request_id, seqs[b].tokens, ks[b], seqs[b].params, seqs[b].seed, seqs[b].coupled,
-                         seqs[b].processing())
+                         seqs[b].processing(), seqs[b].params.grammar, len(seqs[b].prompt_ids))
             for b in rows
         ])
         for i, b in enumerate(rows):

@@ -89,3 +89,24 @@ def total_variation_bound(vocab: int, n: int) -> float:
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tiny_tokenizer()
+
+
+BYTE_VOCAB = 288  # the byte tokenizer's 272 ids padded, as models pad their embedding tables
+# merges of the byte tokenizer (in the byte-level alphabet, 'Ġ' is a space): a few multi-byte tokens, so a text
+# has several tokenizations and drafts can straddle a grammar's boundaries
+BYTE_MERGES = [("{", '"'), ('"', ":"), ('"', ","), ('"', "}"), ("Ġ", '"'), ("a", "b"), ("1", "2"), ("t", "r"),
+               ("tr", "ue"), ("u", "e"), ("n", "u"), ("l", "l"), ("nu", "ll"), ("e", "s")]
+
+
+def make_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (GPT-2's scheme) over the 256 byte symbols and BYTE_MERGES; id 0 = <pad>, id 1 = </s>. Any text
+    tokenizes, so grammars (JSON, regexes) can be generated with it; llguidance reads it as it reads real models'."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<pad>": 0, "</s>": 1, **{ch: 2 + i for i, ch in enumerate(alphabet)}}
+    for a, b in BYTE_MERGES:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=BYTE_MERGES))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<pad>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>")

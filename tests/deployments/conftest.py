@@ -13,12 +13,13 @@ from deployments.config import SpecServeConfig
 from deployments.errors import ChainBroken, DraftGone, ReplicaFull, ReplicaGone
 from deployments.messages import DraftResult, VerifyResult
 from deployments.workers import DraftWorkerCore, TargetWorkerCore
-from tests.conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
+from tests.conftest import BYTE_VOCAB, make_byte_tokenizer, make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
 
-def save_model_pair(root, target, draft):
-    """Save a target and a draft (safetensors, the tiny tokenizer, EOS id 1) as model dirs; returns their paths."""
-    tokenizer = make_tiny_tokenizer()
+def save_model_pair(root, target, draft, tokenizer=None):
+    """Save a target and a draft (safetensors, the tiny tokenizer or `tokenizer`, EOS id 1) as model dirs; returns
+    their paths."""
+    tokenizer = tokenizer or make_tiny_tokenizer()
     for name, model in [("target", target), ("draft", draft)]:
         model.generation_config.eos_token_id = 1
         model.save_pretrained(root / name, safe_serialization=True)
@@ -30,6 +31,15 @@ def save_model_pair(root, target, draft):
 def tiny_model_dirs(tmp_path_factory):
     target = make_tiny_model("llama", seed=0)
     return save_model_pair(tmp_path_factory.mktemp("models"), target, perturbed_copy(target, 0.02))
+
+
+@pytest.fixture(scope="session")
+def byte_model_dirs(tmp_path_factory):
+    """A tiny pair over the byte-level tokenizer (any text tokenizes: JSON, regexes), with a chat template."""
+    target = make_tiny_model("llama", vocab=BYTE_VOCAB, seed=0)
+    tokenizer = make_byte_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+    return save_model_pair(tmp_path_factory.mktemp("byte_models"), target, perturbed_copy(target, 0.05), tokenizer)
 
 
 # the tiny WordLevel tokenizer has no chat template; this one maps any conversation to known words
