@@ -271,7 +271,7 @@ def create_app(router) -> FastAPI:
         slots = router.more_slots(getattr(request.state, "admission_slot", None), len(choices))
         streams = [router.run(p, f"{rid}-{i}" if len(choices) > 1 else rid, slot)
                    for i, (p, slot) in enumerate(zip(choices, slots))]
-        echo = [router.tokenizer.decode(p.prompt_ids) if getattr(body, "echo", False) else "" for p in choices]
+        echo = [_echo(router.tokenizer, p) if getattr(body, "echo", False) else "" for p in choices]
         texts = list(echo)
         completion_lps = [CompletionLogprobs(offset=len(e)) for e in echo]
         chat_lps: list[list[dict]] = [[] for _ in choices]
@@ -349,6 +349,11 @@ def create_app(router) -> FastAPI:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return app
+
+
+def _echo(tokenizer, prepared) -> str:
+    """The prompt `echo` puts before a completion: its text as sent, or its token ids decoded."""
+    return prepared.prompt_text if prepared.prompt_text is not None else tokenizer.decode(prepared.prompt_ids)
 
 
 async def _first(outputs):

@@ -39,6 +39,7 @@ class Prepared:
     adaptive: bool | None  # None: the server's K policy; False: exactly k every round
     overlap: bool | None  # None: the server's setting; False: no drafting ahead for this request
     arrival: float  # time.perf_counter() when the request was read
+    prompt_text: str | None = None  # a completion's prompt as the client sent it, when it was text (for echo)
 
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -141,10 +142,9 @@ class Router:
             raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server does not "
                                 "compute; ask for one of them", param="echo", code="unsupported_parameter")
         prompts = body.prompts()
-        if len(prompts) * body.n > self.config.limits.max_choices:
-            raise APIError(400, f"{len(prompts)} prompts x n={body.n} choices is over the limit of "
-                                f"{self.config.limits.max_choices} per request", param="n")
-        return [self._prepare(body, self._prompt_ids(prompt), body.max_tokens, arrival, body.logprobs)
+        self._check_choices(len(prompts), body.n)
+        return [replace(self._prepare(body, self._prompt_ids(prompt), body.max_tokens, arrival, body.logprobs),
+                        prompt_text=prompt if isinstance(prompt, str) else None)
                 for prompt in prompts]
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -152,16 +152,24 @@ class Router:
             if not prompt:
                 raise APIError(400, "prompt is empty", param="prompt", code="empty_prompt")
             return self.tokenizer(prompt)["input_ids"]
-        vocab = len(self.tokenizer)
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        self._check_token_ids(prompt, "prompt", "prompt token ids")
         return list(prompt)
+
+    def _check_token_ids(self, ids, param: str, what: str) -> None:
+        """A 400 naming `param` when an id is outside the tokenizer's vocabulary."""
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"{what} must be in [0, {vocab})", param=param)
+
+    def _check_choices(self, prompts: int, n: int) -> None:
+        limit = self.config.limits.max_choices
+        if prompts * n > limit:
+            raise APIError(400, f"{prompts} prompt(s) x n={n} choices is over the limit of {limit} per request",
+                           param="n")
 
     def prepare_chat(self, body: ChatCompletionRequest) -> list[Prepared]:
         arrival = time.perf_counter()
-        if body.n > self.config.limits.max_choices:
-            raise APIError(400, f"n={body.n} is over the limit of {self.config.limits.max_choices} per request",
-                           param="n")
+        self._check_choices(1, body.n)
         ids = self._chat_ids(body.messages, add_generation_prompt=True)
         return [self._prepare(body, ids, body.max_completion_tokens or body.max_tokens, arrival, body.logprobs_n())]
 
@@ -205,9 +213,7 @@ class Router:
 
     def detokenize(self, body) -> str:
         self._check_model(body.model)
-        vocab = len(self.tokenizer)
-        if any(t < 0 or t >= vocab for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        self._check_token_ids(body.tokens, "tokens", "token ids")
         return self.tokenizer.decode(body.tokens)
 
     def _check_model(self, model: str | None) -> None:
@@ -258,20 +264,15 @@ class Router:
     def _vllm_sampling(self, body) -> dict:
         """vLLM's sampling parameters of a request, as SamplingParams fields; token ids outside the vocabulary are
         a 400 naming the parameter."""
-        vocab = len(self.tokenizer)
         bias = {}
         for key, value in (body.logit_bias or {}).items():
             try:
-                token = int(key)
+                bias[int(key)] = value
             except ValueError:
                 raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
-            if not 0 <= token < vocab:
-                raise APIError(400, f"logit_bias token id {token} is outside the vocabulary [0, {vocab})",
-                               param="logit_bias")
-            bias[token] = value
+        self._check_token_ids(bias, "logit_bias", "logit_bias token ids")
         stop_ids = body.stop_token_ids or []
-        if any(not 0 <= t < vocab for t in stop_ids):
-            raise APIError(400, f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+        self._check_token_ids(stop_ids, "stop_token_ids", "stop_token_ids")
         fields = {"presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
                   "repetition_penalty": body.repetition_penalty, "min_p": body.min_p}
         return {**{k: v for k, v in fields.items() if v is not None}, "logit_bias": tuple(bias.items()),

@@ -164,6 +164,11 @@ def test_echo_puts_the_prompt_before_the_completion(served):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="tiny", prompt="w5 w6 w7", echo=True, stream=True, **GREEDY))
     assert streamed == echoed
+    # the prompt comes back as sent, not as its tokens decode (two spaces here, one after decoding)
+    spaced = client.completions.create(model="tiny", prompt="w5  w6 w7", echo=True, **GREEDY).choices[0].text
+    assert spaced == "w5  w6 w7" + plain
+    ids = client.completions.create(model="tiny", prompt=[5, 6, 7], echo=True, **GREEDY).choices[0].text
+    assert ids == "w5 w6 w7" + plain
     body = _refusal(lambda: client.completions.create(model="tiny", prompt="w5", echo=True, logprobs=1))
     assert body["param"] == "echo"
 
