@@ -17,7 +17,8 @@ def ray_cluster():
     import ray
     from ray import serve
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="specserve-tests")
+    # "local": always a new cluster, never one named by a stale /tmp/ray/ray_current_cluster of an earlier run
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="specserve-tests")
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     yield
     serve.shutdown()
