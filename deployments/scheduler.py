@@ -219,12 +219,13 @@ class Scheduler:
 
     async def _round(self) -> None:
         groups: dict[str, list[LiveRequest]] = {}
-        prefilling = []
+        prefilling: dict[str, list[LiveRequest]] = {}
         for live in self._live.values():
             if live.reletting:
                 continue
             if live.seq.num_tokens - live.target_sent > self.config.prefill_chunk:
-                prefilling.append(live)  # a long prompt (or a re-prefill): one chunk this round, no token yet
+                # a long prompt (or a re-prefill): one chunk this round, no token yet
+                prefilling.setdefault(live.target.key, []).append(live)
             else:
                 groups.setdefault(live.target.key, []).append(live)
         plans = [(rows, self._ks(rows)) for rows in groups.values()]
@@ -232,26 +233,30 @@ class Scheduler:
         self.last_mean_k = sum(all_ks) / len(all_ks) if all_ks else 0.0
         observe(self.metrics.load, len(self._live), self.admission.waiting, self.last_mean_k)
         await asyncio.gather(*(self.round.run(rows, ks) for rows, ks in plans),
-                             *(self._prefill_chunk(live) for live in prefilling))
+                             *(self._prefill_chunks(lives) for lives in prefilling.values()))
 
     def _ks(self, rows: list[LiveRequest]) -> list[int]:
         """Each row's draft length this round (GroupRound.plan), counting the requests about to join."""
         joining = self.admission.joining()
         return self.round.plan(rows, joining, len(self._live) + joining)
 
-    async def _prefill_chunk(self, live: LiveRequest) -> None:
-        """Send the next `prefill_chunk` tokens of a long prompt to its target worker (chunked prefill, as vLLM's
-        and SGLang's schedulers do): the worker takes turns between this call and the running rows' round, so those
-        wait for at most one chunk per round instead of the whole prompt. The chunk's logits are not needed."""
-        end = live.target_sent + self.config.prefill_chunk
+    async def _prefill_chunks(self, lives: list[LiveRequest]) -> None:
+        """Send the next `prefill_chunk` tokens of each long prompt leased to one Target replica to its worker, in
+        one call (chunked prefill, as vLLM's and SGLang's schedulers do): the worker takes turns between this call
+        and the running rows' round, so those wait for one chunk per prompt per round instead of whole prompts, and
+        the prompts' chunks share forwards there (engine/static_runner.prefill_groups). The chunks' logits are not
+        needed."""
+        ends = [live.target_sent + self.config.prefill_chunk for live in lives]
+        calls = [VerifyCall(live.delta(live.target_sent, end), []) for live, end in zip(lives, ends)]
         try:
-            await asyncio.gather(live.target.verify([VerifyCall(live.delta(live.target_sent, end), [])]),
-                                 self._draft_reads_chunk(live, end))
+            await asyncio.gather(lives[0].target.verify(calls),
+                                 *(self._draft_reads_chunk(live, end) for live, end in zip(lives, ends)))
         except ReplicaGone:
-            await self.recovery.replace_target([live])
+            await self.recovery.replace_target(lives)
             return
-        live.target_sent = end
-        self.stats.prefill_chunks += 1
+        for live, end in zip(lives, ends):
+            live.target_sent = end
+        self.stats.prefill_chunks += len(lives)
 
     async def _draft_reads_chunk(self, live: LiveRequest, end: int) -> None:
         """With a draft model, the same chunk goes to the row's Draft worker (a draft call for 0 tokens: it only

@@ -37,7 +37,8 @@ from .runner import ContextWindowError, SlotTable, SlotTableAccess, SeqSlot, con
 from .static_llama import StaticLlama
 from .static_tp import agree_num_slots, shard_of
 
-MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks, alone
+MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks first
+PREFILL_TOKENS_PER_FORWARD = 4  # rows' prefill chunks share a forward up to this many chunks' worth of tokens
 GIB = 1 << 30
 
 
@@ -190,29 +191,53 @@ class StaticRunner(SlotTableAccess):
             if len(state.tokens) + len(toks) > self.max_model_len:
                 raise ContextWindowError(
                     f"sequence would reach {len(state.tokens) + len(toks)} tokens > {self.max_model_len}")
-        # long rows: everything but their last num_logits tokens in chunks, alone; the rest joins the batch
-        tails = []
-        for state, toks, k in zip(states, new_tokens, num_logits):
+        # long rows: everything but their last num_logits tokens is prefilled first, in chunks; the rest joins the
+        # batch
+        heads, tails = [], []
+        for toks, k in zip(new_tokens, num_logits):
             head = len(toks) - max(k, 1) if len(toks) > MAX_WIDTH else 0
             if k > MAX_WIDTH:
                 raise ValueError(f"at most {MAX_WIDTH} logits per row, asked for {k}")
-            for lo in range(0, head, self.prefill_chunk):
-                self._prefill_chunk(state, list(toks[lo : min(head, lo + self.prefill_chunk)]))
+            heads.append(list(toks[:head]))
             tails.append(list(toks[head:]))
+        self._prefill_heads(states, heads)
         logits = self._batched_step(states, tails, list(num_logits))
         self.forward_calls += 1
         self.forward_rows += len(states)
         return logits
 
-    def _prefill_chunk(self, state: SeqSlot, tokens: list[int]) -> None:
-        # chunks never run as CUDA graphs (see __init__), so they are never padded
-        width = len(tokens)
-        ids = torch.zeros(1, width, dtype=torch.long)
-        ids[0, : len(tokens)] = torch.tensor(tokens)
-        start = len(state.tokens)
-        kv_len = self._kv_len(start + width)
-        self._run(ids, torch.tensor([start]), state.slot, kv_len, last_only=True, step=self._prefill)
-        state.tokens.extend(tokens)
+    def _prefill_heads(self, states: list[SeqSlot], heads: list[list[int]]) -> None:
+        """Feed each row's head (prompt tokens whose logits are not needed) in chunks of at most `prefill_chunk`
+        tokens. Rows in neighbouring slots share a forward (`prefill_groups`): 8 new prompts cost one pass over the
+        weights per chunk instead of 8, the projections run as larger matrix products, and each layer's fixed costs
+        are paid once (measured in bench/RESULTS.md, session 13)."""
+        fed = [0] * len(states)
+        while True:
+            chunks = {b: heads[b][fed[b] : fed[b] + self.prefill_chunk] for b in range(len(states))
+                      if fed[b] < len(heads[b])}
+            if not chunks:
+                return
+            order = sorted(chunks, key=lambda b: states[b].slot)
+            for group in prefill_groups([states[b].slot for b in order], [len(chunks[b]) for b in order],
+                                        PREFILL_TOKENS_PER_FORWARD * self.prefill_chunk):
+                members = [order[i] for i in group]
+                self._prefill_rows([states[b] for b in members], [chunks[b] for b in members])
+                for b in members:
+                    fed[b] += len(chunks[b])
+
+    def _prefill_rows(self, states: list[SeqSlot], chunks: list[list[int]]) -> None:
+        """One forward of prompt chunks for rows in consecutive slots; chunks never run as CUDA graphs (see
+        __init__), so only the shorter chunks are padded, to the longest (their padding writes past their own
+        tokens, which the next tokens overwrite and no query sees before that)."""
+        width = max(len(c) for c in chunks)
+        ids = torch.zeros(len(states), width, dtype=torch.long)
+        for r, chunk in enumerate(chunks):
+            ids[r, : len(chunk)] = torch.tensor(chunk)
+        starts = torch.tensor([len(state.tokens) for state in states])
+        kv_len = self._kv_len(max(len(state.tokens) for state in states) + width)
+        self._run(ids, starts, states[0].slot, kv_len, last_only=True, step=self._prefill)
+        for state, chunk in zip(states, chunks):
+            state.tokens.extend(chunk)
 
     def _batched_step(self, states: list[SeqSlot], tails: list[list[int]],
                       num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]
@@ -276,6 +301,23 @@ class StaticRunner(SlotTableAccess):
                 if progress is not None:
                     progress(f"compiled {done}/{len(shapes)}: batch {ids.shape[0]} width {ids.shape[1]}")
         return len(shapes)
+
+
+def prefill_groups(slots: Sequence[int], widths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of rows (sorted by slot) that can share one prefill forward: consecutive slots (the forward reads a
+    contiguous range of the cache), at most `max_tokens` padded tokens, and at most 1.5 times the real tokens (a
+    short chunk beside a long one would mostly compute padding)."""
+    groups: list[list[int]] = []
+    for i, (slot, width) in enumerate(zip(slots, widths)):
+        if groups:
+            group = groups[-1]
+            padded = (len(group) + 1) * max(width, max(widths[j] for j in group))
+            real = width + sum(widths[j] for j in group)
+            if slot == slots[group[-1]] + 1 and padded <= max_tokens and 2 * padded <= 3 * real:
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
 
 
 def _compile_step(model: StaticLlama, device: torch.device) -> Callable:

@@ -50,6 +50,35 @@ def complete(base, prompt, n=24):
     return r.json()["choices"][0]["text"]
 
 
+def live_sequences_of_every_worker() -> dict[str, int]:
+    """Sequences each model worker actor of the cluster holds now (found by their actor names, every app's)."""
+    import ray
+
+    from ray.exceptions import RayActorError
+
+    live = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(("specserve-draft-", "specserve-target-")):
+            try:  # a replica scaled down meanwhile takes its workers with it
+                worker = ray.get_actor(actor["name"], namespace=actor["namespace"])
+                live[actor["name"]] = ray.get(worker.stats.remote(), timeout=60)["live_sequences"]
+            except (RayActorError, ValueError):
+                continue
+    return live
+
+
+def assert_no_sequence_outlives_its_request(timeout_s: float = 15) -> None:
+    """Once every request has been answered, every worker has released every sequence (a lease's release travels
+    after the answer, so give it a moment). A sequence left behind would hold its KV-cache slot for good."""
+    deadline = time.time() + timeout_s
+    while True:
+        live = live_sequences_of_every_worker()
+        if not any(live.values()) or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert live and not any(live.values()), f"sequences left on workers after every request ended: {live}"
+
+
 def test_tp2_matches_tp1_and_each_rank_holds_a_shard(ray_cluster, tiny_model_dirs):
     from ray import serve
 
@@ -66,6 +95,7 @@ def test_tp2_matches_tp1_and_each_rank_holds_a_shard(ray_cluster, tiny_model_dir
         assert r["parameters"] < 0.55 * r["full_parameters"], r  # a shard, not a full copy
         assert r["runner"] == "StaticRunner", r  # the static runner over the rank's shard (engine/static_tp.py)
         assert r["gomp_spincount"] == "20000", r  # the worker processes got their environment
+    assert_no_sequence_outlives_its_request()
     serve.delete("tp1")
     serve.delete("tp2")
 
@@ -101,6 +131,7 @@ def test_load_scales_target_replicas_up_and_idleness_down(ray_cluster, tiny_mode
         for f in futures:
             f.result()
     assert peak == 2, "load raised the Target replica count"
+    assert_no_sequence_outlives_its_request()
     deadline = time.time() + 60
     while time.time() < deadline and replicas() > 1:
         time.sleep(1)
@@ -143,6 +174,7 @@ def test_autoscaler_holds_steady_while_speculation_switches_off_and_on(ray_clust
     assert 0 < spec["num_drafts"] < spec["rounds"], "rounds ran both with and without drafts"
     assert max(counts) == 2, f"4 sequences at 2 per replica: 2 replicas ({counts})"
     assert counts == sorted(counts), f"the replica count went down while the load lasted: {counts}"
+    assert_no_sequence_outlives_its_request()
     serve.delete("steady")
 
 

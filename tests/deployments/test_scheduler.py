@@ -47,3 +47,33 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_rounds_with_the_same_outpu
     # the draft reads the long prompt in the same chunks (with the target's), not all at once when it first drafts
     assert router.scheduler.stats.draft_prefill_chunks == 5
     assert max(fed["draft"]) <= 16 + k + 1, fed["draft"]
+
+
+def test_long_prompts_on_one_target_send_their_chunks_in_one_call_with_their_own_outputs(tiny_model_dirs):
+    """Two long prompts admitted together: each round's chunks of both travel in one verify call (the worker's
+    runner can then prefill them in shared forwards), and each output equals the prompt's plain decoding."""
+    config = tiny_config(tiny_model_dirs, model={"draft": "ngram"}, runner={"prefill_chunk": 16})
+    broker = LocalBroker(config)
+    router = Router(config, broker)
+    rows_per_call = []
+    core = broker.cores["target"]
+    verify = core.verify
+
+    def spy(calls):
+        rows_per_call.append(len(calls))
+        return verify(calls)
+
+    core.verify = spy
+    other = [(11 * t) % 50 + 3 for t in range(70)]
+
+    async def go():
+        async with client(router) as c:
+            answers = await asyncio.gather(*(c.post("/v1/completions", json={
+                "model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+                for p in (LONG_PROMPT, other)))
+            return [a.json()["choices"][0]["text"] for a in answers]
+
+    texts = asyncio.run(go())
+    assert texts == [plain_reference(tiny_model_dirs, LONG_PROMPT, 8), plain_reference(tiny_model_dirs, other, 8)]
+    assert router.scheduler.stats.prefill_chunks == 5 + 4  # 90 and 70 tokens in chunks of 16
+    assert 2 in rows_per_call[:4], f"the two prompts' chunks shared a call: {rows_per_call}"

@@ -8,7 +8,7 @@ from engine.model_runner import ModelRunner
 from engine.quantize import quantize_int8_weight_only
 from engine.runner import KVCacheFull, resolve_dtype
 from engine.static_llama import UnsupportedModel, why_unsupported
-from engine.static_runner import KVBudget, StaticRunner, forbid_host_sync, plan_num_slots
+from engine.static_runner import KVBudget, StaticRunner, forbid_host_sync, plan_num_slots, prefill_groups
 from tests.conftest import make_tiny_model
 
 SLOTS = KVBudget(gib=1.0, max_num_seqs=4)
@@ -139,6 +139,37 @@ def test_budget_sets_the_slots_refuses_when_full_and_reuses_released_space():
 def test_a_budget_below_one_sequence_is_an_error_that_says_what_to_change():
     with pytest.raises(ValueError, match="max_model_len"):
         plan_num_slots(slot_bytes=1000, budget_bytes=999, max_num_seqs=8)
+
+
+def test_prompts_of_different_lengths_prefill_together_with_each_ones_own_logits():
+    """Three new prompts (40, 70 and 100 tokens, chunks of 16) in one call: their chunks share forwards, and every
+    row's logits (and the next step's) equal the transformers forward of that prompt alone."""
+    model = make_tiny_model("llama", seed=4)
+    prompts = [[(3 * t + 7 * b) % 60 + 2 for t in range(n)] for b, n in enumerate((40, 70, 100))]
+    runner = StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16)
+    calls = []
+    run = runner._run
+    runner._run = lambda ids, *args, **kw: calls.append(tuple(ids.shape)) or run(ids, *args, **kw)
+    for b in range(3):
+        runner.add(f"p{b}")
+    got = runner.forward(["p0", "p1", "p2"], prompts, [1, 1, 1])
+    nxt = runner.forward(["p0", "p1", "p2"], [[5], [6], [7]], [1, 1, 1])
+    for b, prompt in enumerate(prompts):
+        ref = ModelRunner(model, fast_path=False)
+        ref.add("s")
+        torch.testing.assert_close(got[b, :1], ref.forward(["s"], [prompt], [1])[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(nxt[b, :1], ref.forward(["s"], [[5 + b]], [1])[0], atol=1e-4, rtol=1e-4)
+    prefill = [shape for shape in calls if shape[0] > 1 and shape[1] == 16]
+    assert prefill, f"no prefill forward held more than one row: {calls}"
+
+
+def test_prefill_groups_take_neighbouring_slots_within_the_token_and_padding_limits():
+    assert prefill_groups([0, 1, 2], [16, 16, 16], 64) == [[0, 1, 2]]
+    assert prefill_groups([0, 1, 3], [16, 16, 16], 64) == [[0, 1], [2]]  # slot 2 is not in the call
+    assert prefill_groups([0, 1, 2, 3, 4], [16] * 5, 64) == [[0, 1, 2, 3], [4]]  # at most 64 padded tokens
+    assert prefill_groups([0, 1], [16, 2], 64) == [[0], [1]]  # 32 padded tokens for 18 real
+    assert prefill_groups([0, 1, 2], [16, 2, 2], 64) == [[0], [1, 2]]
+    assert prefill_groups([0, 1], [16, 9], 64) == [[0, 1]]
 
 
 def test_no_host_sync_inside_a_step():
