@@ -242,14 +242,17 @@ class Scheduler:
     async def _prefill_chunk(self, live: LiveRequest) -> None:
         """Send the next `prefill_chunk` tokens of a long prompt to its target worker (chunked prefill, as vLLM's
         and SGLang's schedulers do): the worker takes turns between this call and the running rows' round, so those
-        wait for at most one chunk per round instead of the whole prompt. The chunk's logits are not needed."""
+        wait for at most one chunk per round instead of the whole prompt. The chunk's sampled token is not needed;
+        a request that asked for prompt logprobs gets the chunk's (engine/prompt_logprobs.py)."""
         end = live.target_sent + self.config.prefill_chunk
         try:
-            await asyncio.gather(live.target.verify([VerifyCall(live.delta(live.target_sent, end), [])]),
-                                 self._draft_reads_chunk(live, end))
+            result, _ = await asyncio.gather(live.target.verify([VerifyCall(live.delta(live.target_sent, end), [])]),
+                                             self._draft_reads_chunk(live, end))
         except ReplicaGone:
             await self.recovery.replace_target([live])
             return
+        if 0 in result.prompt_logprobs:
+            live.seq.add_prompt_logprobs(result.prompt_logprobs[0])
         live.target_sent = end
         self.stats.prefill_chunks += 1
 
