@@ -10,7 +10,8 @@ A round sends only token deltas: each call names a sequence, the position `start
 committed tokens are new to the worker, and those tokens, with its sampling settings and seed (and, in its first
 delta to a worker, its grammar). The target worker
 samples (engine/accept.py, on its device) and answers per row the tokens to emit, how many drafts it accepted and,
-when asked, their logprobs: a few dozen bytes, never a probability tensor. The only distributions on the wire are
+when asked, their logprobs (and a prefilling row's prompt logprobs, engine/prompt_logprobs.py): a few dozen bytes
+per token, never a probability tensor. The only distributions on the wire are
 the draft's compact proposals of unseeded sampled rows ([K, N] token ids and probabilities, engine/proposal.py):
 in a chained round they go from the draft worker straight to the target worker; when the router holds drafts made
 ahead (deployments/ahead.py) or drafted by several Draft leases, it forwards each row's compact proposal unchanged
