@@ -50,7 +50,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "truncate_prompt_tokens": _NULL,
-    "prompt_logprobs": _NULL,
     "return_tokens_as_token_ids": (None, False),
     "guided_json": _NULL, "guided_regex": _NULL, "guided_choice": _NULL, "guided_grammar": _NULL,
     "logits_processors": _NULL,

@@ -2,9 +2,14 @@
 choices (n > 1, or several prompts) into one response or one event stream.
 
 Logprobs come from the target's processed distribution, computed where it samples (engine/accept.py: each emitted
-token's log-probability and the top n); here they only get their JSON shape. A token's text is its own decoding,
-as vLLM reports it (a token that is part of a multi-byte character decodes to U+FFFD; `bytes` are that text's
-UTF-8 bytes).
+token's log-probability and the top n); prompt logprobs from its raw distribution over the prompt
+(engine/prompt_logprobs.py); here they only get their JSON shape. A token's text is its own decoding, as vLLM
+reports it (a token that is part of a multi-byte character decodes to U+FFFD; `bytes` are that text's UTF-8 bytes).
+
+Prompt logprobs take two shapes, vLLM's both: `prompt_logprobs` (`prompt_logprobs_json`: None for the first prompt
+token, then per token a dict token id -> {logprob, rank, decoded_token}, the prompt token first, then the top n),
+and, for a completion with `echo` and `logprobs`, the prompt's tokens before the completion's in its `logprobs`
+object (`CompletionLogprobs.add_prompt`: null logprob and top_logprobs for the first, text offsets from 0 on).
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from engine.accept import TokenLogprob
+from engine.accept import LOGPROB_FLOOR, TokenLogprob
+from engine.prompt_logprobs import PromptLogprob
 from engine.sequence import RequestOutput
 from engine.stats import SpecStats
 
@@ -40,15 +46,51 @@ def chat_logprobs(pieces: TokenPieces, token_ids: Sequence[int],
             for t, lp in zip(token_ids, logprobs)]
 
 
+def _floored(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)  # JSON has no -inf (vLLM's clamp)
+
+
+def prompt_logprobs_json(pieces: TokenPieces, prompt_ids: Sequence[int],
+                         entries: Sequence[PromptLogprob | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {token id: {logprob, rank,
+    decoded_token}} for the prompt token itself, then the top n (ranked 1..n)."""
+    out: list[dict | None] = []
+    for token, entry in zip(prompt_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        scored = {token: {"logprob": _floored(entry.logprob), "rank": entry.rank, "decoded_token": pieces(token)}}
+        for rank, (i, value) in enumerate(entry.top, 1):
+            scored.setdefault(i, {"logprob": _floored(value), "rank": rank, "decoded_token": pieces(i)})
+        out.append(scored)
+    return out
+
+
 @dataclass
 class CompletionLogprobs:
-    """Completions' `logprobs` object (the legacy shape), grown token by token."""
+    """Completions' `logprobs` object (the legacy shape), grown token by token: with `echo`, the prompt's tokens
+    first (`add_prompt`)."""
 
     tokens: list[str] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
-    offset: int = 0  # the characters before the next token (the echoed prompt's, then the tokens')
+    offset: int = 0  # the characters before the next token: the tokens' so far (the echoed prompt's among them)
+
+    def add_prompt(self, pieces: TokenPieces, prompt_ids: Sequence[int], entries: Sequence[PromptLogprob | None],
+                   n: int) -> "CompletionLogprobs":
+        """Append the prompt's tokens (`echo`) with their prompt logprobs: the first has none (null, as vLLM
+        answers), the others their logprob and the top n with the token itself; returns just those tokens' object."""
+        new = CompletionLogprobs(offset=self.offset)
+        for token, entry in zip(prompt_ids, entries):
+            piece = pieces(token)
+            top = None
+            if entry is not None:
+                top = {pieces(i): _floored(v) for i, v in entry.top[:n]}
+                top.setdefault(piece, _floored(entry.logprob))
+            for target in (self, new):
+                target._append(piece, None if entry is None else _floored(entry.logprob), top)
+        return new
 
     def add(self, pieces: TokenPieces, token_ids: Sequence[int],
             logprobs: Sequence[TokenLogprob]) -> "CompletionLogprobs":
@@ -59,12 +101,15 @@ class CompletionLogprobs:
             top = {pieces(i): v for i, v in lp.top}
             top.setdefault(piece, lp.logprob)  # vLLM's shape: the sampled token is always among them
             for target in (self, new):
-                target.tokens.append(piece)
-                target.token_logprobs.append(lp.logprob)
-                target.top_logprobs.append(top)
-                target.text_offset.append(target.offset)
-                target.offset += len(piece)
+                target._append(piece, lp.logprob, top)
         return new
+
+    def _append(self, piece: str, logprob: float | None, top: dict[str, float] | None) -> None:
+        self.tokens.append(piece)
+        self.token_logprobs.append(logprob)
+        self.top_logprobs.append(top)
+        self.text_offset.append(self.offset)
+        self.offset += len(piece)
 
     def json(self) -> dict:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,

@@ -249,7 +249,10 @@ class GroupRound:
     # ---- 4. accept ----------------------------------------------------------------------------------------------
     def _accept(self, rows: list[LiveRequest], drafts: Drafts, verified: VerifyResult
                 ) -> tuple[list[RequestOutput], list[int]]:
-        """Each row's commit of the verdict the target worker sampled (engine/accept.py)."""
+        """Each row's commit of the verdict the target worker sampled (engine/accept.py), after the prompt logprobs
+        it scored (a request's first output carries them)."""
+        for b, run in verified.prompt_logprobs.items():
+            rows[b].seq.add_prompt_logprobs(run)
         verdicts = verified.verdicts
         outputs = [commit(live.seq, len(drafts.tokens[b]), verdicts[b], self.stats.spec,
                           (live.tracker, self.population))

@@ -4,7 +4,7 @@ implements them over Ray Serve and the worker channel; tests/deployments/conftes
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from engine.policy import AcceptanceTracker
@@ -71,8 +71,15 @@ class LiveRequest:
     draft_retry_at: float = 0.0  # time.monotonic() before which no Draft lease is tried (the last one failed)
 
     def delta(self, sent: int, end: int | None = None) -> SeqDelta:
-        """The committed tokens [sent, end) (to the last one without `end`) for a worker that holds [0, sent)."""
-        return self._delta(sent, self.seq.tokens[sent:end])
+        """The committed tokens [sent, end) (to the last one without `end`) for a target worker that holds
+        [0, sent); with what it needs to score the prompt while a request's prompt logprobs are not all in."""
+        delta = self._delta(sent, self.seq.tokens[sent:end])
+        if not self.seq.wants_prompt_logprobs():
+            return delta
+        end = len(self.seq.tokens) if end is None else end
+        prompt = self.seq.prompt_ids
+        return replace(delta, prompt_logprobs=self.seq.params.prompt_logprobs,
+                       prompt_next=prompt[end] if end < len(prompt) else None)
 
     def _delta(self, start: int, tokens: list[int]) -> SeqDelta:
         p, settings = self.seq.params, self.seq.logits_settings

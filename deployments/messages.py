@@ -10,7 +10,8 @@ A round sends only token deltas: each call names a sequence, the position `start
 committed tokens are new to the worker, and those tokens, with its sampling settings and seed (and, in its first
 delta to a worker, its grammar). The target worker
 samples (engine/accept.py, on its device) and answers per row the tokens to emit, how many drafts it accepted and,
-when asked, their logprobs: a few dozen bytes, never a probability tensor. The only distributions on the wire are
+when asked, their logprobs (and a prefilling row's prompt logprobs, engine/prompt_logprobs.py): a few dozen bytes
+per token, never a probability tensor. The only distributions on the wire are
 the draft's compact proposals of unseeded sampled rows ([K, N] token ids and probabilities, engine/proposal.py):
 in a chained round they go from the draft worker straight to the target worker; when the router holds drafts made
 ahead (deployments/ahead.py) or drafted by several Draft leases, it forwards each row's compact proposal unchanged
@@ -19,7 +20,7 @@ inside its VerifyCall (router -> target), never reading it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ import torch
 
 from engine.accept import TokenLogprob, Verdict
 from engine.grammar import GrammarSpec
+from engine.prompt_logprobs import PromptLogprobs
 from engine.proposal import CompactProposal
 from engine.sampling import SamplingParams
 
@@ -67,6 +69,10 @@ class SeqDelta:
     # the worker keeps a matcher from then on, engine/grammar.py), and where its output begins (the prompt's length)
     grammar: tuple | None = None
     output_start: int = 0
+    # prompt logprobs (SamplingParams.prompt_logprobs), while the target has prompt tokens to score: the top n, and
+    # the prompt token after `tokens` when they end inside the prompt (a chunk: its last position's logits score it)
+    prompt_logprobs: int | None = None
+    prompt_next: int | None = None
 
     def sampling(self) -> SamplingParams:
         """The settings the sampler needs each round (the logits processors come from `logits`, kept)."""
@@ -78,7 +84,8 @@ class SeqDelta:
 
     def wire(self) -> tuple:
         return (self.seq_id, self.start, self.tokens, self.temperature, self.top_k, self.top_p, self.seed,
-                self.coupled, self.logprobs, self.min_p, self.logits, self.grammar, self.output_start)
+                self.coupled, self.logprobs, self.min_p, self.logits, self.grammar, self.output_start,
+                self.prompt_logprobs, self.prompt_next)
 
 
 @dataclass(frozen=True)
@@ -138,18 +145,22 @@ class VerifyResult:
     verdicts: list[Verdict]
     seconds: float  # the worker's own compute
     draft: DraftResult | None = None  # a chained round's draft result, without proposals (DraftLease.chain)
+    # by call index: the prompt logprobs the call's prompt tokens were scored with (rows that asked, while prefilling)
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
 
     def wire(self) -> tuple:
         rows = [(v.tokens, v.num_accepted, None if v.logprobs is None else [tuple(lp) for lp in v.logprobs])
                 for v in self.verdicts]
-        return (rows, self.seconds, None if self.draft is None else self.draft.wire())
+        return (rows, self.seconds, None if self.draft is None else self.draft.wire(),
+                {b: run.wire() for b, run in self.prompt_logprobs.items()})
 
     @staticmethod
     def from_wire(wire: tuple) -> "VerifyResult":
-        rows, seconds, draft = wire
+        rows, seconds, draft, prompt = wire
         verdicts = [Verdict(tokens, accepted, None if lps is None else [TokenLogprob(*lp) for lp in lps])
                     for tokens, accepted, lps in rows]
-        return VerifyResult(verdicts, seconds, None if draft is None else DraftResult.from_wire(draft))
+        return VerifyResult(verdicts, seconds, None if draft is None else DraftResult.from_wire(draft),
+                            {b: PromptLogprobs.from_wire(run) for b, run in prompt.items()})
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events ending in
 `data: [DONE]`), GET /v1/models, POST /tokenize and /detokenize (vLLM's shapes), GET /health (200 once completions
 can run, 503 before), GET /stats. Extension fields: `speculative: {"k": int, "enabled": bool, "adaptive": bool,
-"overlap": bool}`, `top_k`, `ignore_eos`; `usage.speculative` reports the request's rounds, drafted and accepted
-tokens.
+"overlap": bool}`, `top_k`, `ignore_eos`, vLLM's sampling parameters and `prompt_logprobs`; `usage.speculative`
+reports the request's rounds, drafted and accepted tokens.
 
 The request models declare what the server implements; any other field a client sends is refused with a 400
 naming it unless it carries its unused value (deployments/api_params.py). Response shapes: api_responses.py.
@@ -28,7 +28,8 @@ from engine.sampling import MAX_LOGPROBS
 
 from .api_errors import APIError
 from .api_params import refuse_unsupported
-from .api_responses import CompletionLogprobs, TokenPieces, chat_logprobs, interleave, merged_usage
+from .api_responses import (CompletionLogprobs, TokenPieces, chat_logprobs, interleave, merged_usage,
+                            prompt_logprobs_json)
 from .structured import ResponseFormat, StructuredOutputs
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "create_app"]
@@ -77,6 +78,9 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                        description="each prompt token's log-probability under the model, its rank "
+                                                    "and the top n (vLLM's; not with stream)")
     # structured outputs (deployments/structured.py): OpenAI's and vLLM's ways to ask for a grammar
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -273,7 +277,7 @@ def create_app(router) -> FastAPI:
                    for i, (p, slot) in enumerate(zip(choices, slots))]
         echo = [_echo(router.tokenizer, p) if getattr(body, "echo", False) else "" for p in choices]
         texts = list(echo)
-        completion_lps = [CompletionLogprobs(offset=len(e)) for e in echo]
+        completion_lps = [CompletionLogprobs() for _ in choices]
         chat_lps: list[list[dict]] = [[] for _ in choices]
         finals: list = [None] * len(choices)
 
@@ -292,6 +296,14 @@ def create_app(router) -> FastAPI:
         except BaseException:
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             raise
+        # a request's first output carries its prompt logprobs: echoed with the completion's logprobs, and in vLLM's
+        # `prompt_logprobs` field (a completion's choices; chat's response)
+        echo_lps = [completion_lps[i].add_prompt(pieces, p.prompt_ids, firsts[i].prompt_logprobs, body.logprobs).json()
+                    if getattr(body, "echo", False) and body.logprobs is not None else None
+                    for i, p in enumerate(choices)]
+        prompt_lps = [None if f.prompt_logprobs is None else prompt_logprobs_json(pieces, p.prompt_ids,
+                                                                                  f.prompt_logprobs)
+                      for p, f in zip(choices, firsts)] if not body.stream else []
 
         if not body.stream:
             async for i, out in interleave([_prefixed(f, s) for f, s in zip(firsts, streams)]):
@@ -304,10 +316,14 @@ def create_app(router) -> FastAPI:
                 choice = {"index": i, "finish_reason": last.finish_reason,
                           "logprobs": (({"content": chat_lps[i], "refusal": None} if chat
                                         else completion_lps[i].json()) if asked else None)}
-                choice.update({"message": {"role": "assistant", "content": texts[i]}} if chat else {"text": texts[i]})
+                choice.update({"message": {"role": "assistant", "content": texts[i]}} if chat else
+                              {"text": texts[i], "prompt_logprobs": prompt_lps[i]})
                 result.append(choice)
-            return {"id": rid, "object": obj, "created": created, "model": router.model_name, "choices": result,
-                    "usage": merged_usage(finals, len(prepared))}
+            response = {"id": rid, "object": obj, "created": created, "model": router.model_name, "choices": result,
+                        "usage": merged_usage(finals, len(prepared))}
+            if chat:
+                response["prompt_logprobs"] = prompt_lps[0]  # one prompt for all choices (vLLM's place)
+            return response
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
@@ -329,8 +345,8 @@ def create_app(router) -> FastAPI:
                 for i in range(len(choices)):
                     if chat:
                         yield _sse(chunk(i, "", None, role=True))
-                    elif echo[i]:
-                        yield _sse(chunk(i, echo[i], None))
+                    elif echo[i] or echo_lps[i]:
+                        yield _sse(chunk(i, echo[i], None, echo_lps[i]))
                 async for i, out in merged:
                     logprobs = add_logprobs(i, out)
                     if out.new_text or out.finished or logprobs:

@@ -138,12 +138,13 @@ class Router:
     def prepare_completion(self, body: CompletionRequest) -> list[Prepared]:
         """One Prepared per prompt of the request (a list of prompts gives several)."""
         arrival = time.perf_counter()
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server does not "
-                                "compute; ask for one of them", param="echo", code="unsupported_parameter")
         prompts = body.prompts()
         self._check_choices(len(prompts), body.n)
-        return [replace(self._prepare(body, self._prompt_ids(prompt), body.max_tokens, arrival, body.logprobs),
+        # vLLM's rule: `echo` with `logprobs` scores the prompt with that top n unless prompt_logprobs says otherwise
+        prompt_logprobs = body.prompt_logprobs if body.prompt_logprobs is not None else (
+            body.logprobs if body.echo else None)
+        return [replace(self._prepare(body, self._prompt_ids(prompt), body.max_tokens, arrival, body.logprobs,
+                                      prompt_logprobs),
                         prompt_text=prompt if isinstance(prompt, str) else None)
                 for prompt in prompts]
 
@@ -171,7 +172,8 @@ class Router:
         arrival = time.perf_counter()
         self._check_choices(1, body.n)
         ids = self._chat_ids(body.messages, add_generation_prompt=True)
-        return [self._prepare(body, ids, body.max_completion_tokens or body.max_tokens, arrival, body.logprobs_n())]
+        return [self._prepare(body, ids, body.max_completion_tokens or body.max_tokens, arrival, body.logprobs_n(),
+                              body.prompt_logprobs)]
 
     def _chat_ids(self, messages, add_generation_prompt: bool) -> list[int]:
         if not messages:
@@ -222,9 +224,11 @@ class Router:
                            param="model", code="model_not_found")
 
     def _prepare(self, body, prompt_ids: list[int], max_tokens: int | None, arrival: float,
-                 logprobs: int | None = None) -> Prepared:
+                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> Prepared:
         cfg, limits = self.config, self.config.limits
         self._check_model(body.model)
+        if body.stream and (body.prompt_logprobs or 0) > 0:  # vLLM's refusal: a stream has no place for them
+            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
         if not prompt_ids:
             raise APIError(400, "prompt is empty", param="prompt", code="empty_prompt")
         if len(prompt_ids) > limits.max_prompt_tokens or len(prompt_ids) >= cfg.model.max_model_len:
@@ -247,7 +251,7 @@ class Router:
                 top_p=cfg.sampling.top_p if body.top_p is None else body.top_p,
                 top_k=cfg.sampling.top_k if body.top_k is None else body.top_k,
                 max_tokens=max_tokens, stop=tuple(stop), seed=body.seed, ignore_eos=body.ignore_eos,
-                logprobs=logprobs, grammar=grammar, **self._vllm_sampling(body),
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar, **self._vllm_sampling(body),
             )
         except ValueError as exc:  # SamplingParams' messages begin with the parameter's name
             name = str(exc).split(" ", 1)[0]

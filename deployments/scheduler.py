@@ -244,17 +244,19 @@ class Scheduler:
         """Send the next `prefill_chunk` tokens of each long prompt leased to one Target replica to its worker, in
         one call (chunked prefill, as vLLM's and SGLang's schedulers do): the worker takes turns between this call
         and the running rows' round, so those wait for one chunk per prompt per round instead of whole prompts, and
-        the prompts' chunks share forwards there (engine/static_runner.prefill_groups). The chunks' logits are not
-        needed."""
+        the prompts' chunks share forwards there (engine/static_runner.prefill_groups). The chunks' sampled tokens
+        are not needed; a request that asked for prompt logprobs gets its chunk's (engine/prompt_logprobs.py)."""
         ends = [live.target_sent + self.config.prefill_chunk for live in lives]
         calls = [VerifyCall(live.delta(live.target_sent, end), []) for live, end in zip(lives, ends)]
         try:
-            await asyncio.gather(lives[0].target.verify(calls),
-                                 *(self._draft_reads_chunk(live, end) for live, end in zip(lives, ends)))
+            result, *_ = await asyncio.gather(lives[0].target.verify(calls),
+                                              *(self._draft_reads_chunk(live, end) for live, end in zip(lives, ends)))
         except ReplicaGone:
             await self.recovery.replace_target(lives)
             return
-        for live, end in zip(lives, ends):
+        for b, (live, end) in enumerate(zip(lives, ends)):
+            if b in result.prompt_logprobs:
+                live.seq.add_prompt_logprobs(result.prompt_logprobs[b])
             live.target_sent = end
         self.stats.prefill_chunks += len(lives)
 

@@ -27,6 +27,7 @@ from engine.calibrate import measure_draft_costs, measure_target_costs
 from engine.factory import EngineConfig, build_proposer, build_target, make_runner
 from engine.grammar import GrammarCompiler, GrammarError, SequenceGrammars
 from engine.loading import eos_token_ids, load_tokenizer, resolve
+from engine.prompt_logprobs import PromptLogprobs, score_prefill, score_tokens
 from engine.proposers import DraftRequest
 from engine.runner import Runner, resolve_dtype
 from engine.shard_loading import load_shard, rank_device
@@ -257,8 +258,8 @@ class TargetWorkerCore(ModelWorker):
         result = DraftResult.from_wire(draft)
         for i, b in enumerate(members):
             calls[b] = (calls[b][0], result.drafts[i], result.proposals.get(i))
-        verdicts, seconds, _ = self.verify(calls)
-        return verdicts, seconds, result.without_proposals().wire()
+        verdicts, seconds, _, prompt = self.verify(calls)
+        return verdicts, seconds, result.without_proposals().wire(), prompt
 
     def _timed_verify(self, calls: list[tuple]) -> tuple | None:
         with self.busy:
@@ -269,18 +270,30 @@ class TargetWorkerCore(ModelWorker):
         start = time.perf_counter()
         runner = self.runner
         seq_ids, feeds, widths, positions = [], [], [], []
-        for call in calls:
+        prompt: dict[int, PromptLogprobs | None] = {}  # rows scoring prompt tokens (engine/prompt_logprobs.py)
+        for b, call in enumerate(calls):
             known = self._known.apply(call.seq)
             if not runner.has(call.seq.seq_id):
                 runner.add(call.seq.seq_id)
             seq_ids.append(call.seq.seq_id)
             positions.append(len(known))  # the absolute position of the row's first scored token
-            feeds.append(runner.sync(call.seq.seq_id, known) + list(call.draft))
+            feed = runner.sync(call.seq.seq_id, known)
+            if call.seq.prompt_logprobs is not None:  # the LM head over its prompt positions, fed first
+                feed, prompt[b] = score_prefill(runner, call.seq.seq_id, known, feed, call.seq.output_start,
+                                                call.seq.prompt_logprobs, reduce=self.rank == 0)
+            feeds.append(feed + list(call.draft))
             widths.append(len(call.draft) + 1)
         logits = runner.forward(seq_ids, feeds, widths)  # [B, K+1, V]; every rank runs it (collectives)
         self._counted(len(calls))
         if self.rank != 0:
             return None
+        for b, run in list(prompt.items()):  # a prompt chunk's last logits score the next chunk's first token
+            call = calls[b]
+            if call.seq.prompt_next is not None:
+                end = PromptLogprobs(positions[b], score_tokens(logits[b, :1], [call.seq.prompt_next],
+                                                                call.seq.prompt_logprobs))
+                run = end if run is None else PromptLogprobs(run.first, run.entries + end.entries)
+            prompt[b] = run
         rows = []
         for call, position in zip(calls, positions):
             params = call.seq.sampling()
@@ -292,7 +305,8 @@ class TargetWorkerCore(ModelWorker):
         for call, verdict in zip(calls, verdicts):  # a grammar keeps the accepted drafts and the token after them
             if self.grammars is not None:
                 self.grammars.matcher(call.seq.seq_id, self._known.tokens[call.seq.seq_id] + verdict.tokens)
-        return VerifyResult(verdicts, time.perf_counter() - start)
+        return VerifyResult(verdicts, time.perf_counter() - start,
+                            prompt_logprobs={b: run for b, run in prompt.items() if run is not None})
 
     def _grammar_masks(self, call: VerifyCall):  # [K+1, V] bool, or None: the row has no grammar
         """The row's grammar masks at each verify position (engine/grammar.py): its matcher, made from the grammar

@@ -81,6 +81,10 @@ class ModelRunner(SlotTableAccess):
             out[group, : logits.shape[1]] = logits
         return out
 
+    def prompt_logits(self, seq_id: str, new_tokens: Sequence[int]) -> torch.Tensor:  # [N, V] float32
+        """Runner.prompt_logits: a forward of the one row with logits at every position."""
+        return self.forward([seq_id], [list(new_tokens)], [len(new_tokens)])[0]
+
     def _forward_group(
         self, seq_ids: list[str], new_tokens: list[Sequence[int]], num_logits: list[int]
     ) -> torch.Tensor:  # [B, max(num_logits), V]

@@ -167,6 +167,10 @@ class Runner(Protocol):
     ) -> torch.Tensor:  # [B, max(num_logits), V] float32
         """Append `new_tokens[b]` to sequence b's cache; logits at its last `num_logits[b]` positions."""
 
+    def prompt_logits(self, seq_id: str, new_tokens: Sequence[int]) -> torch.Tensor:  # [N, V] float32
+        """Append `new_tokens` to one sequence's cache; logits at every one of their positions (a request's prompt
+        logprobs, engine/prompt_logprobs.py: the LM head over positions `forward` never computes it at)."""
+
 
 def cpu_computes_bf16() -> bool:
     """Whether this CPU has native bf16 arithmetic (AVX-512 BF16 or AMX), where bf16 beats fp32."""

@@ -33,6 +33,9 @@ class SamplingParams:
     seed: int | None = None  # given: drafter-invariant Gumbel-coupled sampling (engine/accept.py)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: not asked; n >= 0: each emitted token's logprob and the top n
+    # None: not asked; n >= 0: each prompt token's logprob under the target, its rank and the top n
+    # (engine/prompt_logprobs.py), with the request's first output
+    prompt_logprobs: int | None = None
     # vLLM's meanings (vllm/sampling_params.py); the logits processors are engine/builtin_processors.py
     presence_penalty: float = 0.0  # subtracted once from each token already in the output, [-2, 2]
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output, [-2, 2]
@@ -60,6 +63,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in 0..{MAX_LOGPROBS}, got {self.prompt_logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .builtin_processors import LogitsSettings
 from .logits_processing import LogitsProcessor, RowProcessing
+from .prompt_logprobs import PromptLogprobs
 from .randomness import draw_seed
 from .sampling import SamplingParams
 from .stats import SpecStats
@@ -33,6 +34,9 @@ class RequestOutput:
     num_output_tokens: int
     stats: SpecStats
     logprobs: list | None = None  # per new token an accept.TokenLogprob, when the request asked for logprobs
+    # on a request's first output, when it asked for prompt logprobs: None (the first prompt token has none), then
+    # per prompt token a prompt_logprobs.PromptLogprob
+    prompt_logprobs: list | None = None
 
 
 def check_prompt(prompt_ids: Sequence[int], max_model_len: int) -> None:
@@ -63,6 +67,10 @@ class SequenceState:
     # applied to this sequence's draft and target logits at every position (engine/logits_processing.py)
     logits_settings: LogitsSettings | None = None
     processors: tuple[LogitsProcessor, ...] = ()
+    # prompt logprobs (params.prompt_logprobs): [None] + per prompt token its PromptLogprob, filled as the target
+    # scores the prompt (chunk by chunk: add_prompt_logprobs), delivered with the first output
+    prompt_logprobs: list | None = None
+    prompt_unscored: int = 0  # prompt tokens not scored yet
 
     @classmethod
     def create(cls, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, k: int,
@@ -77,9 +85,25 @@ class SequenceState:
         stop_ids = (frozenset(eos_token_ids) if keep_eos else frozenset()) | frozenset(params.stop_token_ids)
         text = OutputText(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens,
                           include_stop_str=params.include_stop_str_in_output, min_tokens=params.min_tokens)
+        asked = params.prompt_logprobs is not None
         return cls(request_id, prompt_ids, params, k, max_model_len, stop_ids, text,
                    params.seed if params.seed is not None else draw_seed(),
-                   logits_settings=settings, processors=settings.processors())
+                   logits_settings=settings, processors=settings.processors(),
+                   prompt_logprobs=[None] * len(prompt_ids) if asked else None,
+                   prompt_unscored=len(prompt_ids) - 1 if asked else 0)
+
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the target must still score prompt tokens of this request."""
+        return self.prompt_unscored > 0
+
+    def add_prompt_logprobs(self, run: PromptLogprobs) -> None:
+        """Prompt logprobs the target scored (a re-prefill after a failover scores the same positions again)."""
+        if self.prompt_logprobs is None:
+            return
+        for position, entry in enumerate(run.entries, run.first):
+            if 0 < position < len(self.prompt_logprobs):
+                self.prompt_unscored -= self.prompt_logprobs[position] is None
+                self.prompt_logprobs[position] = entry
 
     @property
     def coupled(self) -> bool:
@@ -111,6 +135,7 @@ class SequenceState:
                logprobs: list | None = None) -> RequestOutput:
         """Append one round's tokens, cutting at EOS or a stop token (not before min_tokens), max_tokens, the window
         and stop strings."""
+        first = not self.text.token_ids  # the request's first output carries its prompt logprobs
         cut = cut_at_eos_and_length(tokens, self.eos_token_ids, self.remaining(),
                                     self.params.min_tokens - len(self.text.token_ids))
         kept = tokens[: cut.keep]
@@ -132,4 +157,5 @@ class SequenceState:
             num_output_tokens=len(self.text.token_ids),
             stats=self.stats,
             logprobs=None if logprobs is None else list(logprobs[: len(kept)]),
+            prompt_logprobs=list(self.prompt_logprobs) if first and self.prompt_logprobs is not None else None,
         )

@@ -20,6 +20,7 @@ from .grammar import GrammarCompiler, SequenceGrammars
 from .loading import tokenizer_eos_ids
 from .model_runner import ModelRunner
 from .policy import AcceptanceTracker, CostProfile
+from .prompt_logprobs import score_prefill
 from .proposal import CompactProposal
 from .proposers import DraftModelProposer, DraftRequest, Proposer
 from .round_plan import RowOutlook, plan_ks
@@ -112,7 +113,7 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         drafts, proposals = self._draft(seqs, ks)
         t1 = time.perf_counter()
-        feeds = [self.target.sync(s.request_id, s.tokens) + drafts[b] for b, s in enumerate(seqs)]
+        feeds = [self._feed(s) + drafts[b] for b, s in enumerate(seqs)]
         widths = [len(d) + 1 for d in drafts]
         logits = self.target.forward([s.request_id for s in seqs], feeds, widths)  # [B, K+1, V]
         verdicts = verify_rows(logits, [RowVerify(s.params, row_scheme(s.params, s.seed, s.coupled, s.num_tokens),
@@ -124,6 +125,17 @@ class SpeculativeEngine:
         t3 = time.perf_counter()
         self.timings.record(len(seqs), t1 - t0, t2 - t1, t3 - t2)
         return outputs
+
+    def _feed(self, seq: SequenceState) -> list[int]:
+        """The sequence's tokens the target's cache lacks; a request that asked for prompt logprobs has its prompt
+        positions fed (and scored) first, through the target's LM head at every position."""
+        feed = self.target.sync(seq.request_id, seq.tokens)
+        if seq.wants_prompt_logprobs():
+            feed, scored = score_prefill(self.target, seq.request_id, seq.tokens, feed, len(seq.prompt_ids),
+                                         seq.params.prompt_logprobs)
+            if scored is not None:
+                seq.add_prompt_logprobs(scored)
+        return feed
 
     def plan(self, seqs: list[SequenceState]) -> list[int]:
         """Each row's draft length this round, from the planner the served round uses (engine/round_plan.py): with
@@ -198,9 +210,12 @@ class Completion:
     finish_reason: str | None = None
     stats: SpecStats | None = None
     logprobs: list | None = None  # per token an accept.TokenLogprob, when the request asked for logprobs
+    prompt_logprobs: list | None = None  # [None] + per prompt token a PromptLogprob, when the request asked
 
     def absorb(self, out: RequestOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.logprobs is not None:
             self.logprobs = (self.logprobs or []) + out.logprobs
         self.text += out.new_text

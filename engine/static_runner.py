@@ -206,6 +206,19 @@ class StaticRunner(SlotTableAccess):
         self.forward_rows += len(states)
         return logits
 
+    @torch.inference_mode()
+    def prompt_logits(self, seq_id: str, new_tokens: Sequence[int]) -> torch.Tensor:  # [N, V] float32
+        """Runner.prompt_logits: one row, logits at every position. Eager on every device: a rare request's path
+        must not compile graphs (CPU) or capture shapes (CUDA graphs) that other requests never use."""
+        state, tokens = self._seqs[seq_id], list(new_tokens)
+        start = len(state.tokens)
+        if start + len(tokens) > self.max_model_len:
+            raise ContextWindowError(f"sequence would reach {start + len(tokens)} tokens > {self.max_model_len}")
+        logits = self._run(torch.tensor([tokens]), torch.tensor([start]), state.slot,
+                           self._kv_len(start + len(tokens)), last_only=False, step=self.model.forward)
+        state.tokens.extend(tokens)
+        return logits[0]
+
     def _prefill_heads(self, states: list[SeqSlot], heads: list[list[int]]) -> None:
         """Feed each row's head (prompt tokens whose logits are not needed) in chunks of at most `prefill_chunk`
         tokens. Rows in neighbouring slots share a forward (`prefill_groups`): 8 new prompts cost one pass over the

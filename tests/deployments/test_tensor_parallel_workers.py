@@ -123,6 +123,57 @@ def test_routers_calling_one_tensor_parallel_replica_at_once_get_single_rank_res
         assert tensor_parallel[i] == expected, f"router {i}"
 
 
+def test_a_tensor_parallel_target_scores_a_chunked_prompts_logprobs_like_one_rank(tiny_model_dirs):
+    """Prompt logprobs under tensor parallelism: every rank runs the LM head over the prompt positions (its
+    collectives), rank 0 scores them; the same as one rank, chunk by chunk, beside a row that did not ask."""
+    config = tiny_config(tiny_model_dirs).engine_config()
+    prompt = [(5 * t + 2) % 60 + 2 for t in range(40)]
+
+    def calls(start: int, end: int) -> list[tuple]:
+        asked = SeqDelta("p", start, prompt[start:end], 0.0, 0, 1.0, 0, False, None, 0.0, None, None, len(prompt), 2,
+                         prompt[end] if end < len(prompt) else None)
+        return [VerifyCall(asked, []).wire(), VerifyCall(SeqDelta(f"q{start}", 0, [3, 4, 5], 0.0, 0, 1.0, 0, False),
+                                                          [6]).wire()]
+
+    async def score(call) -> list:
+        out = []
+        for start in range(0, len(prompt), 16):
+            result = VerifyResult.from_wire(await call("verify", calls(start, min(len(prompt), start + 16))))
+            out.append((result.prompt_logprobs, [v.tokens for v in result.verdicts]))
+        return out
+
+    ctx = multiprocessing.get_context("spawn")
+    endpoints, peers, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, config, endpoints, peers, stop), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, endpoint, _ = endpoints.get(timeout=180)
+        peers.put(endpoint)
+        _, rank0, _ = endpoints.get(timeout=180)
+        channels = AsyncChannels()
+        tensor_parallel = asyncio.run(asyncio.wait_for(score(lambda method, *args: channels.call(rank0, method, *args)),
+                                                       120))
+    finally:
+        _stop_ranks(procs, stop)
+    reference = TargetWorkerCore(config)
+
+    async def local(method, *args):
+        return getattr(reference, method)(*args)
+
+    expected = asyncio.run(score(local))
+    # a chunk scores its tokens after its first, and the next chunk's first (its last position's logits)
+    assert [(runs[0].first, len(runs[0].entries)) for runs, _ in expected] == [(1, 16), (17, 16), (33, 7)]
+    for (got, got_tokens), (want, want_tokens) in zip(tensor_parallel, expected):
+        assert got_tokens == want_tokens and set(got) == set(want) == {0}
+        assert [(e.rank, [i for i, _ in e.top]) for e in got[0].entries] == \
+               [(e.rank, [i for i, _ in e.top]) for e in want[0].entries]
+        for g, w in zip(got[0].entries, want[0].entries):
+            assert abs(g.logprob - w.logprob) < 1e-3
+
+
 def test_a_rank_whose_peer_is_gone_fails_its_calls_and_health_pings_from_then_on(tiny_model_dirs):
     import pytest
 

@@ -6,6 +6,8 @@ tests pin what a worker computes, not how its reply is spelled."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -24,9 +26,9 @@ PROMPT = [5, 9, 12, 7, 30, 2]
 
 
 def part(reply, name: str):
-    """A reply's field: workers answer their results' wire tuples (a verify's has 3 fields, a draft's 4)."""
+    """A reply's field: workers answer their results' wire tuples (a verify's seconds come second, a draft's third)."""
     if isinstance(reply, tuple):
-        reply = VerifyResult.from_wire(reply) if len(reply) == 3 else DraftResult.from_wire(reply)
+        reply = VerifyResult.from_wire(reply) if isinstance(reply[1], float) else DraftResult.from_wire(reply)
     return getattr(reply, name)
 
 
@@ -123,6 +125,48 @@ def test_sampled_rows_are_sampled_at_the_target_and_only_tokens_come_back(target
     assert greedy.logprobs is None and unseeded.logprobs is None
     assert 0 <= unseeded.num_accepted <= 2 and len(unseeded.tokens) == unseeded.num_accepted + 1
     target.release(["m1", "m2", "m3"])
+
+
+LONG_PROMPT = [(5 * t + 2) % 60 + 2 for t in range(50)]
+
+
+def prompt_delta(seq_id: str, start: int, end: int, n: int) -> SeqDelta:
+    """What the router sends while a request's prompt logprobs are not all in: prompt tokens [start, end), the top
+    n, and the prompt token after them (a chunk's)."""
+    return replace(delta(seq_id, LONG_PROMPT[start:end], start=start), output_start=len(LONG_PROMPT),
+                   prompt_logprobs=n, prompt_next=LONG_PROMPT[end] if end < len(LONG_PROMPT) else None)
+
+
+def test_the_target_scores_prompt_logprobs_alike_chunked_or_whole_and_only_for_rows_that_ask(target, models):
+    with torch.no_grad():
+        want = models[0](torch.tensor([LONG_PROMPT])).logits[0, :-1].log_softmax(-1)  # [L-1, V]: row t-1 -> token t
+    plain = part(target.verify([verify_call(delta("plain", PROMPT), [])]), "verdicts")
+    target.release(["plain"])
+    results = {}
+    for chunk in (len(LONG_PROMPT), 16):
+        scored = [None] * len(LONG_PROMPT)
+        for start in range(0, len(LONG_PROMPT), chunk):
+            end = min(len(LONG_PROMPT), start + chunk)
+            calls = [verify_call(prompt_delta("p", start, end, 3), [])]
+            if start == 0:
+                calls.append(verify_call(delta("plain", PROMPT), []))  # a row beside it that did not ask
+            reply = target.verify(calls)
+            if start == 0:
+                assert part(reply, "verdicts")[1] == plain[0], "a row that did not ask is unaffected"
+            runs = part(reply, "prompt_logprobs")
+            assert set(runs) == {0}, "only the row that asked gets prompt logprobs"
+            for position, entry in enumerate(runs[0].entries, runs[0].first):
+                assert scored[position] is None
+                scored[position] = entry
+        target.release(["p", "plain"])
+        assert scored[0] is None and None not in scored[1:], f"every prompt token scored once (chunk {chunk})"
+        results[chunk] = scored
+    for t in range(1, len(LONG_PROMPT)):
+        token = LONG_PROMPT[t]
+        for scored in results.values():
+            np.testing.assert_allclose(scored[t].logprob, float(want[t - 1, token]), atol=1e-4)
+            assert scored[t].rank == 1 + int((want[t - 1] > want[t - 1, token]).sum())
+            assert [i for i, _ in scored[t].top] == want[t - 1].topk(3).indices.tolist()
 
 
 def test_the_target_reply_is_under_a_kilobyte_per_row_without_logprobs(target):
