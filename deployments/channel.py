@@ -32,6 +32,7 @@ import secrets
 import selectors
 import socket
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -252,20 +253,22 @@ class ChannelRelay:
     # the model thread this long, once: the router then stops chaining through this pair of workers
 
     def __init__(self) -> None:
-        self._senders: dict[tuple, ChannelSender] = {}  # by Endpoint.wire()
+        self._senders: OrderedDict[tuple, ChannelSender] = OrderedDict()  # by Endpoint.wire(), most recent last
 
     def send(self, route: Route, method: str, *args) -> None:
         endpoint, conn_id = route
-        sender = self._senders.pop(endpoint, None)
+        sender = self._senders.get(endpoint)
         try:
             if sender is None:
-                sender = ChannelSender(Endpoint(*endpoint), timeout_s=self.CONNECT_TIMEOUT_S)
+                sender = self._senders[endpoint] = ChannelSender(Endpoint(*endpoint), timeout_s=self.CONNECT_TIMEOUT_S)
             sender.send(method, *args, reply=conn_id)
         except (OSError, ChannelClosed) as exc:
+            self._senders.pop(endpoint, None)
             if sender is not None:
                 sender.close()
             raise RelayFailed(f"could not pass {method} on to {Endpoint(*endpoint)}: {exc!r}") from exc
-        self._senders[endpoint] = sender  # most recently used last
+        # kept in the table while the call is on its way (the answer can reach the caller before this line runs)
+        self._senders.move_to_end(endpoint)
         while len(self._senders) > self.KEPT:
             self._senders.pop(next(iter(self._senders))).close()
 
