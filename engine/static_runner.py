@@ -223,13 +223,16 @@ class StaticRunner(SlotTableAccess):
         """Feed each row's head (prompt tokens whose logits are not needed) in chunks of at most `prefill_chunk`
         tokens. Rows in neighbouring slots share a forward (`prefill_groups`): 8 new prompts cost one pass over the
         weights per chunk instead of 8, the projections run as larger matrix products, and each layer's fixed costs
-        are paid once (measured in bench/RESULTS.md, session 13)."""
+        are paid once (measured in bench/RESULTS.md, session 13). Rows whose cached tokens and head are the same
+        (the `n` choices of one request, one prompt sent twice) are computed once: the others copy its keys and
+        values."""
+        heads, copies = shared_heads(states, heads)
         fed = [0] * len(states)
         while True:
             chunks = {b: heads[b][fed[b] : fed[b] + self.prefill_chunk] for b in range(len(states))
                       if fed[b] < len(heads[b])}
             if not chunks:
-                return
+                break
             order = sorted(chunks, key=lambda b: states[b].slot)
             for group in prefill_groups([states[b].slot for b in order], [len(chunks[b]) for b in order],
                                         PREFILL_TOKENS_PER_FORWARD * self.prefill_chunk):
@@ -237,6 +240,9 @@ class StaticRunner(SlotTableAccess):
                 self._prefill_rows([states[b] for b in members], [chunks[b] for b in members])
                 for b in members:
                     fed[b] += len(chunks[b])
+        for leader, follower, head in copies:
+            self.model.move_slot(states[leader].slot, states[follower].slot, len(states[leader].tokens))
+            states[follower].tokens.extend(head)
 
     def _prefill_rows(self, states: list[SeqSlot], chunks: list[list[int]]) -> None:
         """One forward of prompt chunks for rows in consecutive slots; chunks never run as CUDA graphs (see
@@ -314,6 +320,23 @@ class StaticRunner(SlotTableAccess):
                 if progress is not None:
                     progress(f"compiled {done}/{len(shapes)}: batch {ids.shape[0]} width {ids.shape[1]}")
         return len(shapes)
+
+
+def shared_heads(states: Sequence[SeqSlot], heads: Sequence[list[int]]
+                 ) -> tuple[list[list[int]], list[tuple[int, int, list[int]]]]:
+    """The heads to compute (a row repeating an earlier row's cached tokens and head gets none) and the copies to
+    make after: (row computed, row that copies its cache, that row's head)."""
+    first: dict[tuple, int] = {}
+    todo, copies = [], []
+    for b, (state, head) in enumerate(zip(states, heads)):
+        key = (tuple(state.tokens), tuple(head))
+        if head and key in first:
+            copies.append((first[key], b, head))
+            todo.append([])
+        else:
+            first.setdefault(key, b)
+            todo.append(head)
+    return todo, copies
 
 
 def prefill_groups(slots: Sequence[int], widths: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -163,6 +163,31 @@ def test_prompts_of_different_lengths_prefill_together_with_each_ones_own_logits
     assert prefill, f"no prefill forward held more than one row: {calls}"
 
 
+def test_the_same_prompt_in_several_rows_is_computed_once_and_copied():
+    """The n choices of one request: three rows with one 60-token prompt (and one other prompt) in a call. The
+    shared prompt's chunks run for one row only; every row's logits, now and at the next (different) tokens, equal
+    the transformers forward."""
+    model = make_tiny_model("llama", seed=5)
+    shared, other = [(5 * t) % 60 + 2 for t in range(60)], [(3 * t) % 50 + 4 for t in range(30)]
+    runner = StaticRunner(model, budget=KVBudget(gib=1.0, max_num_seqs=8), compile=False, prefill_chunk=16)
+    fed_rows = []
+    run = runner._run
+    runner._run = lambda ids, *args, **kw: fed_rows.append(ids.shape[0]) or run(ids, *args, **kw)
+    seq_ids = ["c0", "x", "c1", "c2"]
+    for s in seq_ids:
+        runner.add(s)
+    got = runner.forward(seq_ids, [shared, other, shared, shared], [1, 1, 1, 1])
+    prefill_calls = len(fed_rows) - 1
+    nxt = runner.forward(seq_ids, [[7], [8], [9], [10]], [1, 1, 1, 1])
+    for b, (prompt, token) in enumerate(zip([shared, other, shared, shared], [7, 8, 9, 10])):
+        ref = ModelRunner(model, fast_path=False)
+        ref.add("s")
+        torch.testing.assert_close(got[b, :1], ref.forward(["s"], [prompt], [1])[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(nxt[b, :1], ref.forward(["s"], [[token]], [1])[0], atol=1e-4, rtol=1e-4)
+    # 59 head tokens of the shared prompt in 4 chunks, for one row (grouped with "x"'s 2 chunks where they meet)
+    assert sum(fed_rows[:prefill_calls]) <= 4 + 2, f"rows fed per prefill forward: {fed_rows[:prefill_calls]}"
+
+
 def test_prefill_groups_take_neighbouring_slots_within_the_token_and_padding_limits():
     assert prefill_groups([0, 1, 2], [16, 16, 16], 64) == [[0, 1, 2]]
     assert prefill_groups([0, 1, 3], [16, 16, 16], 64) == [[0, 1], [2]]  # slot 2 is not in the call
