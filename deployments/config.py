@@ -68,6 +68,11 @@ class SpeculationSection(StrictModel):
     calibration: str | None = Field(
         None, description="cost profile written by `specserve-calibrate` for this model pair and machine; "
                           "None: each Draft/Target replica measures its own costs at start (a few seconds)")
+    cost_cache: str | None = Field(
+        "~/.cache/specserve/costs", description="directory where replicas keep the costs they measure at start "
+        "(keyed by model, dtype, runner settings, threads and hardware; engine/cost_cache.py): a restart on the same "
+        "machine reads them instead of measuring again (~10 s of a Target's start on a 2-core CPU). None: always "
+        "measure. Tensor-parallel targets always measure (their ranks measure together)")
     overlap: bool = Field(
         False, description="draft round r+1 while the target verifies round r, assuming round r is fully "
                            "accepted (used when the guess is right, discarded otherwise)")
@@ -192,5 +197,5 @@ class SpecServeConfig(StrictModel):
             max_model_len=m.max_model_len, device=m.device, trust_remote_code=m.trust_remote_code,
             runner=self.runner.kind, compile=self.runner.compile, kv_cache_gib=self.runner.kv_cache_gib,
             kv_cache_fraction=self.runner.kv_cache_fraction, max_num_seqs=self.runner.max_num_seqs,
-            prefill_chunk=self.runner.prefill_chunk,
+            prefill_chunk=self.runner.prefill_chunk, cost_cache=s.cost_cache,
         )

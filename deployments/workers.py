@@ -24,6 +24,7 @@ import time
 
 from engine.accept import RowVerify, row_scheme, verify_rows
 from engine.calibrate import measure_draft_costs, measure_target_costs
+from engine.cost_cache import cached_costs, costs_key
 from engine.factory import EngineConfig, build_proposer, build_target, make_runner
 from engine.grammar import GrammarCompiler, GrammarError, SequenceGrammars
 from engine.loading import eos_token_ids, load_tokenizer, resolve
@@ -76,7 +77,11 @@ class DraftWorkerCore(ModelWorker):
         self._cancel_lock = threading.Lock()
         self.cancelled_drafts = 0
         # draft step and prefill seconds by batch size, for the router's K policy (engine/policy.py)
-        self.costs = measure_draft_costs(self.proposer.runner) if calibrate else None
+        runner = self.proposer.runner
+        self.costs = None if not calibrate else cached_costs(
+            config.cost_cache, costs_key("draft", resolve(config.draft).directory, config.draft_dtype, runner,
+                                         prefill_chunk=config.prefill_chunk),
+            lambda: measure_draft_costs(runner))
 
     def cancel(self, ahead_id: int) -> None:
         with self._cancel_lock:
@@ -225,7 +230,14 @@ class TargetWorkerCore(ModelWorker):
         before any router calls)."""
         # with several ranks only rank 0 takes the node's turn: the others must not block its collectives
         with cpu_startup_turn(self.config) if self.rank == 0 else contextlib.nullcontext():
-            self.costs = self.on_model_thread(measure_target_costs, self.runner, max_k)
+            measure = lambda: self.on_model_thread(measure_target_costs, self.runner, max_k)  # noqa: E731
+            if self.world > 1:  # every rank must run the measurement's collectives: none may read a cache alone
+                self.costs = measure()
+            else:
+                key = self.on_model_thread(lambda: costs_key(  # torch's thread count as the model thread sees it
+                    "target", resolve(self.config.target).directory, self.config.target_dtype, self.runner,
+                    max_k=max_k, prefill_chunk=self.config.prefill_chunk))
+                self.costs = cached_costs(self.config.cost_cache, key, measure)
         return self.costs
 
     def _in_group(self, method: str, args: tuple, run):

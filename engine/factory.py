@@ -60,6 +60,7 @@ class EngineConfig:
     kv_cache_fraction: float = 0.2
     max_num_seqs: int = 32  # KV-cache slots at most (sequences a worker holds at once)
     prefill_chunk: int = 256  # prompt tokens per forward; the scheduler sends a long prompt this much per round
+    cost_cache: str | None = None  # where workers keep their start-up cost measurements (engine/cost_cache.py)
 
     @property
     def draft_method(self) -> DraftMethod:

@@ -53,7 +53,8 @@ def tiny_config(dirs, **overrides) -> SpecServeConfig:
     limits = {"max_prompt_tokens": 200, "max_tokens": 128, **overrides.pop("limits", {})}
     # tiny draft and target cost the same, so the adaptive policy would (rightly) never draft: tests of the round
     # machinery use fixed K unless they ask for the policy
-    speculation = {"adaptive": False, **overrides.pop("speculation", {})}
+    # and measure costs every start, never reading or writing a cost cache in the home directory
+    speculation = {"adaptive": False, "cost_cache": None, **overrides.pop("speculation", {})}
     # the static runner, eager: compiling its steps is tested in tests/engine (it would take minutes here)
     runner = {"compile": False, "kv_cache_gib": 0.05, **overrides.pop("runner", {})}
     return SpecServeConfig.model_validate({"model": model, "limits": limits, "speculation": speculation,

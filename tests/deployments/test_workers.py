@@ -289,3 +289,18 @@ def test_draft_release_and_stats(draft):
     with pytest.raises(UnknownSequenceError):
         draft.propose([draft_call(delta("l1", [3], start=len(PROMPT)), 1)])
     assert draft.ping() == 0.0
+
+
+def test_a_target_worker_reads_the_costs_a_previous_start_measured(tmp_path, monkeypatch, tiny_model_dirs):
+    import json
+
+    from deployments import workers
+
+    calls = []
+    real = workers.measure_target_costs
+    monkeypatch.setattr(workers, "measure_target_costs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    config = tiny_config(tiny_model_dirs, speculation={"cost_cache": str(tmp_path)}).engine_config()
+    first = workers.TargetWorkerCore(config).calibrate(3)
+    second = workers.TargetWorkerCore(config).calibrate(3)
+    assert len(calls) == 1, "the second start read the first one's measurement"
+    assert second == json.loads(json.dumps(first))
