@@ -77,3 +77,28 @@ def test_long_prompts_on_one_target_send_their_chunks_in_one_call_with_their_own
     assert texts == [plain_reference(tiny_model_dirs, LONG_PROMPT, 8), plain_reference(tiny_model_dirs, other, 8)]
     assert router.scheduler.stats.prefill_chunks == 5 + 4  # 90 and 70 tokens in chunks of 16
     assert 2 in rows_per_call[:4], f"the two prompts' chunks shared a call: {rows_per_call}"
+
+
+def test_the_n_choices_of_one_request_prefill_their_prompt_once(tiny_model_dirs):
+    """n = 3 over a 40-token prompt: the three sequences reach the target worker in one call, whose runner computes
+    the prompt for one row and copies it to the others (engine/static_runner.shared_heads); the greedy choices
+    all equal plain decoding."""
+    config = tiny_config(tiny_model_dirs, model={"draft": "ngram"})
+    broker = LocalBroker(config)
+    router = Router(config, broker)
+    runner = broker.cores["target"].runner
+    rows_fed = []
+    run = runner._run
+    runner._run = lambda ids, *args, **kw: rows_fed.append(tuple(ids.shape)) or run(ids, *args, **kw)
+    prompt = [(5 * t) % 60 + 2 for t in range(40)]
+
+    async def go():
+        async with client(router) as c:
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 6, "n": 3,
+                                                      "temperature": 0, "ignore_eos": True})
+            return [choice["text"] for choice in r.json()["choices"]]
+
+    texts = asyncio.run(go())
+    assert texts == [plain_reference(tiny_model_dirs, prompt, 6)] * 3
+    prefill_rows = sum(rows for rows, width in rows_fed if width > 16)  # the prompts' heads (39 tokens each)
+    assert prefill_rows == 1, f"forwards (rows, width): {rows_fed}"
