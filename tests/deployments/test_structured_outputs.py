@@ -152,6 +152,22 @@ def test_drafts_made_ahead_under_a_grammar_change_nothing(byte_model_dirs, serve
     assert ahead.choices[0].message.content == plain.choices[0].message.content
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_with_a_choice_that_ends_early_ends_with_the_choice(served, stream):
+    """min_tokens cannot outlast a grammar that can only end (vLLM's rule): the choice, finish_reason "stop", no
+    500 and no text outside the grammar, streamed or not."""
+    client, _, _ = served
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=30, temperature=0, extra_body={
+        "min_tokens": 20, "structured_outputs": {"choice": ["yes", "no"]}})
+    if stream:
+        chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+        text, finish = "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        text, finish = choice.message.content, choice.finish_reason
+    assert text in ("yes", "no") and finish == "stop"
+
+
 @pytest.mark.parametrize("temperature", [0, 1.0])
 def test_logprobs_come_from_the_constrained_distribution(served, temperature):
     """At the first position of a choice between "yes" and "no" only 'y' and 'n' have mass; the tokens the grammar
