@@ -26,3 +26,17 @@ class ReplicaFull(Overloaded):
 class TensorParallelBroken(RuntimeError):
     """A target rank's tensor-parallel group cannot compute any more (a peer died): the replica must go. Raised by
     the worker (deployments/workers.py), it crosses the channel to the lease, which takes it as ReplicaGone."""
+
+
+class RequestFailed(RuntimeError):
+    """One request failed on a worker after admission (a deployments/messages.RowFailure: its grammar would not
+    compile there, say). The round loop ends that request with this error and goes on with the others; the router
+    answers it as a 500 with the failure's code (router.Router.run)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @staticmethod
+    def of(failure) -> "RequestFailed":
+        return RequestFailed(failure.code, failure.message)

@@ -14,7 +14,8 @@
    never holds a probability tensor: the compact proposals of drafts made ahead or by several Draft leases pass
    through it unread, inside the VerifyCalls.
 A dead Target replica ends the round for its rows (they re-lease and re-prefill); a dead Draft replica's rows verify
-without drafts.
+without drafts. A row a worker failed (a RowFailure in its reply: its grammar would not compile there, say) ends its
+own request with that error (RequestFailed), and commits nothing; the round's other rows go on.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from engine.round_plan import RowOutlook, plan_ks
 from engine.sequence import RequestOutput
 
 from .ahead import AheadDrafts
-from .errors import ChainBroken, DraftGone, ReplicaGone
+from .errors import ChainBroken, DraftGone, ReplicaGone, RequestFailed
 from .live import DraftLease, LiveRequest
-from .messages import CostObservation, DraftCall, DraftResult, VerifyCall, VerifyResult, WireProposal, head
+from .messages import (CostObservation, DraftCall, DraftResult, RowFailure, VerifyCall, VerifyResult, WireProposal,
+                       head)
 from .metrics import NullMetrics, observe
 from .recovery import Recovery
 from .round_costs import RoundCosts
@@ -52,6 +54,7 @@ class Drafts:
     by_lease: dict[str, list[int]] = field(default_factory=dict)  # rows still to draft, by Draft lease key
     compute_seconds: float = 0.0  # the draft workers' own compute
     costs: list[CostObservation] = field(default_factory=list)  # the draft calls' measured costs
+    failed: dict[int, RowFailure] = field(default_factory=dict)  # rows whose draft worker failed them (a grammar)
 
     def take(self, rows: list[LiveRequest], members: list[int], calls: list[DraftCall], result: DraftResult) -> None:
         """A draft call's result for rows `members` (call i drafted for row members[i])."""
@@ -63,6 +66,8 @@ class Drafts:
             self.tokens[b] = result.drafts[i]
             if i in result.proposals:
                 self.proposals[b] = result.proposals[i]
+        for i, failure in result.failed.items():
+            self.failed[members[i]] = failure
 
 
 @dataclass
@@ -70,7 +75,8 @@ class RoundResult:
     """What one group's round did."""
 
     drafts: list[list[int]]  # per row, the drafts it verified
-    outputs: list[RequestOutput]  # per row, what it emitted
+    outputs: list[RequestOutput | RequestFailed]  # per row, what it emitted, or why its request failed (a worker's
+    # RowFailure: that request ends with the error, the round's other rows go on)
     accepted: list[int]  # per row, drafts accepted
     chained: bool  # drafted and verified in one chained call
     draft_seconds: float  # from the round's start to the drafts in hand
@@ -79,12 +85,18 @@ class RoundResult:
     verify_compute: float  # the target worker's own compute
 
 
+def ended(out: RequestOutput | RequestFailed) -> bool:
+    """A row's request ends with this round's output (finished, or failed)."""
+    return isinstance(out, RequestFailed) or out.finished
+
+
 class GroupRound:
     """Runs rounds for groups of live requests that share a Target replica (the scheduler's round loop runs one per
     group at once)."""
 
     def __init__(self, config, stats, costs: RoundCosts, population: AcceptanceTracker, recovery: Recovery,
-                 deliver: Callable[[list[LiveRequest], list[RequestOutput]], Awaitable[None]]) -> None:
+                 deliver: Callable[[list[LiveRequest], list[RequestOutput | RequestFailed]], Awaitable[None]]
+                 ) -> None:
         self.config = config  # scheduler.SchedulerConfig
         self.stats = stats  # scheduler.SchedulerStats
         self.costs = costs
@@ -178,7 +190,7 @@ class GroupRound:
             self.costs.observe(seen)
         outputs, accepted = self._accept(rows, drafts, verified)
         await self._deliver(rows, outputs)
-        await self.ahead.settle(aheads, rows, drafts.tokens, accepted, [out.finished for out in outputs])
+        await self.ahead.settle(aheads, rows, drafts.tokens, accepted, [ended(out) for out in outputs])
         result = RoundResult(drafts.tokens, outputs, accepted, chained, t1 - t0, t2 - t1, drafts.compute_seconds,
                              verified.seconds)
         self._record(rows, result, time.perf_counter() - t2)
@@ -248,16 +260,26 @@ class GroupRound:
 
     # ---- 4. accept ----------------------------------------------------------------------------------------------
     def _accept(self, rows: list[LiveRequest], drafts: Drafts, verified: VerifyResult
-                ) -> tuple[list[RequestOutput], list[int]]:
+                ) -> tuple[list[RequestOutput | RequestFailed], list[int]]:
         """Each row's commit of the verdict the target worker sampled (engine/accept.py), after the prompt logprobs
-        it scored (a request's first output carries them)."""
+        it scored (a request's first output carries them); for a row a worker failed (its draft's or its target's
+        grammar), the error its request ends with: nothing of it is committed."""
+        failed = {**drafts.failed, **verified.failed}
         for b, run in verified.prompt_logprobs.items():
-            rows[b].seq.add_prompt_logprobs(run)
-        verdicts = verified.verdicts
-        outputs = [commit(live.seq, len(drafts.tokens[b]), verdicts[b], self.stats.spec,
-                          (live.tracker, self.population))
-                   for b, live in enumerate(rows)]
-        return outputs, [verdict.num_accepted for verdict in verdicts]
+            if b not in failed:
+                rows[b].seq.add_prompt_logprobs(run)
+        outputs: list[RequestOutput | RequestFailed] = []
+        accepted = []
+        for b, live in enumerate(rows):
+            verdict = verified.verdicts[b]
+            if b in failed or verdict is None:
+                outputs.append(RequestFailed.of(failed[b]))
+                accepted.append(0)
+                continue
+            outputs.append(commit(live.seq, len(drafts.tokens[b]), verdict, self.stats.spec,
+                                  (live.tracker, self.population)))
+            accepted.append(verdict.num_accepted)
+        return outputs, accepted
 
     def _record(self, rows: list[LiveRequest], result: RoundResult, delivery_seconds: float) -> None:
         """The round's timings into the scheduler's statistics, the costs' overhead correction and the metrics."""

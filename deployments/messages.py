@@ -11,7 +11,9 @@ committed tokens are new to the worker, and those tokens, with its sampling sett
 delta to a worker, its grammar). The target worker
 samples (engine/accept.py, on its device) and answers per row the tokens to emit, how many drafts it accepted and,
 when asked, their logprobs (and a prefilling row's prompt logprobs, engine/prompt_logprobs.py): a few dozen bytes
-per token, never a probability tensor. The only distributions on the wire are
+per token, never a probability tensor. A row a worker cannot serve (its grammar fails there) is answered as a
+RowFailure in the reply, by call index, so one request's failure never fails the call's other rows. The only
+distributions on the wire are
 the draft's compact proposals of unseeded sampled rows ([K, N] token ids and probabilities, engine/proposal.py):
 in a chained round they go from the draft worker straight to the target worker; when the router holds drafts made
 ahead (deployments/ahead.py) or drafted by several Draft leases, it forwards each row's compact proposal unchanged
@@ -116,6 +118,27 @@ class VerifyCall:
 
 
 @dataclass(frozen=True)
+class RowFailure:
+    """One row's failure on a worker after admission (its grammar would not compile or broke there, say): that
+    row's request ends with this error (deployments/errors.RequestFailed: a 500 naming the cause), while the call's
+    other rows go on. A typed reply, not an exception: one row must not fail the whole call."""
+
+    code: str  # OpenAI error JSON's `code`, e.g. "structured_outputs_failed"
+    message: str  # for the client: what failed, and where
+
+    def wire(self) -> tuple:
+        return (self.code, self.message)
+
+
+def failures_to_wire(failed: dict[int, RowFailure]) -> dict[int, tuple]:
+    return {i: f.wire() for i, f in failed.items()}
+
+
+def failures_from_wire(wire: dict[int, tuple]) -> dict[int, RowFailure]:
+    return {i: RowFailure(*f) for i, f in wire.items()}
+
+
+@dataclass(frozen=True)
 class DraftResult:
     """A draft worker's answer to a list of DraftCalls, by call index."""
 
@@ -125,16 +148,18 @@ class DraftResult:
     proposals: dict[int, WireProposal]
     seconds: float  # the worker's own compute, so the router can tell the round's overhead apart
     cancelled: bool = False  # an ahead draft stopped early (`DraftWorkerCore.cancel`): `drafts` is empty
+    failed: dict[int, RowFailure] = field(default_factory=dict)  # calls that failed (their drafts are empty)
 
     def wire(self) -> tuple:
-        return (self.drafts, self.proposals, self.seconds, self.cancelled)
+        return (self.drafts, self.proposals, self.seconds, self.cancelled, failures_to_wire(self.failed))
 
     @staticmethod
     def from_wire(wire: tuple) -> "DraftResult":
-        return DraftResult(*wire)
+        drafts, proposals, seconds, cancelled, failed = wire
+        return DraftResult(drafts, proposals, seconds, cancelled, failures_from_wire(failed))
 
     def without_proposals(self) -> "DraftResult":
-        return DraftResult(self.drafts, {}, self.seconds, self.cancelled)
+        return DraftResult(self.drafts, {}, self.seconds, self.cancelled, self.failed)
 
 
 @dataclass(frozen=True)
@@ -142,25 +167,29 @@ class VerifyResult:
     """A target worker's (rank 0's) answer to a list of VerifyCalls, by call index: each row's verdict (its tokens
     to emit, drafts accepted, logprobs if asked), computed on the target's device by engine/accept.verify_rows."""
 
-    verdicts: list[Verdict]
+    verdicts: list[Verdict | None]  # None: the row failed (`failed`)
     seconds: float  # the worker's own compute
     draft: DraftResult | None = None  # a chained round's draft result, without proposals (DraftLease.chain)
     # by call index: the prompt logprobs the call's prompt tokens were scored with (rows that asked, while prefilling)
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    failed: dict[int, RowFailure] = field(default_factory=dict)  # rows that failed on the target, by call index
 
     def wire(self) -> tuple:
-        rows = [(v.tokens, v.num_accepted, None if v.logprobs is None else [tuple(lp) for lp in v.logprobs])
+        rows = [None if v is None else
+                (v.tokens, v.num_accepted, None if v.logprobs is None else [tuple(lp) for lp in v.logprobs])
                 for v in self.verdicts]
         return (rows, self.seconds, None if self.draft is None else self.draft.wire(),
-                {b: run.wire() for b, run in self.prompt_logprobs.items()})
+                {b: run.wire() for b, run in self.prompt_logprobs.items()}, failures_to_wire(self.failed))
 
     @staticmethod
     def from_wire(wire: tuple) -> "VerifyResult":
-        rows, seconds, draft, prompt = wire
-        verdicts = [Verdict(tokens, accepted, None if lps is None else [TokenLogprob(*lp) for lp in lps])
-                    for tokens, accepted, lps in rows]
+        rows, seconds, draft, prompt, failed = wire
+        verdicts = [None if row is None else
+                    Verdict(row[0], row[1], None if row[2] is None else [TokenLogprob(*lp) for lp in row[2]])
+                    for row in rows]
         return VerifyResult(verdicts, seconds, None if draft is None else DraftResult.from_wire(draft),
-                            {b: PromptLogprobs.from_wire(run) for b, run in prompt.items()})
+                            {b: PromptLogprobs.from_wire(run) for b, run in prompt.items()},
+                            failures_from_wire(failed))
 
 
 @dataclass(frozen=True)

@@ -357,7 +357,9 @@ def create_app(router) -> FastAPI:
                                 "choices": [], "usage": merged_usage(finals, len(prepared))})
                 yield _sse("[DONE]")
             except Exception as exc:  # after the 200 header an error can only travel in the stream
-                yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+                known = isinstance(exc, APIError)
+                yield _sse({"error": {"message": str(exc), "type": exc.type if known else "server_error",
+                                      "param": exc.param if known else None, "code": exc.code if known else None}})
             finally:
                 await merged.aclose()  # client gone or done: abort the requests, free their caches
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, replace
 
 from engine.factory import DraftMethod
-from engine.grammar import GrammarCompiler
+from engine.grammar import GrammarCompiler, GrammarError
 from engine.loading import eos_token_ids, load_tokenizer, resolve
 from engine.policy import CostProfile
 from engine.sampling import SamplingParams
@@ -21,7 +21,7 @@ from engine.sequence import EmptyPromptError, PromptTooLongError
 
 from .admission import AdmissionSlot
 from .config import SpecServeConfig
-from .errors import Overloaded, ReplicaGone
+from .errors import Overloaded, ReplicaGone, RequestFailed
 from .metrics import NullMetrics, observe
 from .openai_api import APIError, ChatCompletionRequest, CompletionRequest, create_app
 from .readiness import Readiness
@@ -90,8 +90,13 @@ class Router:
         self.scheduler.metrics = self.metrics
         self.api_key = load_api_key(config)
         self.readiness = Readiness(broker, ("draft", "target") if mode is DraftMethod.MODEL else ("target",))
-        # structured outputs: grammars are compiled here to be checked (each distinct one once), never masked here
+        # structured outputs: grammars are compiled here to be checked (each distinct one once), never masked here;
+        # the tokenizer table is built now, not on the event loop under the first constrained request
         self.grammars = GrammarCompiler(self.tokenizer, len(self.tokenizer), self.scheduler.config.eos_token_ids)
+        try:
+            self.grammars.prepare()
+        except GrammarError as exc:  # kept: constrained requests get a 400 saying so (structured.checked_grammar)
+            logger.error("structured outputs are unavailable for this model: %s", exc)
 
     @property
     def model_name(self) -> str:
@@ -309,6 +314,8 @@ class Router:
             raise APIError(400, str(exc), param="prompt") from exc
         except ReplicaGone as exc:
             raise APIError(503, str(exc), type_="server_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
+        except RequestFailed as exc:  # failed on a worker after admission: this request only, the others go on
+            raise APIError(500, str(exc), type_="server_error", code=exc.code) from exc
         finally:
             if last is not None and not last.finished:  # client gone or error: counted as aborted
                 observe(self.metrics.finished, last.num_prompt_tokens, last.num_output_tokens, "abort",

@@ -33,10 +33,10 @@ from engine.sequence import RequestOutput, SequenceState
 from engine.stats import EngineTimings, SpecStats
 
 from .admission import Admission, AdmissionSlot
-from .errors import ReplicaGone
-from .group_round import GroupRound
+from .errors import ReplicaGone, RequestFailed
+from .group_round import GroupRound, ended
 from .live import LeaseBroker, LiveRequest
-from .messages import DraftCall, VerifyCall
+from .messages import DraftCall, DraftResult, VerifyCall
 from .metrics import observe
 from .recovery import Recovery
 from .round_costs import RoundCosts
@@ -171,14 +171,14 @@ class Scheduler:
         return LiveRequest(seq=seq, queue=asyncio.Queue(), target=target,
                            tracker=AcceptanceTracker(prior=self.population.acceptance))
 
-    async def _deliver(self, rows: list[LiveRequest], outputs: list[RequestOutput]) -> None:
+    async def _deliver(self, rows: list[LiveRequest], outputs: list[RequestOutput | RequestFailed]) -> None:
         """A round's outputs to their requests; finished ones leave now, not when their consumer next runs (no
-        round for a finished request)."""
+        round for a finished request), and so do failed ones (their consumer raises the RequestFailed)."""
         finished = []
         for live, out in zip(rows, outputs):
             if live.seq.request_id in self._live:  # not aborted while the round was in flight
                 live.queue.put_nowait(out)
-                if out.finished:
+                if ended(out):
                     finished.append(live.seq.request_id)
         for request_id in finished:
             await self._finish(request_id)
@@ -249,31 +249,38 @@ class Scheduler:
         ends = [live.target_sent + self.config.prefill_chunk for live in lives]
         calls = [VerifyCall(live.delta(live.target_sent, end), []) for live, end in zip(lives, ends)]
         try:
-            result, *_ = await asyncio.gather(lives[0].target.verify(calls),
-                                              *(self._draft_reads_chunk(live, end) for live, end in zip(lives, ends)))
+            result, *drafted = await asyncio.gather(
+                lives[0].target.verify(calls), *(self._draft_reads_chunk(live, end) for live, end in zip(lives, ends)))
         except ReplicaGone:
             await self.recovery.replace_target(lives)
             return
+        ended_now = []
         for b, (live, end) in enumerate(zip(lives, ends)):
             if b in result.prompt_logprobs:
                 live.seq.add_prompt_logprobs(result.prompt_logprobs[b])
             live.target_sent = end
+            failure = result.failed.get(b) or (drafted[b].failed.get(0) if drafted[b] is not None else None)
+            if failure is not None:  # a worker failed this request (its grammar): it ends with the error
+                ended_now.append((live, RequestFailed.of(failure)))
         self.stats.prefill_chunks += len(lives)
+        if ended_now:
+            await self._deliver([live for live, _ in ended_now], [error for _, error in ended_now])
 
-    async def _draft_reads_chunk(self, live: LiveRequest, end: int) -> None:
+    async def _draft_reads_chunk(self, live: LiveRequest, end: int) -> DraftResult | None:
         """With a draft model, the same chunk goes to the row's Draft worker (a draft call for 0 tokens: it only
         reads), so the draft too reads a long prompt one chunk a round instead of all of it in the row's first
         drafting round. The Draft lease is taken here; a row without one (none to be had, or its worker died)
         reads the rest when it next drafts."""
         if self.config.draft_mode is not DraftMethod.MODEL or live.seq.k == 0:
-            return
+            return None
         if live.draft is None and time.monotonic() >= live.draft_retry_at:
             await self.recovery.lease_drafts([live])
         if live.draft is None or live.draft_sent >= end:
-            return
+            return None
         try:
-            await live.draft.propose([DraftCall(live.draft_delta([], end), 0)])
+            result = await live.draft.propose([DraftCall(live.draft_delta([], end), 0)])
         except ReplicaGone:
             await self.recovery.replace_draft([live])
-        else:
-            self.stats.draft_prefill_chunks += 1
+            return None
+        self.stats.draft_prefill_chunks += 1
+        return result

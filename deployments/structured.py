@@ -96,6 +96,9 @@ def checked_grammar(body, compiler: GrammarCompiler) -> GrammarSpec | None:
     if found is None:
         return None
     spec, param = found
+    if compiler.unavailable is not None:  # not the request's fault: no grammar at all can be compiled here
+        raise APIError(400, f"{param}: structured outputs are not available for this model: {compiler.unavailable}",
+                       param=param, code="structured_outputs_unavailable")
     try:
         compiler.compile(spec)
     except GrammarError as exc:

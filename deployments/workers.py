@@ -37,8 +37,10 @@ from engine.tensor_parallel import CollectiveError, full_num_parameters, num_par
 from .channel import ChannelRelay, ChannelSender
 from .channel_wire import ChannelClosed, Endpoint, Route
 from .errors import TensorParallelBroken
-from .messages import DraftCall, DraftResult, VerifyCall, VerifyResult, proposal_from_wire, proposal_to_wire
+from .messages import (DraftCall, DraftResult, RowFailure, VerifyCall, VerifyResult, proposal_from_wire,
+                       proposal_to_wire)
 from .worker_base import ModelWorker, cpu_startup_turn, warm_up
+from .worker_grammars import failed_grammars, grammar_failure, prepare_grammars
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class DraftWorkerCore(ModelWorker):
         target_vocab = AutoConfig.from_pretrained(target.directory).vocab_size
         # a Draft worker exists for DraftMethod.MODEL only: its proposer is a DraftModelProposer (`.runner`)
         self.proposer = build_proposer(config, load_tokenizer(target, config.trust_remote_code), target_vocab)
+        prepare_grammars(self.proposer.grammars, "draft")
         warm_up(self.proposer.runner, config.num_speculative_tokens, "draft")
         self._cancelled: set[int] = set()
         self._cancel_lock = threading.Lock()
@@ -112,7 +115,7 @@ class DraftWorkerCore(ModelWorker):
         if all(call.k == 0 for call in calls):  # a prompt chunk, read only (scheduler._draft_reads_chunk)
             self.proposer.read(requests)
             self._counted(len(calls))
-            return DraftResult([[] for _ in calls], {}, time.perf_counter() - start)
+            return DraftResult([[] for _ in calls], {}, time.perf_counter() - start, failed=self._failures(calls))
         stop = None if ahead_id is None else (lambda: self._is_cancelled(ahead_id))
         proposal = self.proposer.propose(requests, stop=stop)
         if stop is not None and stop():
@@ -121,11 +124,17 @@ class DraftWorkerCore(ModelWorker):
             self.cancelled_drafts += 1
             return DraftResult([], {}, time.perf_counter() - start, cancelled=True)
         self._counted(len(calls))
+        failed = self._failures(calls)
         ids, counts = proposal.token_ids.tolist(), proposal.num_tokens.tolist()
         proposals = {b: proposal_to_wire(compact) for b in range(len(calls))
-                     if (compact := proposal.proposal(b)) is not None}
-        return DraftResult(drafts=[row[:n] for row, n in zip(ids, counts)], proposals=proposals,
-                           seconds=time.perf_counter() - start)
+                     if b not in failed and (compact := proposal.proposal(b)) is not None}
+        return DraftResult(drafts=[[] if b in failed else row[:n] for b, (row, n) in enumerate(zip(ids, counts))],
+                           proposals=proposals, seconds=time.perf_counter() - start, failed=failed)
+
+    def _failures(self, calls: list[DraftCall]) -> dict[int, RowFailure]:
+        """The calls whose grammar failed in the proposer (it drafts the other rows on: engine/proposers.py); their
+        drafts are dropped and their requests fail (no silent unconstrained drafting)."""
+        return failed_grammars(self.proposer.grammars, [call.seq.seq_id for call in calls], "draft")
 
     def propose_chained(self, calls: list[tuple], verify_calls: list[tuple], members: list[int],
                         route: Route) -> None:
@@ -159,7 +168,7 @@ class TargetWorkerCore(ModelWorker):
         self.config = config
         self.runner: Runner | None = None
         self.costs: dict | None = None
-        self.grammars: SequenceGrammars | None = None  # rank 0: structured outputs' matchers (made on first use)
+        self.grammars: SequenceGrammars | None = None  # rank 0: structured outputs' matchers (made at load)
         if world == 1:
             with cpu_startup_turn(config):
                 self.on_model_thread(self.load)
@@ -207,8 +216,9 @@ class TargetWorkerCore(ModelWorker):
         """The whole target (world 1), or this rank's shard read straight from the safetensors files
         (engine/shard_loading.py): no rank ever holds the full weights."""
         if self.world == 1:
-            self.runner = build_target(self.config)[0]
+            self.runner, tokenizer = build_target(self.config)
             self.full_parameters = num_parameters(self.runner.model)
+            self._start_grammars(tokenizer)
             warm_up(self.runner, self.config.num_speculative_tokens, "target")
             return
         # a shard runs on the static runner (its heads' fused weights and KV cache, collectives inside the step:
@@ -219,6 +229,14 @@ class TargetWorkerCore(ModelWorker):
                            trust_remote_code=self.config.trust_remote_code)
         self.full_parameters = full_num_parameters(model, self.world)
         self.runner = make_runner(model, self.config, vocab_size=model.config.vocab_size)
+        if self.rank == 0:
+            self._start_grammars(load_tokenizer(resolve(self.config.target), self.config.trust_remote_code))
+
+    def _start_grammars(self, tokenizer) -> None:
+        """Rank 0's structured-output matchers, their tokenizer table built now (prepare_grammars)."""
+        eos = eos_token_ids(resolve(self.config.target).directory, tokenizer)
+        self.grammars = SequenceGrammars(GrammarCompiler(tokenizer, self.runner.vocab_size, eos))
+        prepare_grammars(self.grammars, "target")
 
     def connect_peers(self, endpoints: list[Endpoint]) -> None:
         """Rank 0: connect to ranks 1.. (in order), which from then on take their calls from rank 0 alone."""
@@ -270,8 +288,8 @@ class TargetWorkerCore(ModelWorker):
         result = DraftResult.from_wire(draft)
         for i, b in enumerate(members):
             calls[b] = (calls[b][0], result.drafts[i], result.proposals.get(i))
-        verdicts, seconds, _, prompt = self.verify(calls)
-        return verdicts, seconds, result.without_proposals().wire(), prompt
+        rows, seconds, _, prompt, failed = self.verify(calls)
+        return rows, seconds, result.without_proposals().wire(), prompt, failed
 
     def _timed_verify(self, calls: list[tuple]) -> tuple | None:
         with self.busy:
@@ -306,33 +324,40 @@ class TargetWorkerCore(ModelWorker):
                                                                 call.seq.prompt_logprobs))
                 run = end if run is None else PromptLogprobs(run.first, run.entries + end.entries)
             prompt[b] = run
-        rows = []
-        for call, position in zip(calls, positions):
+        rows, kept, failed = [], [], {}
+        for b, (call, position) in enumerate(zip(calls, positions)):
+            try:
+                allowed = self._grammar_masks(call)
+            except GrammarError as exc:  # this row's request fails (a 500 naming structured outputs); the others go on
+                failed[b] = grammar_failure("target", call.seq.seq_id, exc)
+                continue
             params = call.seq.sampling()
+            kept.append(b)
             rows.append(RowVerify(params, row_scheme(params, call.seq.seed, call.seq.coupled, position), call.draft,
                                   proposal_from_wire(call.proposal), self._known.processing(call.seq.seq_id),
-                                  self._grammar_masks(call)))
+                                  allowed))
         # the accept step on the target's device (engine/accept.py, the in-process engine's too): tokens come back
-        verdicts = verify_rows(logits, rows)
-        for call, verdict in zip(calls, verdicts):  # a grammar keeps the accepted drafts and the token after them
-            if self.grammars is not None:
-                self.grammars.matcher(call.seq.seq_id, self._known.tokens[call.seq.seq_id] + verdict.tokens)
-        return VerifyResult(verdicts, time.perf_counter() - start,
+        verdicts: list = [None] * len(calls)
+        if rows:
+            for b, verdict in zip(kept, verify_rows(logits[kept] if failed else logits, rows)):
+                verdicts[b] = verdict
+                if self.grammars is not None:  # a grammar keeps the accepted drafts and the token after them
+                    with contextlib.suppress(GrammarError):  # remembered: the row's next call fails
+                        self.grammars.matcher(calls[b].seq.seq_id, self._known.tokens[calls[b].seq.seq_id]
+                                              + verdict.tokens)
+        return VerifyResult(verdicts, time.perf_counter() - start, failed=failed,
                             prompt_logprobs={b: run for b, run in prompt.items() if run is not None})
 
     def _grammar_masks(self, call: VerifyCall):  # [K+1, V] bool, or None: the row has no grammar
         """The row's grammar masks at each verify position (engine/grammar.py): its matcher, made from the grammar
-        its sequence's first delta carried, synced to the committed tokens, probes the drafts."""
+        its sequence's first delta carried, synced to the committed tokens, probes the drafts. GrammarError when
+        the grammar cannot be compiled here (the router compiled it before admission: a tokenizer mismatch, or no
+        tokenizer table) or its matcher broke."""
         spec = call.seq.grammar_spec()
         if spec is not None:
             if self.grammars is None:
-                tokenizer = load_tokenizer(resolve(self.config.target), self.config.trust_remote_code)
-                eos = eos_token_ids(resolve(self.config.target).directory, tokenizer)
-                self.grammars = SequenceGrammars(GrammarCompiler(tokenizer, self.runner.vocab_size, eos))
-            try:
-                self.grammars.track(call.seq.seq_id, spec, call.seq.output_start)
-            except GrammarError:  # the router compiled it before admission: only a tokenizer mismatch gets here
-                log.exception("grammar of %s cannot be compiled on the target; it runs unconstrained", call.seq.seq_id)
+                raise GrammarError("this target worker has no grammar compiler")
+            self.grammars.track(call.seq.seq_id, spec, call.seq.output_start)
         if self.grammars is None:
             return None
         return self.grammars.masks(call.seq.seq_id, self._known.tokens[call.seq.seq_id], call.draft)

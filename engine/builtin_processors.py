@@ -4,7 +4,8 @@ frequency and presence penalties (engine/logits_processing.py is the seam they p
 Meanings and order are vLLM's (vllm/sampling_params.py; its v1 Sampler applies the processors that can change the
 argmax first, min_tokens then logit_bias, then the penalties, then temperature, min-p, top-k/top-p):
 - min_tokens: the stop ids (EOS, even with ignore_eos, and stop_token_ids) get logit -inf while fewer than
-  min_tokens output tokens precede the position.
+  min_tokens output tokens precede the position, except where no other token is left (a grammar that can only
+  end there: the grammar wins, as in vLLM; `MinTokens`).
 - logit_bias: the bias (clamped to [-100, 100] by SamplingParams) is added to the token's logit.
 - repetition_penalty r (over prompt and output tokens; CTRL, Keskar et al. 2019, arXiv 1909.05858): a seen token's
   logit is divided by r when positive, multiplied by r otherwise.
@@ -43,7 +44,11 @@ def _rows(items: Sequence[BatchItem], device: torch.device) -> torch.Tensor:  # 
 
 @dataclass(frozen=True)
 class MinTokens:
-    """-inf on the stop ids at the positions preceded by fewer than `min_tokens` output tokens."""
+    """-inf on the stop ids at the positions preceded by fewer than `min_tokens` output tokens, except where nothing
+    else is left: a position whose other tokens are all -inf already (a grammar that can only end there, its mask
+    applied first) keeps its stop ids, so the row ends there, short of min_tokens, rather than sample from nothing.
+    vLLM's rule for min_tokens with structured outputs (vllm-project/vllm#54218: the grammar is authoritative; the
+    stop check then accepts the stop token below min_tokens: engine/sequence.py)."""
 
     min_tokens: int
     token_ids: tuple[int, ...]  # EOS ids and stop_token_ids
@@ -53,16 +58,25 @@ class MinTokens:
 
     @staticmethod
     def apply_batch(logits: torch.Tensor, items: Sequence[BatchItem]) -> None:  # [B, T, V], in place
-        rows, positions, ids = [], [], []
+        rows, positions, stops = [], [], []
         for item in items:
             masked = min(item.width, max(0, item.processor.min_tokens - item.context.outputs_before(0)))
             stop = [t for t in item.processor.token_ids if t < logits.shape[-1]]
-            for t in range(masked):  # a few positions and ids per row
-                rows += [item.row] * len(stop)
-                positions += [t] * len(stop)
-                ids += stop
-        if rows:
-            logits[rows, positions, ids] = float("-inf")
+            if stop:
+                rows += [item.row] * masked  # a few positions per row
+                positions += list(range(masked))
+                stops += [stop] * masked
+        if not rows:
+            return
+        device = logits.device
+        width = max(len(stop) for stop in stops)  # a row with fewer stop ids repeats its first one
+        ids = torch.tensor([stop + stop[:1] * (width - len(stop)) for stop in stops], device=device)  # [N, S]
+        rows_t, positions_t = torch.tensor(rows, device=device), torch.tensor(positions, device=device)  # [N]
+        alive = logits[rows_t, positions_t] > float("-inf")  # [N, V]
+        alive.scatter_(1, ids, False)
+        others = alive.any(dim=-1, keepdim=True)  # [N, 1]: another token remains, so the stop ids are masked here
+        index = (rows_t[:, None], positions_t[:, None], ids)  # [N, S] each (broadcast)
+        logits[index] = torch.where(others, float("-inf"), logits[index])  # no host sync (a GPU's logits)
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 
 class GrammarError(ValueError):
-    """A grammar that cannot be compiled (a bad schema, regex or grammar), or a tokenizer llguidance cannot read."""
+    """A grammar that cannot be compiled (a bad schema, regex or grammar), a tokenizer llguidance cannot read, or a
+    matcher that failed mid-sequence (a rollback llguidance refused)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,10 @@ def grammar_text(spec: GrammarSpec) -> str:
 def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: Iterable[int]):
     """llguidance's table of each token's bytes for a Hugging Face fast tokenizer, `vocab_size` wide (the logits'
     width; ids past the tokenizer's are never allowed), with the model's EOS ids."""
-    import llguidance.hf
+    try:
+        import llguidance.hf
+    except ImportError as exc:
+        raise GrammarError(f"structured outputs need the llguidance package: {exc}") from exc
 
     eos = sorted(int(e) for e in eos_ids)
     try:
@@ -134,13 +138,27 @@ class GrammarCompiler:
         self.eos_ids = sorted(int(e) for e in eos_ids)
         self.capacity = capacity
         self.stats = CompileStats()
-        self._table = None  # llguidance's tokenizer table, built on first use
+        self._table = None  # llguidance's tokenizer table: built by `prepare` (start-up), else on first use
+        # why the table cannot be built (llguidance cannot read the tokenizer): kept, every compile raises it
+        self.unavailable: GrammarError | None = None
         self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()
 
+    def prepare(self) -> None:
+        """Build the tokenizer table now (a server's start-up: 0.45 s for a 49k vocabulary, which would otherwise
+        stall the first constrained round for every row). GrammarError if llguidance cannot read the tokenizer (or
+        is not installed); the error is kept, and every later compile raises it again."""
+        self._tokenizer_table()
+
     def _tokenizer_table(self):
+        if self.unavailable is not None:
+            raise self.unavailable
         if self._table is None:
             start = time.perf_counter()
-            self._table = grammar_tokenizer(self._hf_tokenizer, self.vocab_size, self.eos_ids)
+            try:
+                self._table = grammar_tokenizer(self._hf_tokenizer, self.vocab_size, self.eos_ids)
+            except GrammarError as exc:
+                self.unavailable = exc
+                raise
             self.stats.tokenizer_seconds = time.perf_counter() - start
         return self._table
 
@@ -152,10 +170,10 @@ class GrammarCompiler:
             self._compiled.move_to_end(spec)
             self.stats.cache_hits += 1
             return compiled
+        table = self._tokenizer_table()  # first: it says so when llguidance is missing
         import llguidance
 
         text = grammar_text(spec)
-        table = self._tokenizer_table()
         start = time.perf_counter()
         compiled = llguidance.LLMatcher(table, text, log_level=0)
         seconds = time.perf_counter() - start
@@ -234,7 +252,7 @@ class GrammarMatcher:
         assert 0 <= n <= self._consumed, f"cannot roll back {n} of {self._consumed} tokens"
         if n:
             if not self._matcher.rollback(n):
-                raise RuntimeError(f"grammar rollback failed: {self._matcher.get_error()}")
+                raise GrammarError(f"grammar rollback failed: {self._matcher.get_error()}")
             self._consumed -= n
             del self._output[self._consumed:]
 
@@ -284,41 +302,78 @@ class GrammarMatcher:
 @dataclass
 class SequenceGrammars:
     """The matchers of the live sequences that asked for a grammar, by sequence id (a worker's, or the in-process
-    engine's), with the output start of each (the prompt's length: the grammar covers the output only)."""
+    engine's), with the output start of each (the prompt's length: the grammar covers the output only).
 
-    compiler: GrammarCompiler  # the process's (its tokenizer table is built on the first grammar)
+    A sequence whose grammar failed here (it would not compile, or its matcher broke) is remembered until it is
+    released or tracked afresh: every later call for it raises that GrammarError again, so a caller that goes on
+    with it never masks it silently unconstrained (the grammar travels with a sequence's first call only)."""
+
+    compiler: GrammarCompiler  # the process's (its tokenizer table built at start-up: GrammarCompiler.prepare)
     _rows: dict[str, tuple[GrammarMatcher, int]] = field(default_factory=dict)
     _specs: dict[str, GrammarSpec] = field(default_factory=dict)
+    _failed: dict[str, GrammarError] = field(default_factory=dict)
 
     def track(self, seq_id: str, spec: GrammarSpec, output_start: int) -> None:
-        """Give `seq_id` a matcher for `spec` (a no-op when it has one for the same spec and start)."""
+        """Give `seq_id` a matcher for `spec` (a no-op when it has one for the same spec and start). GrammarError
+        (remembered for the sequence) when the grammar cannot be compiled here."""
         held = self._rows.get(seq_id)
         if held is not None and self._specs[seq_id] == spec and held[1] == output_start:
             return
-        self._rows[seq_id] = (self.compiler.matcher(spec), output_start)
+        self.release(seq_id)
+        try:
+            matcher = self.compiler.matcher(spec)
+        except GrammarError as exc:
+            self._failed[seq_id] = exc
+            raise
+        self._rows[seq_id] = (matcher, output_start)
         self._specs[seq_id] = spec
 
     def has(self, seq_id: str) -> bool:
         return seq_id in self._rows
 
+    def check(self, seq_id: str) -> None:
+        """Raise the GrammarError the sequence's grammar failed with, if it did."""
+        failed = self._failed.get(seq_id)
+        if failed is not None:
+            raise failed
+
     def matcher(self, seq_id: str, tokens: Sequence[int]) -> GrammarMatcher | None:
-        """The sequence's matcher synced to its `tokens` (prompt + output), or None if it has no grammar."""
+        """The sequence's matcher synced to its `tokens` (prompt + output), or None if it has no grammar.
+        GrammarError if its grammar failed (now or before)."""
+        self.check(seq_id)
         held = self._rows.get(seq_id)
         if held is None:
             return None
         matcher, start = held
-        matcher.sync(tokens[start:])
+        try:
+            matcher.sync(tokens[start:])
+        except GrammarError as exc:
+            self.fail(seq_id, exc)
+            raise
         return matcher
 
     def masks(self, seq_id: str, tokens: Sequence[int], drafts: Sequence[int]) -> torch.Tensor | None:
         """[len(drafts) + 1, V] bool: the allowed tokens at each verify position of a sequence holding `tokens`
-        (None: no grammar)."""
+        (None: no grammar). GrammarError if its grammar failed (now or before)."""
         matcher = self.matcher(seq_id, tokens)
-        return None if matcher is None else matcher.masks(drafts)
+        if matcher is None:
+            return None
+        try:
+            return matcher.masks(drafts)
+        except GrammarError as exc:
+            self.fail(seq_id, exc)
+            raise
+
+    def fail(self, seq_id: str, exc: GrammarError) -> None:
+        """Drop the sequence's matcher and remember why (`check` raises it from now on)."""
+        self._rows.pop(seq_id, None)
+        self._specs.pop(seq_id, None)
+        self._failed[seq_id] = exc
 
     def release(self, seq_id: str) -> None:
         self._rows.pop(seq_id, None)
         self._specs.pop(seq_id, None)
+        self._failed.pop(seq_id, None)
 
     def __len__(self) -> int:
         return len(self._rows)

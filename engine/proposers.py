@@ -6,6 +6,7 @@ Decoding" (the method behind HF's `prompt_lookup_num_tokens` and vLLM's `ngram` 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -13,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .grammar import GrammarMatcher, GrammarSpec, SequenceGrammars
+from .grammar import GrammarError, GrammarMatcher, GrammarSpec, SequenceGrammars
 from .logits_processing import RowProcessing, process_logits
 from .model_runner import ModelRunner
 from .proposal import TOP_N, CompactProposal, RowScheme, choose_draft_tokens
@@ -141,7 +142,11 @@ class DraftModelProposer:
             for pos, i in enumerate(active):
                 feeds[i] = [int(tokens[pos])]
                 if matchers[i] is not None:
-                    matchers[i].advance(feeds[i])  # the next draft step's state (rolled back by the next sync)
+                    try:
+                        matchers[i].advance(feeds[i])  # the next draft step's state (rolled back by the next sync)
+                    except GrammarError as exc:  # remembered: the caller finds it with grammars.check
+                        self.grammars.fail(requests[i].seq_id, exc)
+                        matchers[i] = None
                 if requests[i].k > step + 1:
                     active_next.append(i)
             active = active_next
@@ -156,18 +161,27 @@ class DraftModelProposer:
                         proposals=proposals if any(p is not None for p in proposals) else None)
 
     def _matchers(self, requests: Sequence[DraftRequest]) -> list[GrammarMatcher | None]:
-        """Each request's grammar matcher synced to its tokens (None: no grammar, or no grammars here)."""
+        """Each request's grammar matcher synced to its tokens (None: no grammar, or no grammars here, or a grammar
+        that failed: remembered by `grammars`, whose `check` the caller asks; engine/grammar.SequenceGrammars)."""
         if self.grammars is None:
             return [None] * len(requests)
         self._track(requests)
-        return [self.grammars.matcher(r.seq_id, r.tokens) for r in requests]
+        matchers = []
+        for r in requests:
+            try:
+                matchers.append(self.grammars.matcher(r.seq_id, r.tokens))
+            except GrammarError:
+                matchers.append(None)
+        return matchers
 
     def _track(self, requests: Sequence[DraftRequest]) -> None:
-        """Keep a matcher for each request that brings its grammar (a sequence's first call: it is sent once)."""
+        """Keep a matcher for each request that brings its grammar (a sequence's first call: it is sent once); one
+        that cannot be compiled is remembered as failed (`grammars.check`), the other rows draft on."""
         if self.grammars is not None:
             for r in requests:
                 if r.grammar is not None:
-                    self.grammars.track(r.seq_id, r.grammar, r.output_start)
+                    with contextlib.suppress(GrammarError):
+                        self.grammars.track(r.seq_id, r.grammar, r.output_start)
 
     def read(self, requests: Sequence[DraftRequest]) -> None:
         """Bring each request's cache up to its tokens without drafting (a long prompt read one chunk per call,

@@ -136,8 +136,10 @@ class SequenceState:
         """Append one round's tokens, cutting at EOS or a stop token (not before min_tokens), max_tokens, the window
         and stop strings."""
         first = not self.text.token_ids  # the request's first output carries its prompt logprobs
-        cut = cut_at_eos_and_length(tokens, self.eos_token_ids, self.remaining(),
-                                    self.params.min_tokens - len(self.text.token_ids))
+        # a grammar's row samples a stop id before min_tokens only where its grammar can only end (builtin_processors.
+        # MinTokens leaves the stop ids there): it stops, as vLLM's does, rather than emit EOS until min_tokens
+        owed = 0 if self.params.grammar is not None else self.params.min_tokens - len(self.text.token_ids)
+        cut = cut_at_eos_and_length(tokens, self.eos_token_ids, self.remaining(), owed)
         kept = tokens[: cut.keep]
         finish = cut.finish_reason
         stopped_at = self.text.extend(kept, ends_with_stop_token=cut.stop_token)

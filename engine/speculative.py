@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .accept import RowVerify, Verdict, commit, row_scheme, verify_rows
-from .grammar import GrammarCompiler, SequenceGrammars
+from .grammar import GrammarCompiler, GrammarError, SequenceGrammars
 from .loading import tokenizer_eos_ids
 from .model_runner import ModelRunner
 from .policy import AcceptanceTracker, CostProfile
@@ -82,7 +82,11 @@ class SpeculativeEngine:
         seq = SequenceState.create(request_id, prompt_ids, params, k if self.proposer is not None else 0,
                                    self.target.max_model_len, self.eos_token_ids, self.tokenizer)
         if params.grammar is not None:  # a bad grammar raises engine.grammar.GrammarError here
-            self.grammars.track(request_id, params.grammar, len(seq.prompt_ids))
+            try:
+                self.grammars.track(request_id, params.grammar, len(seq.prompt_ids))
+            except GrammarError:
+                self.grammars.release(request_id)  # not admitted: nothing of it is kept
+                raise
         self.target.add(request_id)
         self._seqs[request_id] = seq
         self._trackers[request_id] = AcceptanceTracker(prior=self.population.acceptance)

@@ -2,9 +2,11 @@
 cluster): response_format json_schema / json_object, vLLM's structured_outputs (json, regex, choice, grammar), bad
 grammars refused with a 400 naming their parameter before admission, greedy speculation unchanged by a grammar."""
 
+import concurrent.futures
 import json
 import math
 import re
+import time
 
 import jsonschema
 import openai
@@ -12,7 +14,7 @@ import pytest
 
 from deployments.messages import DraftCall, DraftResult, SeqDelta, VerifyCall, VerifyResult
 from deployments.router import Router
-from engine.grammar import GrammarSpec
+from engine.grammar import GrammarError, GrammarSpec
 from tests.deployments.conftest import LocalBroker, http_server, tiny_config
 
 SCHEMA = {"type": "object",
@@ -150,6 +152,22 @@ def test_drafts_made_ahead_under_a_grammar_change_nothing(byte_model_dirs, serve
     assert ahead.choices[0].message.content == plain.choices[0].message.content
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_with_a_choice_that_ends_early_ends_with_the_choice(served, stream):
+    """min_tokens cannot outlast a grammar that can only end (vLLM's rule): the choice, finish_reason "stop", no
+    500 and no text outside the grammar, streamed or not."""
+    client, _, _ = served
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=30, temperature=0, extra_body={
+        "min_tokens": 20, "structured_outputs": {"choice": ["yes", "no"]}})
+    if stream:
+        chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+        text, finish = "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        text, finish = choice.message.content, choice.finish_reason
+    assert text in ("yes", "no") and finish == "stop"
+
+
 @pytest.mark.parametrize("temperature", [0, 1.0])
 def test_logprobs_come_from_the_constrained_distribution(served, temperature):
     """At the first position of a choice between "yes" and "no" only 'y' and 'n' have mass; the tokens the grammar
@@ -202,3 +220,156 @@ def test_a_worker_keeps_the_grammar_its_sequences_first_delta_brought(served):
     target.release(["g1"])
     draft.release(["g1"])
     assert not target.grammars.has("g1") and not draft.proposer.grammars.has("g1")
+
+
+def _fail_compiling(monkeypatch, compiler, bad: GrammarSpec, why: str) -> None:
+    """Make one worker's compiler refuse `bad` (as a tokenizer that differs from the router's would), and only it."""
+    real = compiler.compile
+
+    def compile_(spec):
+        if spec == bad:
+            raise GrammarError(why)
+        return real(spec)
+
+    monkeypatch.setattr(compiler, "compile", compile_)
+
+
+def _wait_released(broker, router) -> None:
+    deadline = time.monotonic() + 5
+    while (router.scheduler.num_live or any(broker.open_leases.values())) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert router.scheduler.num_live == 0 and not any(broker.open_leases.values()), "the leases were released"
+
+
+def test_a_grammar_the_target_cannot_compile_fails_its_request_only(served, monkeypatch):
+    """No silent unconstrained fallback: the row whose grammar fails on the target worker ends its request with a
+    500 naming structured outputs, while the request beside it in the same verify batch completes with the output
+    it has alone."""
+    client, broker, router = served
+    target = broker.cores["target"]
+    bad = GrammarSpec("regex", "[0-9]{6}")
+    _fail_compiling(monkeypatch, target.grammars.compiler, bad, "simulated tokenizer mismatch")
+    batches = []  # (rows, failed rows) of each verify
+    verify = target._timed_verify
+
+    def spy(calls):
+        wire = verify(calls)
+        batches.append((len(calls), sorted(VerifyResult.from_wire(wire).failed)))
+        return wire
+
+    monkeypatch.setattr(target, "_timed_verify", spy)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    alone = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=120, temperature=0,
+                                           response_format=fmt).choices[0].message.content
+    monkeypatch.setattr(broker, "verify_delay", 0.02)  # slow rounds: the failing request joins mid-generation
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        chunks = iter(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=120, temperature=0,
+                                                     response_format=fmt, stream=True))
+        text = next(chunks).choices[0].delta.content or ""  # the request is live: its first round is done
+        failing = pool.submit(client.completions.create, model="tiny", prompt="Number:", max_tokens=10,
+                              temperature=0, extra_body={"structured_outputs": {"regex": bad.source}})
+        text += "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+        with pytest.raises(openai.InternalServerError) as info:
+            failing.result()
+    assert text == alone, "the other request's output is unchanged"
+    jsonschema.validate(json.loads(text), SCHEMA)
+    error = error_of(info.value)
+    assert info.value.status_code == 500 and error["code"] == "structured_outputs_failed"
+    assert "structured outputs failed on the target worker" in error["message"]
+    assert "simulated tokenizer mismatch" in error["message"]
+    assert any(rows == 2 and len(failed) == 1 for rows, failed in batches), f"one batch held both rows: {batches}"
+    _wait_released(broker, router)
+
+
+def test_a_grammar_the_draft_cannot_compile_fails_its_request_only(served, monkeypatch):
+    client, broker, router = served
+    bad = GrammarSpec("regex", "[0-9]{5}")
+    _fail_compiling(monkeypatch, broker.cores["draft"].proposer.grammars.compiler, bad, "draft-side failure")
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model="tiny", prompt="Number:", max_tokens=10, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": bad.source}})
+    error = error_of(info.value)
+    assert error["code"] == "structured_outputs_failed" and "on the draft worker: draft-side failure" in error["message"]
+    ok = client.completions.create(model="tiny", prompt="Number:", max_tokens=10, temperature=0,
+                                   extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", ok.choices[0].text), "the draft worker serves the next grammar"
+    _wait_released(broker, router)
+
+
+def test_worker_cores_answer_a_failed_grammar_per_row_and_remember_it(served, monkeypatch):
+    """The typed per-row failure (messages.RowFailure) of both workers: the failing row has no verdict and no
+    drafts, its neighbour's are those it gets alone, and the sequence's later calls (which carry no grammar) fail
+    too until it is released."""
+    _, broker, router = served
+    target, draft = broker.cores["target"], broker.cores["draft"]
+    bad, good = GrammarSpec("regex", "[0-9]{7}"), GrammarSpec("regex", "[a-z]{7}")
+    _fail_compiling(monkeypatch, target.grammars.compiler, bad, "no")
+    _fail_compiling(monkeypatch, draft.proposer.grammars.compiler, bad, "no")
+    prompt = router.tokenizer("Word:")["input_ids"]
+
+    def delta(seq_id, spec, start=0, tokens=prompt):
+        return SeqDelta(seq_id, start, list(tokens), 0.0, 0, 1.0, 7, grammar=None if spec is None else spec.wire(),
+                        output_start=len(prompt))
+
+    alone = VerifyResult.from_wire(target.verify([VerifyCall(delta("alone", good), []).wire()])).verdicts[0]
+    both = VerifyResult.from_wire(target.verify([VerifyCall(delta("x", bad), []).wire(),
+                                                 VerifyCall(delta("y", good), []).wire()]))
+    assert both.verdicts[0] is None and list(both.failed) == [0] and both.failed[0].code == "structured_outputs_failed"
+    assert both.verdicts[1] == alone
+    later = VerifyResult.from_wire(target.verify([VerifyCall(delta("x", None, len(prompt), []), []).wire()]))
+    assert list(later.failed) == [0], "its next call, without the grammar, fails too: never unconstrained"
+
+    drafted = DraftResult.from_wire(draft.propose([DraftCall(delta("x", bad), 3).wire(),
+                                                   DraftCall(delta("y", good), 3).wire()]))
+    assert list(drafted.failed) == [0] and drafted.drafts[0] == [] and len(drafted.drafts[1]) == 3
+    assert re.fullmatch("[a-z]+", router.tokenizer.decode(drafted.drafts[1]))
+    again = DraftResult.from_wire(draft.propose([DraftCall(delta("x", None, len(prompt), []), 3).wire()]))
+    assert list(again.failed) == [0]
+    for core in (target, draft):
+        core.release(["x", "y", "alone"])
+    fresh = VerifyResult.from_wire(target.verify([VerifyCall(delta("x", good), []).wire()]))
+    assert not fresh.failed, "released: the id starts clean"
+    target.release(["x"])
+
+
+def test_workers_and_router_build_the_grammar_table_at_start_up(byte_model_dirs, tiny_model_dirs):
+    """Not in the first constrained round; and a tokenizer llguidance cannot read (the tiny WordPiece one) is an
+    explicit error: a 400 at the router, a failed row (never an unconstrained one) at a worker."""
+    config = tiny_config(byte_model_dirs, speculation={"num_speculative_tokens": 3})
+    broker = LocalBroker(config)
+    router = Router(config, broker)
+    for compiler in (broker.cores["target"].grammars.compiler, broker.cores["draft"].proposer.grammars.compiler,
+                     router.grammars):
+        assert compiler.stats.tokenizer_seconds > 0 and compiler.stats.compiles == 0
+
+    tiny = tiny_config(tiny_model_dirs)
+    broker = LocalBroker(tiny)
+    with http_server(Router(tiny, broker)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", prompt="w5 w9", max_tokens=5,
+                                      extra_body={"structured_outputs": {"regex": "w[0-9]"}})
+    assert error_of(info.value)["code"] == "structured_outputs_unavailable"
+    target = broker.cores["target"]
+    assert "cannot read this model's tokenizer" in str(target.grammars.compiler.unavailable)
+    call = VerifyCall(SeqDelta("s", 0, [5, 9], 0.0, 0, 1.0, 7, grammar=GrammarSpec("regex", "a").wire()), [])
+    failed = VerifyResult.from_wire(target.verify([call.wire()])).failed
+    assert "cannot read this model's tokenizer" in failed[0].message
+
+
+def test_a_long_prompts_chunk_reports_the_failure_too(byte_model_dirs, monkeypatch):
+    """A prompt read one chunk a round (scheduler._prefill_chunks) meets the target's grammar in its first chunk:
+    that call's failure ends the request as well."""
+    config = tiny_config(byte_model_dirs, speculation={"num_speculative_tokens": 3}, runner={"prefill_chunk": 16})
+    broker = LocalBroker(config)
+    router = Router(config, broker)
+    bad = GrammarSpec("regex", "[0-9]{3}")
+    _fail_compiling(monkeypatch, broker.cores["target"].grammars.compiler, bad, "chunk-time failure")
+    with http_server(router) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.InternalServerError, match="chunk-time failure"):
+            client.completions.create(model="tiny", prompt="A prompt long enough to be read in several chunks of sixteen bytes each:",
+                                      max_tokens=5,
+                                      extra_body={"structured_outputs": {"regex": bad.source}})
+    assert router.scheduler.stats.prefill_chunks == 1, "it ended at its first chunk, not after reading the prompt"
+    _wait_released(broker, router)

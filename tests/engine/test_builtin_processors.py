@@ -82,6 +82,23 @@ def test_min_tokens_masks_eos_even_with_ignore_eos_and_the_settings_survive_the_
     assert LogitsSettings.from_wire(LogitsSettings.of(PARAMS, 4, EOS).wire()) == LogitsSettings.of(PARAMS, 4, EOS)
 
 
+def test_min_tokens_leaves_the_stop_ids_where_nothing_else_is_left():
+    """vLLM's rule under a grammar (its mask applied first): where only stop ids remain (a grammar that can only
+    end there), min_tokens does not empty the position; everywhere else under min_tokens it masks them."""
+    inf = float("-inf")
+    logits = _logits(3)
+    logits[0, 1] = inf
+    logits[0, 1, 1] = 0.5  # position 1: only EOS is left
+    logits[0, 2] = inf
+    logits[0, 2, [1, 9]] = 0.0  # position 2: only the stop ids are left
+    out = process_logits(logits, [_row(SamplingParams(min_tokens=9, stop_token_ids=(9,)))], [[7, 8]])[0]
+    assert out[0, [1, 9]].isneginf().all(), "another token remains: the stop ids are masked"
+    assert out[1, 1] == 0.5 and torch.equal(out[2], logits[0, 2]), "kept where nothing else remains"
+    assert (out > inf).any(dim=-1).all(), "no position is left with every token masked"
+    plain = process_logits(_logits(3), [_row(SamplingParams(min_tokens=9, stop_token_ids=(9,)))], [[7, 8]])[0]
+    assert plain[:, [1, 9]].isneginf().all(), "the control: without a prior mask every position masks them"
+
+
 @pytest.mark.parametrize("penalty,logit", [(1e-30, 5.0), (1e38, -5.0)])
 def test_an_extreme_repetition_penalty_leaves_something_to_sample(penalty, logit):
     params = SamplingParams(repetition_penalty=penalty, temperature=1.0)

@@ -128,6 +128,70 @@ def test_sequence_grammars_cover_the_output_only_and_release(compiler):
     assert len(rows) == 0 and rows.masks("s", prompt, []) is None
 
 
+def test_a_sequence_whose_grammar_failed_keeps_failing_until_released(compiler, monkeypatch):
+    """No silent fallback: the grammar travels with a sequence's first call only, so a sequence whose grammar
+    would not compile must not look like one without a grammar on its later calls; release forgets it."""
+    rows = SequenceGrammars(compiler)
+    spec = GrammarSpec("regex", "ab+c")
+
+    def broken(_spec):
+        raise GrammarError("no such grammar here")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(compiler, "compile", broken)
+        with pytest.raises(GrammarError, match="no such grammar"):
+            rows.track("s", spec, 0)
+    rows.track("t", spec, 0)  # the other sequences are untouched
+    for call in (lambda: rows.check("s"), lambda: rows.masks("s", ids("a"), []), lambda: rows.matcher("s", [])):
+        with pytest.raises(GrammarError, match="no such grammar"):
+            call()
+    assert rows.masks("t", ids("a"), []) is not None
+    rows.release("s")
+    rows.check("s")
+    assert rows.masks("s", ids("a"), []) is None, "released: a new sequence of that id starts clean"
+
+
+def test_a_broken_matcher_fails_its_sequence_with_a_grammar_error(compiler, monkeypatch):
+    rows = SequenceGrammars(compiler)
+    rows.track("s", GrammarSpec("regex", "ab+c"), 0)
+    rows.masks("s", ids("abb"), [])
+    matcher = rows.matcher("s", ids("abb"))
+
+    class RefusesRollback:  # llguidance's matcher, except that it refuses to roll back
+        def __init__(self, inner):
+            self._inner = inner
+
+        def rollback(self, n):
+            return False
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    monkeypatch.setattr(matcher, "_matcher", RefusesRollback(matcher._matcher))
+    with pytest.raises(GrammarError, match="rollback"):
+        rows.masks("s", ids("ab"), [])  # a rolled-back token, which llguidance refuses here
+    with pytest.raises(GrammarError, match="rollback"):
+        rows.check("s")
+
+
+def test_the_tokenizer_table_is_built_by_prepare_and_an_unreadable_tokenizer_is_kept_as_the_error():
+    compiler = GrammarCompiler(TOKENIZER, BYTE_VOCAB, [EOS_ID])
+    compiler.prepare()
+    assert compiler.stats.tokenizer_seconds > 0 and compiler.unavailable is None
+    built = compiler.stats.tokenizer_seconds
+    compiler.compile(GrammarSpec("regex", "ab+c"))
+    assert compiler.stats.tokenizer_seconds == built, "not built again by the first compile"
+
+    from tests.conftest import make_tiny_tokenizer  # a WordPiece decoder, which llguidance cannot read
+
+    unreadable = GrammarCompiler(make_tiny_tokenizer(), 64, [1])
+    with pytest.raises(GrammarError, match="cannot read this model's tokenizer"):
+        unreadable.prepare()
+    assert unreadable.unavailable is not None
+    with pytest.raises(GrammarError, match="cannot read this model's tokenizer"):
+        unreadable.compile(GrammarSpec("regex", "a"))
+
+
 def test_the_grammar_as_a_logits_processor_masks_each_position_of_the_seam(compiler):
     """GrammarProcessor through engine/logits_processing.process_logits: the target's rows (each draft's position
     and the bonus one) and a draft step (`first`) get the matcher's masks after their own history."""

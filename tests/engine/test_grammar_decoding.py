@@ -173,3 +173,30 @@ def test_sampled_outputs_under_a_schema_always_validate(target_model, seeded):
     if seeded:  # drafter invariance holds under the grammar too: off-grammar drafts change nothing
         rogue = engine_with(target_model, "off-grammar", 3).generate([PROMPTS[i % 2] for i in range(6)], params)
         assert [o.token_ids for o in rogue] == [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_min_tokens_with_a_grammar_that_can_end_early(target_model, draft):
+    """vLLM's rule (vllm-project/vllm#54218): min_tokens keeps EOS out only while the grammar allows something
+    else; where the grammar can only end, the row ends there (finish "stop", short of min_tokens) instead of
+    sampling from an all -inf row (token 0, outside the grammar) or emitting EOS until min_tokens. Speculation
+    changes nothing: greedy speculative equals plain decoding, and sampled rows stay in the grammar."""
+    engine = engine_with(target_model, draft, 3)
+    choice, digits = GrammarSpec.choice(["yes", "no"]), GrammarSpec("regex", "[0-9]{1,30}")
+    free = engine.generate(PROMPTS, SamplingParams(max_tokens=40, grammar=digits), k=0)
+    floor = max(len(o.token_ids) for o in free) + 3  # binding: more than the grammar's row emits without it
+    for temperature in (0.0, 1.0):
+        for spec, min_tokens in ((choice, 12), (digits, floor)):
+            params = SamplingParams(temperature=temperature, max_tokens=40, min_tokens=min_tokens, grammar=spec,
+                                    seed=5 if temperature else None)
+            outs = engine.generate(PROMPTS, params)
+            if temperature == 0.0:
+                assert [o.token_ids for o in outs] == [o.token_ids for o in engine.generate(PROMPTS, params, k=0)]
+            for o in outs:
+                assert o.finish_reason == "stop", (spec.kind, o)
+                check_output(spec, o.text)
+                if spec is choice:
+                    assert len(o.token_ids) < min_tokens, "the grammar ended the row before min_tokens"
+                else:
+                    assert len(o.text) >= min_tokens - 1, "the grammar could go on: min_tokens held it open"
+    assert len(engine.grammars) == 0
