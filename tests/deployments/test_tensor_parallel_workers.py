@@ -7,6 +7,7 @@ the static runner over their shards (engine/static_tp.py), or transformers' wher
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import multiprocessing
 import random
@@ -35,6 +36,27 @@ def _stop_ranks(procs, stop) -> None:
         p.join(30)
         if p.is_alive():
             p.kill()
+
+
+@contextlib.contextmanager
+def _two_ranks(config):
+    """Two target ranks in processes of their own, rank 0 connected to rank 1: yields (rank 0's endpoint, rank 0's
+    stats, rank 1's stats), and stops both after."""
+    ctx = multiprocessing.get_context("spawn")
+    endpoints, peers, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, config, endpoints, peers, stop), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, endpoint, stats1 = endpoints.get(timeout=180)
+        assert rank == 1
+        peers.put(endpoint)
+        _, rank0, stats0 = endpoints.get(timeout=180)
+        yield rank0, stats0, stats1
+    finally:
+        _stop_ranks(procs, stop)
 
 
 def _rank_main(rank, port, engine_config, endpoints, peers, stop):
@@ -83,18 +105,7 @@ async def _router(call, router: int) -> dict[str, list[int]]:
 def test_routers_calling_one_tensor_parallel_replica_at_once_get_single_rank_results(tiny_model_dirs):
     # a KV budget of 5 single-rank sequences (the routers keep 4 live at once), so the ranks' 10 show
     config = tiny_config(tiny_model_dirs, runner={"kv_cache_gib": 0.0013}).engine_config()
-    ctx = multiprocessing.get_context("spawn")
-    endpoints, peers, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, config, endpoints, peers, stop), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        rank, endpoint, stats1 = endpoints.get(timeout=180)
-        assert rank == 1
-        peers.put(endpoint)
-        rank, rank0, stats0 = endpoints.get(timeout=180)
+    with _two_ranks(config) as (rank0, stats0, stats1):
         for stats in (stats0, stats1):  # the static runner over each rank's shard, half the weights each
             assert stats["runner"] == "StaticRunner", stats
             assert stats["parameters"] < 0.55 * stats["full_parameters"], stats
@@ -107,8 +118,6 @@ def test_routers_calling_one_tensor_parallel_replica_at_once_get_single_rank_res
                 for i in range(ROUTERS)))
 
         tensor_parallel = asyncio.run(asyncio.wait_for(run_all(), 240))
-    finally:
-        _stop_ranks(procs, stop)
 
     reference = TargetWorkerCore(config)
     assert reference.stats()["runner"] == "StaticRunner"
@@ -142,22 +151,10 @@ def test_a_tensor_parallel_target_scores_a_chunked_prompts_logprobs_like_one_ran
             out.append((result.prompt_logprobs, [v.tokens for v in result.verdicts]))
         return out
 
-    ctx = multiprocessing.get_context("spawn")
-    endpoints, peers, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, config, endpoints, peers, stop), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        rank, endpoint, _ = endpoints.get(timeout=180)
-        peers.put(endpoint)
-        _, rank0, _ = endpoints.get(timeout=180)
+    with _two_ranks(config) as (rank0, _, _):
         channels = AsyncChannels()
         tensor_parallel = asyncio.run(asyncio.wait_for(score(lambda method, *args: channels.call(rank0, method, *args)),
                                                        120))
-    finally:
-        _stop_ranks(procs, stop)
     reference = TargetWorkerCore(config)
 
     async def local(method, *args):
