@@ -191,7 +191,9 @@ class ModelWorker:
 
     def stats(self) -> dict:
         runner = self.model_runner()
+        live_ids = getattr(runner, "live_ids", None)
         return {"live_sequences": runner.num_live if runner else 0, "calls": self.calls, "rows": self.rows,
+                "live_sequence_ids": sorted(live_ids())[:16] if live_ids else [],  # the first 16, for leak checks
                 "kv_capacity": getattr(runner, "capacity", None) if runner else None, "pid": os.getpid(),
                 "runner": type(runner).__name__ if runner else None,
                 "torch_threads": self.torch_threads, "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}

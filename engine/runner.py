@@ -126,6 +126,10 @@ class SlotTableAccess:
     def has(self, seq_id: str) -> bool:
         return seq_id in self._seqs
 
+    def live_ids(self) -> list[str]:
+        """The sequences holding a slot now (for /stats and leak checks)."""
+        return list(self._seqs._seqs)
+
     def cached_tokens(self, seq_id: str) -> list[int]:
         return list(self._seqs[seq_id].tokens)
 
