@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.cost_cache import DEFAULT_DIR as DEFAULT_COST_CACHE
 from engine.factory import DraftMethod, EngineConfig
 from engine.loading import DTYPES
 
@@ -69,7 +70,7 @@ class SpeculationSection(StrictModel):
         None, description="cost profile written by `specserve-calibrate` for this model pair and machine; "
                           "None: each Draft/Target replica measures its own costs at start (a few seconds)")
     cost_cache: str | None = Field(
-        "~/.cache/specserve/costs", description="directory where replicas keep the costs they measure at start "
+        DEFAULT_COST_CACHE, description="directory where replicas keep the costs they measure at start "
         "(keyed by model, dtype, runner settings, threads and hardware; engine/cost_cache.py): a restart on the same "
         "machine reads them instead of measuring again (~10 s of a Target's start on a 2-core CPU). None: always "
         "measure. Tensor-parallel targets always measure (their ranks measure together)")

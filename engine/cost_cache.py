@@ -58,12 +58,12 @@ def cached_costs(cache_dir: str | None, key: dict, measure: Callable[[], dict]) 
     `cache_dir` None: always measure."""
     if cache_dir is None:
         return measure()
-    key = {"format": FORMAT, **key}
-    text = json.dumps(key, sort_keys=True)
+    text = json.dumps({"format": FORMAT, **key}, sort_keys=True)
+    key = json.loads(text)  # as it reads back from the file (tuples become lists)
     path = Path(cache_dir).expanduser() / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
     try:
         saved = json.loads(path.read_text())
-        if saved["key"] == json.loads(text):
+        if saved["key"] == key:
             log.info("start-up costs read from %s (delete it to measure again)", path)
             return saved["costs"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -72,7 +72,7 @@ def cached_costs(cache_dir: str | None, key: dict, measure: Callable[[], dict]) 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": json.loads(text), "costs": costs}))
+        tmp.write_text(json.dumps({"key": key, "costs": costs}))
         tmp.replace(path)
     except OSError as exc:
         log.warning("start-up costs not kept (%s): the next start measures them again", exc)

@@ -70,6 +70,9 @@ class SlotTable:
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._seqs
 
+    def __iter__(self):  # the live sequences' ids
+        return iter(self._seqs)
+
     def __getitem__(self, seq_id: str) -> SeqSlot:
         return self._seqs[seq_id]
 
@@ -128,7 +131,7 @@ class SlotTableAccess:
 
     def live_ids(self) -> list[str]:
         """The sequences holding a slot now (for /stats and leak checks)."""
-        return list(self._seqs._seqs)
+        return list(self._seqs)
 
     def cached_tokens(self, seq_id: str) -> list[int]:
         return list(self._seqs[seq_id].tokens)
