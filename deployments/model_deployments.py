@@ -17,6 +17,7 @@ slot (deployments/admission.py). `ready()` answers once the constructor has run 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import uuid
 
@@ -27,8 +28,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.factory import EngineConfig
 
 from .admission import min_capacity, refusal
+from .lease_ledger import STALE_AFTER_S, LeaseLedger
 from .messages import LeaseInfo
 from .workers import ray_actor_classes
+
+logger = logging.getLogger("ray.serve")
 
 HEALTH_PING_TIMEOUT_S = 20.0  # a worker not answering a ping this long fails the health check (Serve's own: 30 s)
 # A model call running longer than this is taken as hung. Pings are answered on the workers' "control" thread, so
@@ -69,6 +73,8 @@ def _actor_options(worker: dict, index: int, name: str) -> dict:
 class _LeasedReplica:
     def __init__(self) -> None:
         self.leases = 0
+        self.ledger = LeaseLedger()  # the sequences leased here, and the sweep of those that outlive their leases
+        self._sweeping: asyncio.Task | None = None
         self._replica_id = None
         self.costs: dict | None = None  # measured at start when the router's K policy needs them (policy.py)
         self.capacity: int | None = None  # sequences its workers' KV caches hold; None: unbounded
@@ -95,6 +101,7 @@ class _LeasedReplica:
             yield refused
             return
         self.leases += 1
+        self.ledger.leased(seq_id)
         try:
             yield LeaseInfo(self.replica_id, workers, endpoint, self.costs)
             await asyncio.Event().wait()  # until the router cancels the lease
@@ -105,6 +112,26 @@ class _LeasedReplica:
                 pass
             finally:  # the slot is free once the worker has released the sequence: a new one cannot find it taken
                 self.leases -= 1
+                self.ledger.ended(seq_id)
+
+    def _sweep(self, worker) -> None:
+        """Start releasing, on the workers, sequences that outlived their leases (lease_ledger.py); in a task of its
+        own, so the health check never waits behind a long model call."""
+        if self._sweeping is not None and not self._sweeping.done():
+            return
+        candidates = self.ledger.candidates()
+        if candidates:
+            self._sweeping = asyncio.get_running_loop().create_task(self._release_stale(worker, candidates))
+
+    async def _release_stale(self, worker, candidates: list[str]) -> None:
+        try:
+            stale = await worker.release_stale.remote(candidates, STALE_AFTER_S)
+        except Exception:  # the worker is gone: the health check says so
+            return
+        if stale:
+            self.ledger.swept += len(stale)
+            logger.warning("replica %s: released %d sequence(s) its workers held after their leases ended: %s",
+                           self.replica_id, len(stale), stale[:8])
 
     async def _check(self, workers: list) -> None:
         """Serve's health check: raises at once if a worker died, if one does not answer a ping within
@@ -127,6 +154,7 @@ class _LeasedReplica:
         if pending:
             raise TimeoutError(f"{len(pending)} model worker(s) of replica {self.replica_id} did not answer a "
                                f"ping within {HEALTH_PING_TIMEOUT_S:.0f} s")
+        self._sweep(workers[0])  # a target's rank 0 passes the releases on to the other ranks
 
     def _stop(self, workers: list) -> None:
         # The workers are owned by this replica's actor and die with it; killing them here as well frees a broken
@@ -160,7 +188,8 @@ class DraftServer(_LeasedReplica):
             yield item
 
     async def stats(self) -> dict:
-        return {"replica": self.replica_id, "leases": self.leases, "worker": self.worker_name,
+        return {"replica": self.replica_id, "leases": self.leases, "swept": self.ledger.swept,
+                "worker": self.worker_name,
                 "namespace": ray.get_runtime_context().namespace, **(await self.worker.stats.remote())}
 
     async def check_health(self) -> None:
@@ -201,7 +230,8 @@ class TargetServer(_LeasedReplica):
 
     async def stats(self) -> dict:
         ranks = await asyncio.gather(*[w.stats.remote() for w in self.workers])
-        return {"replica": self.replica_id, "leases": self.leases, "kv_capacity": self.capacity, "ranks": list(ranks)}
+        return {"replica": self.replica_id, "leases": self.leases, "swept": self.ledger.swept,
+                "kv_capacity": self.capacity, "ranks": list(ranks)}
 
     async def check_health(self) -> None:
         await self._check(self.workers)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -54,8 +55,10 @@ class KnownTokens:
     def __init__(self) -> None:
         self.tokens: dict[str, list[int]] = {}
         self._processing: dict[str, tuple[int, tuple[LogitsProcessor, ...]]] = {}  # seq -> (prompt_len, processors)
+        self.touched: dict[str, float] = {}  # seq -> time.monotonic() of its latest call
 
     def apply(self, delta: SeqDelta) -> list[int]:
+        self.touched[delta.seq_id] = time.monotonic()
         known = self.tokens.get(delta.seq_id)
         if known is None:
             if delta.start != 0:
@@ -81,6 +84,7 @@ class KnownTokens:
     def pop(self, seq_id: str) -> None:
         self.tokens.pop(seq_id, None)
         self._processing.pop(seq_id, None)
+        self.touched.pop(seq_id, None)
 
 
 class BusyClock:
@@ -188,6 +192,20 @@ class ModelWorker:
         runner = self.model_runner()
         if runner is not None:
             runner.release(seq_id)
+
+    def release_stale(self, seq_ids: list[str], idle_s: float) -> list[str]:
+        """Release those of `seq_ids` (sequences whose leases have ended: model_deployments' sweep) that this worker
+        still holds and that no call has touched for `idle_s`; returns them."""
+        return self._model.call(self._release_stale, seq_ids, idle_s)
+
+    def _release_stale(self, seq_ids: list[str], idle_s: float) -> list[str]:
+        runner, now = self.model_runner(), time.monotonic()
+        stale = [seq_id for seq_id in seq_ids
+                 if (seq_id in self._known.tokens or (runner is not None and runner.has(seq_id)))
+                 and now - self._known.touched.get(seq_id, -math.inf) >= idle_s]
+        if stale:  # on the model thread already, so it runs in this turn (a target's rank 0 passes it on)
+            self.release(stale)
+        return stale
 
     def stats(self) -> dict:
         runner = self.model_runner()

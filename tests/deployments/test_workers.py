@@ -194,6 +194,27 @@ def test_release_frees_the_sequence_and_a_stale_continuation_is_refused(target):
     target.release(["x1"])
 
 
+def test_release_stale_frees_only_sequences_no_call_touched_lately(target, draft):
+    """The replica's sweep (deployments/lease_ledger.py): a sequence a call created again after its release is freed;
+    one a call touched within `idle_s` is kept; ids the worker does not hold are ignored."""
+    before = target.stats()["live_sequences"]
+    target.verify([verify_call(delta("late", PROMPT), [])])
+    target.release(["late"])
+    target.verify([verify_call(delta("late", PROMPT), [])])  # a call after the release re-creates it
+    target.verify([verify_call(delta("busy", PROMPT), [])])
+    assert target.stats()["live_sequences"] == before + 2
+    assert target.release_stale(["late", "busy", "never-seen"], idle_s=60.0) == []  # both touched just now
+    assert target.release_stale(["late", "never-seen"], idle_s=0.0) == ["late"]
+    assert target.stats()["live_sequences"] == before + 1
+    with pytest.raises(UnknownSequenceError):
+        target.verify([verify_call(delta("late", [4], start=len(PROMPT)), [])])
+    target.release(["busy", "late"])
+    assert target.stats()["live_sequences"] == before
+    draft.propose([draft_call(delta("late-d", PROMPT), 2)], None)
+    assert draft.release_stale(["late-d"], idle_s=0.0) == ["late-d"]
+    assert "late-d" not in draft.stats()["live_sequence_ids"]
+
+
 PENALISED = SamplingParams(max_tokens=16, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.4,
                            logit_bias=((14, 1.0),))
 
