@@ -5,7 +5,8 @@ One chained round (router -> draft worker -> target worker rank 0 -> router) is 
 worker cores (deployments/workers.py, no Ray, no sockets): every message is pickled as the channel pickles it
 (protocol 5), so the byte counts are the channel's payloads. The router's CPU per round is its own work around the
 workers' calls: pickling its calls, unpickling the replies, and accepting and committing each row (thread CPU time,
-so the workers' compute, which runs in this thread too, is not counted).
+so the workers' compute, which runs in this thread too, is not counted). Rows without stop strings have their text
+decoded by their requests' consumers, not in the round loop; that is reported apart (`consumer_text_cpu_ms_per_round`).
 
 `--impl after` measures this tree; `--impl before --code DIR` measures the tree in DIR (e.g. `git archive 545b6bc`),
 where the target sent [K+1, V] and the draft [K, V] float32 probabilities of every sampled row to the router, which
@@ -87,7 +88,7 @@ def measure(impl: str, seeded: bool) -> list[dict]:
             stats = SpecStats()
             totals = {"router_to_draft": 0, "draft_to_target": 0, "draft_to_router": 0, "router_to_target": 0,
                       "target_to_router": 0}
-            cpu, commit_cpu = [], []
+            cpu, commit_cpu, text_cpu = [], [], []
             for round_no in range(ROUNDS + 1):
                 c0 = time.thread_time()
                 delta = _delta_factory(impl, messages)
@@ -108,12 +109,17 @@ def measure(impl: str, seeded: bool) -> list[dict]:
                 c1 = time.thread_time()
                 outs, cpu_commit = _accept_and_commit(impl, messages, seqs, reply_bytes, first_bytes, stats)
                 cpu_accept = time.thread_time() - c1
+                c2 = time.thread_time()  # the requests' consumers read the texts, between rounds (engine/stopping.py)
+                for out in outs:
+                    out.new_text  # noqa: B018 (decoded on first read)
+                cpu_text = time.thread_time() - c2
                 for i, s in enumerate(seqs):
                     sent_draft[i] = sent_target[i] = s.num_tokens - len(outs[i].new_token_ids)
                 if round_no == 0:
                     continue  # the prefill round
                 cpu.append(cpu_calls + cpu_accept)
                 commit_cpu.append(cpu_commit)
+                text_cpu.append(cpu_text)
                 totals["router_to_draft"] += router_out[0]
                 totals["router_to_target"] += router_out[1]
                 totals["draft_to_target"] += relayed
@@ -130,6 +136,9 @@ def measure(impl: str, seeded: bool) -> list[dict]:
                             # of which committing the tokens (detokenizing, stop strings): the same work before
                             # and after, not sampling
                             "router_commit_cpu_ms_per_round": round(1e3 * statistics.median(commit_cpu), 3),
+                            # the rows' text, decoded by each request's consumer after the round loop handed the
+                            # round on (without stop strings; trees before 2026-11-24 decoded it in the commit)
+                            "consumer_text_cpu_ms_per_round": round(1e3 * statistics.median(text_cpu), 3),
                             "acceptance_rate": round(stats.acceptance_rate, 3)})
             print(json.dumps(results[-1]), flush=True)
         return results

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from .builtin_processors import LogitsSettings
 from .logits_processing import LogitsProcessor, RowProcessing
@@ -23,11 +24,14 @@ class PromptTooLongError(ValueError):
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What one round produced for one request (a streaming delta), plus totals once finished."""
+    """What one round produced for one request (a streaming delta), plus totals once finished.
+
+    `new_text` is decoded when first read (engine/stopping.OutputText: without stop strings the round loop decodes
+    no text; the request's consumer does, between rounds). A request's outputs must be read in order."""
 
     request_id: str
     new_token_ids: list[int]
-    new_text: str
+    text_source: Callable[[], str] = field(repr=False, compare=False)  # the delta's text, decoded when asked
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int
@@ -37,6 +41,10 @@ class RequestOutput:
     # on a request's first output, when it asked for prompt logprobs: None (the first prompt token has none), then
     # per prompt token a prompt_logprobs.PromptLogprob
     prompt_logprobs: list | None = None
+
+    @cached_property
+    def new_text(self) -> str:
+        return self.text_source()
 
 
 def check_prompt(prompt_ids: Sequence[int], max_model_len: int) -> None:
@@ -149,10 +157,16 @@ class SequenceState:
         if finish is None and self.remaining() == 0:
             finish = "length"
         self.finish_reason = finish
+        text, upto, final = self.text, len(self.text.token_ids), finish is not None
+        if text.deferred:  # decoded when the consumer reads it
+            text_source = lambda: text.take_delta(final, upto)  # noqa: E731
+        else:  # stop strings: decoded already (extend), the delta is taken now
+            delta = text.take_delta(final)
+            text_source = lambda: delta  # noqa: E731
         return RequestOutput(
             request_id=self.request_id,
             new_token_ids=kept,
-            new_text=self.text.take_delta(final=finish is not None),
+            text_source=text_source,
             finished=finish is not None,
             finish_reason=finish,
             num_prompt_tokens=len(self.prompt_ids),

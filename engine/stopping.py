@@ -30,6 +30,11 @@ class OutputText:
     replacement character, as the full decoding does). Tokenizers without a Rust backend decode the whole output
     each round, as before.
 
+    Without stop strings the round loop needs no text: `extend` then only appends the ids, and their text is decoded
+    when an output's text is asked for (`take_delta(upto=...)`, by the request's consumer, between rounds), as vLLM
+    detokenizes in its front end apart from the engine core's steps. With stop strings every round's text is decoded
+    in `extend`, since a stop string must end the sequence in the round that produced it.
+
     vLLM's meanings (its v1 detokenizer): `skip_special_tokens` leaves special tokens out of the text; a sequence
     ended by a stop token (EOS or a stop_token_id) keeps the token's id but not its text, and a stop string is cut
     from the text, unless `include_stop_str`; a stop string counts only where it ends in the text of a token after
@@ -46,6 +51,8 @@ class OutputText:
         self._min_text: int | None = 0 if min_tokens == 0 else None  # text length of the first min_tokens tokens
         self.token_ids: list[int] = []
         self.text = ""
+        self.deferred = not self.stop  # text decoded on demand (take_delta), not in extend
+        self._texted = 0  # leading token_ids whose text is in `text` (deferred decoding)
         self.streamed = 0  # characters of `text` already handed out
         self._stopped = False  # cut at a stop string: the text ends before it
         self._untexted = 0  # trailing token ids without text (a stop token's, left out)
@@ -56,13 +63,14 @@ class OutputText:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
 
-    def _pieces(self, new_ids: list[int]) -> str:
-        """The text `new_ids` complete after self.token_ids (held back while a character is incomplete)."""
+    def _pieces(self, held: int, new_ids: list[int]) -> str:
+        """The text `new_ids` complete after token_ids[:held], whose text is self.text (held back while a character
+        is incomplete)."""
         if not new_ids:
             return ""
         if self._stream is not None:
             return self._stream.step(self._backend, new_ids) or ""
-        return self._decode(self.token_ids + new_ids).rstrip("\ufffd")[len(self.text):]
+        return self._decode(self.token_ids[:held] + new_ids).rstrip("\ufffd")[len(self.text):]
 
     def extend(self, new_ids: Sequence[int], ends_with_stop_token: bool = False) -> int | None:
         """Append tokens; if a stop string appears, keep only the tokens up to it and return how many were kept
@@ -70,13 +78,18 @@ class OutputText:
         stop_token_id): its text is left out unless include_stop_str."""
         new = [int(t) for t in new_ids]
         textual = new[:-1] if ends_with_stop_token and not self.include_stop_str else new
+        if self.deferred:  # no stop string to look for: the text waits until it is asked for
+            self.token_ids.extend(new)
+            self._untexted = len(new) - len(textual)
+            return None
         old_len = len(self.text)
-        self.text += self._pieces(textual)
+        self.text += self._pieces(len(self.token_ids), textual)
         if self._min_text is None and len(self.token_ids) + len(textual) >= self.min_tokens:
             self._min_text = len(self._decode((self.token_ids + textual)[: self.min_tokens]))
         hit = self._find_stop(self.text, old_len)
         if hit is None:
             self.token_ids.extend(new)
+            self._texted = len(self.token_ids) - (len(new) - len(textual))
             self._untexted = len(new) - len(textual)
             return None
         # the round's tokens hold a stop string (once per sequence): the fewest of them whose text contains it
@@ -84,6 +97,7 @@ class OutputText:
             if self._find_stop(self._decode(self.token_ids + textual[:keep]), old_len) is not None:
                 break
         self.token_ids.extend(textual[:keep])
+        self._texted = len(self.token_ids)
         self.text = self.text[: hit[0] + (hit[1] if self.include_stop_str else 0)]
         self._stopped = True
         return keep
@@ -103,8 +117,17 @@ class OutputText:
                  if (i := text.find(s, max(0, old_len - len(s) + 1, self._min_text - len(s) + 1))) != -1]
         return min(found, key=lambda hit: hit[0]) if found else None
 
-    def take_delta(self, final: bool) -> str:
-        """Text not yet streamed. Holds back an incomplete UTF-8 character and a possible stop-string prefix."""
+    def _catch_up(self, upto: int) -> None:
+        """Deferred decoding: the text of token_ids[:upto], fed to the streaming decoder from where it stopped."""
+        if upto > self._texted:
+            self.text += self._pieces(self._texted, self.token_ids[self._texted : upto])
+            self._texted = upto
+
+    def take_delta(self, final: bool, upto: int | None = None) -> str:
+        """Text not yet streamed, of the first `upto` tokens (all: None). Holds back an incomplete UTF-8 character
+        and a possible stop-string prefix."""
+        if self.deferred and not final:
+            self._catch_up(len(self.token_ids) if upto is None else upto)
         if final:
             self.finish()
         safe = len(self.text)

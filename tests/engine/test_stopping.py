@@ -142,10 +142,11 @@ def test_a_stop_string_within_the_first_min_tokens_does_not_count():
 def test_a_stop_tokens_text_is_left_out_unless_include_stop_str():
     out = OutputText(ByteTokenizer(), stop=[])
     assert out.extend(ids("ok!"), ends_with_stop_token=True) is None
+    assert out.take_delta(final=True) == "ok"
     assert out.text == "ok" and out.token_ids == ids("ok!"), "the stop token is emitted, its text is not"
     kept = OutputText(ByteTokenizer(), stop=[], include_stop_str=True)
     kept.extend(ids("ok!"), ends_with_stop_token=True)
-    assert kept.text == "ok!"
+    assert kept.take_delta(final=True) == "ok!" and kept.text == "ok!"
 
 
 def test_skip_special_tokens(tiny_tokenizer):
@@ -154,9 +155,66 @@ def test_skip_special_tokens(tiny_tokenizer):
     skipped, shown = OutputText(tiny_tokenizer, stop=[]), OutputText(tiny_tokenizer, stop=[], skip_special_tokens=False)
     skipped.extend(special)
     shown.extend(special)
-    assert skipped.text == "w5 w6" and shown.text == "<pad> w5 </s> w6"
+    assert skipped.take_delta(final=False) == "w5 w6" and shown.take_delta(final=False) == "<pad> w5 </s> w6"
 
 
 def test_a_stop_id_within_the_tokens_owed_to_min_tokens_does_not_stop():
     assert cut_at_eos_and_length([1, 5, 9, 7], EOS, 10, min_left=2) == Cut(3, "stop", True)
     assert cut_at_eos_and_length([1, 9], EOS, 10, min_left=2) == Cut(2, None)
+
+
+class CountingTokenizer(ByteTokenizer):
+    """ByteTokenizer that counts its decodes."""
+
+    def __init__(self):
+        self.decodes = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decodes += 1
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_without_stop_strings_extend_decodes_nothing_and_each_output_gets_its_own_tokens_text():
+    """The round loop's commit decodes no text without stop strings; a consumer reading an output later (after more
+    rounds were committed) still gets the text of that output's tokens, and the pieces add up to the full text."""
+    tokenizer = CountingTokenizer()
+    out = OutputText(tokenizer, stop=[])
+    assert out.deferred
+    ends = []
+    for chunk in ("héllo", " wor", "ld"):
+        assert out.extend(ids(chunk)) is None
+        ends.append(len(out.token_ids))
+    assert tokenizer.decodes == 0 and out.text == "", "nothing decoded in the loop"
+    # the consumer reads the three outputs after all three rounds were committed
+    pieces = [out.take_delta(False, ends[0]), out.take_delta(False, ends[1]), out.take_delta(True, ends[2])]
+    assert pieces == ["héllo", " wor", "ld"]
+    assert out.text == "héllo world"
+
+
+def test_with_stop_strings_extend_decodes_in_the_loop():
+    tokenizer = CountingTokenizer()
+    out = OutputText(tokenizer, stop=["END"])
+    assert not out.deferred
+    out.extend(ids("abc"))
+    assert tokenizer.decodes > 0 and out.text == "abc"
+
+
+def test_deferred_streaming_decoding_equals_decoding_the_whole_output_whenever_the_consumer_reads():
+    """The streaming decoder without stop strings: outputs read one, two or three rounds late still stream exactly the
+    whole output's text, characters split across rounds included."""
+    import random
+
+    tokenizer = byte_level_tokenizer()
+    text = "plain words, é accents, ✓ marks and 🙂 faces"
+    rng = random.Random(1)
+    for trial in range(20):
+        out, tokens, streamed, unread = OutputText(tokenizer, stop=[]), ids(text), "", []
+        while tokens:
+            n = rng.randint(1, 5)
+            chunk, tokens = tokens[:n], tokens[n:]
+            out.extend(chunk)
+            unread.append(len(out.token_ids))
+            while unread and (not tokens or rng.random() < 0.4):  # the consumer catches up now and then
+                upto = unread.pop(0)
+                streamed += out.take_delta(final=not tokens and not unread, upto=upto)
+        assert streamed == out.text == text
