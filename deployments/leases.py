@@ -33,8 +33,9 @@ LEASE_RETRY_PAUSE_S = 0.25
 
 
 class _RayLease:
-    def __init__(self, stream, first: LeaseInfo, channels: AsyncChannels, dead: set) -> None:
+    def __init__(self, stream, first: LeaseInfo, channels: AsyncChannels, dead: set, seq_id: str) -> None:
         self._stream = stream
+        self.seq_id = seq_id
         self.key: str = first.replica
         self.workers = first.workers
         self.endpoint = first.endpoint
@@ -94,6 +95,14 @@ class RayTargetLease(_RayLease):
         """
         return VerifyResult.from_wire(await self._call("verify", [call.wire() for call in calls]))
 
+    async def release(self) -> None:
+        """The worker frees the sequence now, whatever becomes of the lease's cancel on its way through Serve (the
+        replica's own release follows and finds nothing: releases are idempotent). Rank 0 passes it on."""
+        try:
+            await self._channels.call(self.endpoint, "release", [self.seq_id])
+        except (ChannelClosed, TensorParallelBroken):  # the worker is gone, and its caches with it
+            pass
+
 
 class RayLeaseBroker:
     def __init__(self, draft_handle, target_handle) -> None:
@@ -119,7 +128,7 @@ class RayLeaseBroker:
                     stream.cancel()
                     raise ReplicaFull(first.message())
                 if not wait_for_healthy or first.replica not in self.dead_replicas:
-                    return cls(stream, first, self.channels, self.dead_replicas)
+                    return cls(stream, first, self.channels, self.dead_replicas, seq_id)
                 stream.cancel()
                 error = RuntimeError(f"replica {first.replica} failed and awaits replacement")
             if time.monotonic() >= deadline:

@@ -37,6 +37,11 @@ class TargetLease(Protocol):
 
     async def verify(self, calls: list[VerifyCall]) -> VerifyResult: ...
 
+    async def release(self) -> None:
+        """Free the sequence on the worker now, through the round's own channel (its request ended with a round
+        that has come back, so none of its calls is on the way); `close` still ends the lease."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -181,13 +181,18 @@ class Scheduler:
                 if ended(out):
                     finished.append(live.seq.request_id)
         for request_id in finished:
-            await self._finish(request_id)
+            await self._finish(request_id, after_round=True)
 
-    async def _finish(self, request_id: str) -> None:
+    async def _finish(self, request_id: str, after_round: bool = False) -> None:
+        """End a request: close its leases, which frees its sequences on the workers. `after_round`: it ended with
+        a round that came back, so none of its calls is on the way, and the Target worker is told at once through
+        the round's channel too (README, "Limits": a lease's release through Serve was seen to go missing)."""
         live = self._live.pop(request_id, None)
         if live is None:
             return
         if not live.reletting:  # a dead replica's lease was closed already
+            if after_round:
+                await live.target.release()
             await live.target.close()
             self.space.freed()
         if live.draft is not None:

@@ -115,6 +115,10 @@ class _Lease:
             await asyncio.sleep(self.broker.verify_delay)
         return VerifyResult.from_wire(run())
 
+    async def release(self) -> None:
+        self.broker.direct_releases += 1
+        self.core.release([self.seq_id])  # the router's own release through the channel (RayTargetLease.release)
+
     async def close(self) -> None:
         self.closed = True
         self.core.release([self.seq_id])  # what the replica does when a lease ends
@@ -147,6 +151,7 @@ class LocalBroker:
         self.refuse_draft_leases = 0  # the next n draft leases fail (no Draft replica available)
         self.cancels = 0
         self.chained = 0  # chained rounds (draft hands its drafts to the target)
+        self.direct_releases = 0  # target sequences freed by the router through the channel after their last round
         self.break_chains = 0  # the next n chained rounds fail after drafting (the target unreachable from the draft)
         self.held_target_leases: set[str] = set()
         self.leased_targets: set[str] = set()

@@ -23,6 +23,9 @@ def _verify_call(seq_id: str = "s") -> VerifyCall:
 
 def _rank0(behaviour: str = "ok") -> ChannelServer:
     """Rank 0's channel: `verify` answers, fails like a broken tensor-parallel group, or fails plainly."""
+    def release(seq_ids):
+        released.extend(seq_ids)
+
     def verify(calls):
         if behaviour == "broken":
             raise TensorParallelBroken("tensor-parallel rank 0 of 2: all_reduce failed: connection closed by peer")
@@ -30,7 +33,10 @@ def _rank0(behaviour: str = "ok") -> ChannelServer:
             raise ValueError("a bad call")
         return VerifyResult([Verdict([0, len(calls)], 1) for _ in calls], 0.5).wire()
 
-    return ChannelServer({"verify": verify}, "127.0.0.1", bind_host="127.0.0.1")
+    released: list[str] = []
+    server = ChannelServer({"verify": verify, "release": release}, "127.0.0.1", bind_host="127.0.0.1")
+    server.released = released
+    return server
 
 
 class FakeStream:
@@ -71,7 +77,17 @@ class _Lease:
 
 def _lease(endpoint, dead=None) -> RayTargetLease:
     return RayTargetLease(FakeStream(None), LeaseInfo("r", [], endpoint), AsyncChannels(),
-                          set() if dead is None else dead)
+                          set() if dead is None else dead, "seq-1")
+
+
+def test_release_frees_the_sequence_through_the_channel_and_a_gone_worker_is_no_error():
+    server = _rank0()
+    lease = _lease(server.endpoint)
+    asyncio.run(lease.release())
+    assert server.released == ["seq-1"]
+    server.close()
+    gone = _lease(Endpoint("127.0.0.1", server.endpoint.port, server.endpoint.secret))
+    asyncio.run(asyncio.wait_for(gone.release(), 30))  # nothing to free: the worker's caches went with it
 
 
 def test_rank_zero_answers_through_its_channel_and_a_plain_error_stays_an_error():
@@ -166,8 +182,8 @@ def _chain_workers(how: str):
 def test_a_chained_round_names_the_replica_that_failed(how, error, blamed, temperature):
     draft_endpoint, target_endpoint = _chain_workers(how)
     channels, dead = AsyncChannels(), set()
-    draft = RayDraftLease(FakeStream(None), LeaseInfo("d", [], draft_endpoint), channels, dead)
-    target = RayTargetLease(FakeStream(None), LeaseInfo("t", [], target_endpoint), channels, dead)
+    draft = RayDraftLease(FakeStream(None), LeaseInfo("d", [], draft_endpoint), channels, dead, "s")
+    target = RayTargetLease(FakeStream(None), LeaseInfo("t", [], target_endpoint), channels, dead, "s")
     seq = SeqDelta("b", 0, [7, 8], temperature, 0, 1.0, 0)
     draft_calls = [DraftCall(seq, 3)]
     run = draft.chain(draft_calls, target, [_verify_call("a"), VerifyCall(seq, [])], [1])
