@@ -180,8 +180,8 @@ class Scheduler:
                 live.queue.put_nowait(out)
                 if ended(out):
                     finished.append(live.seq.request_id)
-        for request_id in finished:
-            await self._finish(request_id, after_round=True)
+        # at once, not one after another: each tells its Target worker through the channel (a round trip)
+        await asyncio.gather(*(self._finish(request_id, after_round=True) for request_id in finished))
 
     async def _finish(self, request_id: str, after_round: bool = False) -> None:
         """End a request: close its leases, which frees its sequences on the workers. `after_round`: it ended with

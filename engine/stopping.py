@@ -52,7 +52,7 @@ class OutputText:
         self.token_ids: list[int] = []
         self.text = ""
         self.deferred = not self.stop  # text decoded on demand (take_delta), not in extend
-        self._texted = 0  # leading token_ids whose text is in `text` (deferred decoding)
+        self._texted = 0  # deferred decoding: leading token_ids whose text is in `text`
         self.streamed = 0  # characters of `text` already handed out
         self._stopped = False  # cut at a stop string: the text ends before it
         self._untexted = 0  # trailing token ids without text (a stop token's, left out)
@@ -89,7 +89,6 @@ class OutputText:
         hit = self._find_stop(self.text, old_len)
         if hit is None:
             self.token_ids.extend(new)
-            self._texted = len(self.token_ids) - (len(new) - len(textual))
             self._untexted = len(new) - len(textual)
             return None
         # the round's tokens hold a stop string (once per sequence): the fewest of them whose text contains it
@@ -97,7 +96,6 @@ class OutputText:
             if self._find_stop(self._decode(self.token_ids + textual[:keep]), old_len) is not None:
                 break
         self.token_ids.extend(textual[:keep])
-        self._texted = len(self.token_ids)
         self.text = self.text[: hit[0] + (hit[1] if self.include_stop_str else 0)]
         self._stopped = True
         return keep
