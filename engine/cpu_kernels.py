@@ -11,6 +11,10 @@ from DRAM (a decode step reads every layer's once) it streams ~11 GB/s, half of 
 `torch.get_num_threads()` row blocks and run as one `bmm`, ATen gives each thread its block (measured on the same
 machine, SmolLM2-135M's 30 layers' projections, weights cold: 37-45 ms -> 24-26 ms per step; its LM head 10-13 ms
 -> 5-6 ms). Matrices that fit in cache (under `SPLIT_GEMV_MIN_ELEMENTS`) gain nothing and keep `F.linear`.
+
+Where engine/cpu_gemm.py's kernel is available (x86 with AVX2/FMA and a C++ compiler), 1 to 64 rows use it instead:
+faster than both tricks above at every row count measured (bench/RESULTS.md, "A small-batch CPU matrix product"),
+and batch invariant. The tricks stay for machines without it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import cpu_gemm
 
 # below this many weight elements (1 MiB of fp32) the matrix stays in cache between steps and MKL's GEMV is as fast
 SPLIT_GEMV_MIN_ELEMENTS = 1 << 18
@@ -32,9 +38,16 @@ def linear(
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():  # compiled steps (inductor, frozen weights) choose their own kernels
+        return F.linear(x, weight, bias)
+    if rows <= cpu_gemm.MAX_ROWS and x.shape[-1] % 8 == 0 and weight.is_contiguous():
+        kernel = cpu_gemm.small_gemm()
+        if kernel is not None:
+            out = kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight,
+                         None if bias is None else bias.contiguous())
+            return out.reshape(*x.shape[:-1], weight.shape[0])
     if rows == 1:
-        # compiled steps (inductor, frozen weights) choose their own GEMV kernels
-        return F.linear(x, weight, bias) if torch.compiler.is_compiling() else _split_gemv(x, weight, bias)
+        return _split_gemv(x, weight, bias)
     # x must be row-major here: MKL is fast for W @ (row-major x)^T, slow when that operand is column-major
     out = torch.mm(weight, x.reshape(rows, x.shape[-1]).contiguous().t()).t().contiguous()
     if bias is not None:

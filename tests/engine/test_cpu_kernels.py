@@ -1,5 +1,5 @@
-"""engine/cpu_kernels.py: the small-batch linear equals F.linear for every row count and takes the split GEMV
-for one row of a large matrix."""
+"""engine/cpu_kernels.py: the small-batch linear equals F.linear for every row count, uses engine/cpu_gemm.py's
+kernel where it is available, and otherwise takes the split GEMV for one row of a large matrix."""
 
 import pytest
 import torch
@@ -29,6 +29,7 @@ def test_linear_equals_f_linear(rows, with_bias, two_threads):
 
 
 def test_one_row_of_a_large_matrix_runs_as_one_bmm_per_thread_block(two_threads, monkeypatch):
+    monkeypatch.setattr(cpu_kernels.cpu_gemm, "small_gemm", lambda: None)  # a machine without engine/cpu_gemm.py's
     calls = []
     real_bmm = torch.bmm
 
@@ -48,3 +49,19 @@ def test_split_gemv_falls_back_to_f_linear(shape, two_threads, monkeypatch):
     monkeypatch.setattr(torch, "bmm", lambda *a: pytest.fail("bmm used"))
     weight, x = torch.randn(*shape), torch.randn(1, 320)
     torch.testing.assert_close(cpu_kernels.linear(x, weight), F.linear(x, weight))
+
+
+@pytest.mark.parametrize(("rows", "in_features", "used"), [(1, 320, True), (64, 320, True), (65, 320, False),
+                                                            (8, 324, False)])
+def test_rows_the_small_gemm_kernel_takes(rows, in_features, used, monkeypatch):
+    seen = []
+
+    def kernel(x, weight, bias):
+        seen.append(tuple(x.shape))
+        return F.linear(x, weight, bias)
+
+    monkeypatch.setattr(cpu_kernels.cpu_gemm, "small_gemm", lambda: kernel)
+    x, weight = torch.randn(1, rows, in_features), torch.randn(1024, in_features)
+    out = linear(x, weight)
+    assert out.shape == (1, rows, 1024)
+    assert seen == ([(rows, in_features)] if used else [])  # 64 rows at most, K a multiple of 8

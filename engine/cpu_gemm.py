@@ -1,0 +1,132 @@
+"""A small-batch fp32 matrix product for x86 CPUs (AVX2/FMA), built from engine/csrc/small_gemm.cpp on first use.
+
+Decode and verify steps multiply a few rows (1..16) by every weight matrix. MKL's sgemm is slow at these shapes on
+this project's 2-core AVX2 machine (torch 2.13, SmolLM2-135M's 30 layers' projections, weights in cache, 2
+threads): 8 rows took 33 ms, 44 GFLOP/s where the same MKL reaches 176 GFLOP/s at 1,024 rows. The kernel here
+keeps 12 accumulators in registers over a 3-column weight panel and prefetches the next panel while computing:
+one thread, weights in cache, 8 rows: 25 ms against MKL's 67 ms; weights from DRAM: 41 ms against 70 ms
+(bench/RESULTS.md, "A small-batch CPU matrix product", has the two-thread figures and the served effect).
+
+Its results are batch invariant: a row's outputs are the same bits whatever rows share the call (each dot product
+is summed in one fixed order), which MKL does not promise.
+
+The shared library is compiled with the system's C++ compiler (`CXX`, default g++) against the installed torch's
+headers into `SPECSERVE_KERNEL_CACHE` (default ~/.cache/specserve/kernels), once per source, torch version and
+flags (~15 s on 2 cores); `make install` builds it ahead (`python -m engine.cpu_gemm`). Where it cannot be used
+(no AVX2, not x86, no compiler, a failed build) `small_gemm()` returns None, the reason is logged once as a
+warning, and callers keep ATen's kernels. `SPECSERVE_CPU_GEMM=aten` turns it off (A/B measurements).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
+MAX_ROWS = 64  # the kernel's limit; it beat MKL up to there (bench/RESULTS.md); prompt chunks keep MKL
+DEFAULT_CACHE = "~/.cache/specserve/kernels"
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded on this machine; the message says why."""
+
+
+def why_unavailable() -> str | None:
+    """None where the kernel can run here, else the reason (before any build is tried)."""
+    if os.environ.get("SPECSERVE_CPU_GEMM", "auto") == "aten":
+        return "turned off (SPECSERVE_CPU_GEMM=aten)"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"the CPU lacks AVX2/FMA (torch reports {capability})"
+    if shutil.which(_compiler()) is None:
+        return f"no C++ compiler ({_compiler()!r}; set CXX)"
+    return None
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def library_path() -> Path:
+    """Where the shared library for this source, torch build and flags lives."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode(), _compiler().encode(),
+                 str(torch._C._GLIBCXX_USE_CXX11_ABI).encode()):
+        key.update(part)
+    root = Path(os.environ.get("SPECSERVE_KERNEL_CACHE", DEFAULT_CACHE)).expanduser()
+    return root / f"small_gemm-{key.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Compile the library if it is not in the cache yet (atomically: concurrent workers may build it at once)."""
+    target = library_path()
+    if target.exists():
+        return target
+    from torch.utils.cpp_extension import include_paths
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    torch_lib = Path(torch.__file__).parent / "lib"
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    command = [_compiler(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+               *[f"-I{p}" for p in include_paths()], str(SOURCE), "-o", tmp,
+               f"-L{torch_lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelUnavailable(f"building {SOURCE.name} failed ({result.returncode}): {result.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def small_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
+    """`torch.ops.specserve.small_gemm(x [M, K], weight [N, K], bias [N] | None) -> [M, N]`, or None where the
+    kernel is unavailable (the reason logged once)."""
+    reason = why_unavailable()
+    if reason is None:
+        try:
+            if not hasattr(torch.ops.specserve, "small_gemm"):
+                torch.ops.load_library(str(build()))
+            return torch.ops.specserve.small_gemm
+        except (KernelUnavailable, OSError, RuntimeError) as error:
+            reason = str(error)
+    log.warning("small-batch CPU matrix product: not used (%s); fp32 decode steps use ATen's kernels", reason)
+    return None
+
+
+def main() -> int:
+    """`python -m engine.cpu_gemm`: build (or find) the library, say where, exit 0; exit 1 with the reason."""
+    reason = why_unavailable()
+    if reason is not None:
+        print(f"small_gemm not built: {reason}")
+        return 0 if reason.startswith(("turned off", "not an x86", "the CPU lacks")) else 1
+    try:
+        print(f"small_gemm: {build()}")
+    except KernelUnavailable as error:
+        print(error, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
