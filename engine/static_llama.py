@@ -140,15 +140,14 @@ def grouped_attention(
     q: torch.Tensor,  # [B, H, W, D]
     keys: torch.Tensor,  # [B, KVH, L, D] (a view of the cache)
     values: torch.Tensor,  # [B, KVH, L, D]
-    positions: torch.Tensor,  # [B, W] absolute position of each query
+    visible: torch.Tensor,  # [B, 1, W, L] bool: key t is visible to query w of row b (`visible_keys`)
     scale: float,
 ) -> torch.Tensor:  # [B, H, W, D]
     """Causal attention over each row's own prefix, GQA without repeating keys/values.
 
     Query heads h = g*i + j (j < g) share key/value head i, as in transformers' `repeat_kv`, so the queries are
-    viewed as [B, KVH, g*W, D] and multiplied with the cache directly. Key position t is visible to a query at
-    position p iff t <= p: rows of different lengths share the call, each sees only its own keys (positions past a
-    row's length hold stale or zero entries that this condition hides).
+    viewed as [B, KVH, g*W, D] and multiplied with the cache directly. Rows of different lengths share the call,
+    each sees only its own keys (positions past a row's length hold stale or zero entries that `visible` hides).
     """
     batch, heads, width, dim = q.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
@@ -156,10 +155,23 @@ def grouped_attention(
     qg = q.reshape(batch, kv_heads, groups * width, dim)
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, KVH, g*W, L]
     scores = scores.view(batch, kv_heads, groups, width, length)
-    visible = torch.arange(length, device=q.device)[None, None, None, None, :] <= positions[:, None, None, :, None]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
     probs = scores.softmax(dim=-1).to(values.dtype).view(batch, kv_heads, groups * width, length)
     return torch.matmul(probs, values).view(batch, heads, width, dim)
+
+
+def visible_keys(positions: torch.Tensor, kv_len: int) -> torch.Tensor:  # positions [B, W] -> [B, 1, W, L] bool
+    """Key position t is visible to a query at position p iff t <= p (built once per step, shared by the layers)."""
+    return torch.arange(kv_len, device=positions.device)[None, None, None, :] <= positions[:, None, :, None]
+
+
+def use_fused_attention(device: torch.device, batch: int, width: int) -> bool:
+    """Eager CPU steps of one token per row, or of at most 2 rows, run attention as one SDPA call (its fused CPU
+    kernel with native GQA); other shapes keep `grouped_attention`. SmolLM2-135M's shapes (9 heads, 3 KV heads,
+    256 keys, 2 threads), per layer: width 1 at batch 1 / 8 / 32: 43 / 221 / 761 us against 131 / 288 / 818 us;
+    width 4 at batch 1: 80 against 166 us, but at batch 8: 477 against 405 us (bench/RESULTS.md, session 15).
+    CUDA and compiled steps keep `grouped_attention` (measured there; the compiled graph fuses it)."""
+    return device.type == "cpu" and (width == 1 or batch <= 2) and not torch.compiler.is_compiling()
 
 
 class StaticLlama(nn.Module):
@@ -244,6 +256,8 @@ class StaticLlama(nn.Module):
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, W, D]
         slots = torch.arange(first_slot, first_slot + batch, device=tokens.device)[:, None]  # [B, 1]
+        visible = visible_keys(positions, kv_len)  # [B, 1, W, L]
+        fused = use_fused_attention(tokens.device, batch, width)
         for index, layer in enumerate(self.layers):
             x = _rms_norm(hidden, layer.input_norm, self.eps)
             qkv = layer.qkv(x)
@@ -256,7 +270,12 @@ class StaticLlama(nn.Module):
             v_cache[slots, :, positions] = v.to(v_cache.dtype)
             keys = k_cache[first_slot : first_slot + batch, :, :kv_len]
             values = v_cache[first_slot : first_slot + batch, :, :kv_len]
-            attn = grouped_attention(q, keys.to(q.dtype), values.to(q.dtype), positions, self.scale)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+            if fused:
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=self.scale,
+                                                      enable_gqa=True)
+            else:
+                attn = grouped_attention(q, keys, values, visible, self.scale)
             attn = attn.transpose(1, 2).reshape(batch, width, -1)
             hidden = hidden + self._row_parallel(layer.o, layer.o_bias, attn)
             x = _rms_norm(hidden, layer.post_norm, self.eps)

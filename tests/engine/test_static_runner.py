@@ -30,6 +30,7 @@ ROUNDS = [
     (["a", "b", "c"], [[11, 12, 13, 14], [13], [7, 9]], [4, 1, 2]),  # verify-like widths
     (["c", "a"], [[10], [21, 22, 23]], [1, 3]),  # a subset, out of slot order
     (["b"], [[(7 * t) % 60 + 2 for t in range(40)]], [3]),  # a long row: chunked prefill, then batched tail
+    (["a", "b", "c"], [[3], [4], [5]], [1, 1, 1]),  # a decode step (one SDPA call per layer on CPU)
 ]
 
 
