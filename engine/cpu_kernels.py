@@ -12,7 +12,7 @@ from DRAM (a decode step reads every layer's once) it streams ~11 GB/s, half of 
 machine, SmolLM2-135M's 30 layers' projections, weights cold: 37-45 ms -> 24-26 ms per step; its LM head 10-13 ms
 -> 5-6 ms). Matrices that fit in cache (under `SPLIT_GEMV_MIN_ELEMENTS`) gain nothing and keep `F.linear`.
 
-Where engine/cpu_gemm.py's kernel is available (x86 with AVX2/FMA and a C++ compiler), 1 to 64 rows use it instead:
+Where engine/cpu_extension.py's kernel is available (x86 with AVX2/FMA and a C++ compiler), 1 to 64 rows use it instead:
 faster than both tricks above at every row count measured (bench/RESULTS.md, "A small-batch CPU matrix product"),
 and batch invariant. The tricks stay for machines without it.
 """
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_gemm
+from . import cpu_extension
 
 # below this many weight elements (1 MiB of fp32) the matrix stays in cache between steps and MKL's GEMV is as fast
 SPLIT_GEMV_MIN_ELEMENTS = 1 << 18
@@ -40,8 +40,8 @@ def linear(
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():  # compiled steps (inductor, frozen weights) choose their own kernels
         return F.linear(x, weight, bias)
-    if rows <= cpu_gemm.MAX_ROWS and x.shape[-1] % 8 == 0 and weight.is_contiguous():
-        kernel = cpu_gemm.small_gemm()
+    if rows <= cpu_extension.MAX_ROWS and x.shape[-1] % 8 == 0 and weight.is_contiguous():
+        kernel = cpu_extension.small_gemm()
         if kernel is not None:
             out = kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight,
                          None if bias is None else bias.contiguous())

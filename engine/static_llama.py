@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_extension
 from .cpu_kernels import linear
 from .llama_fast import _rope  # x [B, heads, W, D] rotated by cos/sin [B, 1, W, D]
 from .quantize import Int8WeightOnlyLinear
@@ -174,6 +175,62 @@ def use_fused_attention(device: torch.device, batch: int, width: int) -> bool:
     return device.type == "cpu" and (width == 1 or batch <= 2) and not torch.compiler.is_compiling()
 
 
+class _LayerOps:
+    """A layer's elementwise work: ATen operators, or on CPU in fp32 engine/csrc/layer_ops.cpp's fused ones (one call
+    each for a norm, a residual add with the next norm, SwiGLU, and RoPE with the KV-cache write, where ATen takes
+    3-20 calls; at decode sizes their dispatch, not their arithmetic, is the cost). Compiled steps keep ATen's
+    (inductor fuses them itself)."""
+
+    def __init__(self, model: "StaticLlama", fused: dict | None) -> None:
+        self.model, self.fused = model, fused
+
+    @classmethod
+    def for_step(cls, model: "StaticLlama", device: torch.device) -> "_LayerOps":
+        fused = None
+        if (device.type == "cpu" and model.dtype == torch.float32 and model.k_cache_0.dtype == torch.float32
+                and not torch.compiler.is_compiling()):
+            fused = {name: cpu_extension.op(name) for name in ("rms_norm", "add_rms_norm", "silu_mul",
+                                                                "rope_to_cache")}
+            fused = fused if all(fused.values()) else None
+        return cls(model, fused)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [B, W, H]
+        if self.fused is not None:
+            return self.fused["rms_norm"](x, weight, self.model.eps)
+        return _rms_norm(x, weight, self.model.eps)
+
+    def add_norm(self, hidden: torch.Tensor, delta: torch.Tensor,
+                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, W, H] hidden + delta, its norm)
+        if self.fused is not None:  # adds in place: `hidden` is the step's own tensor
+            return hidden, self.fused["add_rms_norm"](hidden, delta.contiguous(), weight, self.model.eps)
+        hidden = hidden + delta
+        return hidden, _rms_norm(hidden, weight, self.model.eps)
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:  # [B, W, 2I] -> [B, W, I]
+        if self.fused is not None and not self.model.gelu:
+            return self.fused["silu_mul"](gate_up.contiguous())
+        gate, up = gate_up.chunk(2, dim=-1)
+        return (F.gelu(gate, approximate="tanh") if self.model.gelu else F.silu(gate)) * up
+
+    def rope_to_cache(self, qkv: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, first_slot: int) -> torch.Tensor:  # qkv [B, W, ...] -> q [B, H, W, D]
+        """RoPE on the queries and keys; keys and values written to the cache at (first_slot + b, :, position)."""
+        m = self.model
+        if self.fused is not None:
+            return self.fused["rope_to_cache"](qkv.contiguous(), m.cos, m.sin, positions.contiguous(), k_cache,
+                                               v_cache, first_slot, m.num_heads, m.num_kv_heads)
+        batch, width = positions.shape
+        cos, sin = m.cos[positions][:, None], m.sin[positions][:, None]  # [B, 1, W, D]
+        q = qkv[..., : m.q_size].view(batch, width, -1, m.head_dim).transpose(1, 2)
+        k = qkv[..., m.q_size : m.q_size + m.kv_size].view(batch, width, -1, m.head_dim)
+        v = qkv[..., m.q_size + m.kv_size :].view(batch, width, -1, m.head_dim)
+        q, k = _rope(q, cos, sin), _rope(k.transpose(1, 2), cos, sin)
+        slots = torch.arange(first_slot, first_slot + batch, device=qkv.device)[:, None]  # [B, 1]
+        k_cache[slots, :, positions] = k.transpose(1, 2).to(k_cache.dtype)  # [B, W, KVH, D] at (slot, pos)
+        v_cache[slots, :, positions] = v.to(v_cache.dtype)
+        return q
+
+
 class StaticLlama(nn.Module):
     """The model's weights (fused, in `dtype`) and its preallocated KV cache: `num_slots` sequences of
     `capacity` positions. Build with `StaticLlama.from_model`; the transformers model can be dropped after."""
@@ -254,38 +311,28 @@ class StaticLlama(nn.Module):
         hidden = F.embedding(tokens, self.embed) if self.shard is None else embed(tokens, self.embed, self.shard)
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, W, D]
-        slots = torch.arange(first_slot, first_slot + batch, device=tokens.device)[:, None]  # [B, 1]
+        ops = _LayerOps.for_step(self, tokens.device)
         visible = visible_keys(positions, kv_len)  # [B, 1, W, L]
-        fused = use_fused_attention(tokens.device, batch, width)
+        fused_attention = use_fused_attention(tokens.device, batch, width)
+        x = ops.norm(hidden, self.layers[0].input_norm)
         for index, layer in enumerate(self.layers):
-            x = _rms_norm(hidden, layer.input_norm, self.eps)
-            qkv = layer.qkv(x)
-            q = qkv[..., : self.q_size].view(batch, width, -1, self.head_dim).transpose(1, 2)
-            k = qkv[..., self.q_size : self.q_size + self.kv_size].view(batch, width, -1, self.head_dim)
-            v = qkv[..., self.q_size + self.kv_size :].view(batch, width, -1, self.head_dim)
-            q, k = _rope(q, cos, sin), _rope(k.transpose(1, 2), cos, sin)
             k_cache, v_cache = getattr(self, f"k_cache_{index}"), getattr(self, f"v_cache_{index}")
-            k_cache[slots, :, positions] = k.transpose(1, 2).to(k_cache.dtype)  # [B, W, KVH, D] at (slot, pos)
-            v_cache[slots, :, positions] = v.to(v_cache.dtype)
-            keys = k_cache[first_slot : first_slot + batch, :, :kv_len]
-            values = v_cache[first_slot : first_slot + batch, :, :kv_len]
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-            if fused:
+            q = ops.rope_to_cache(layer.qkv(x), positions, k_cache, v_cache, first_slot)  # [B, H, W, D]
+            keys = k_cache[first_slot : first_slot + batch, :, :kv_len].to(q.dtype)
+            values = v_cache[first_slot : first_slot + batch, :, :kv_len].to(q.dtype)
+            if fused_attention:
                 attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=self.scale,
                                                       enable_gqa=True)
             else:
                 attn = grouped_attention(q, keys, values, visible, self.scale)
             attn = attn.transpose(1, 2).reshape(batch, width, -1)
-            hidden = hidden + self._row_parallel(layer.o, layer.o_bias, attn)
-            x = _rms_norm(hidden, layer.post_norm, self.eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-            hidden = hidden + self._row_parallel(layer.down, layer.down_bias, act * up)
+            hidden, x = ops.add_norm(hidden, self._row_parallel(layer.o, layer.o_bias, attn), layer.post_norm)
+            mlp = self._row_parallel(layer.down, layer.down_bias, ops.activation(layer.gate_up(x)))
+            next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
+            hidden, x = ops.add_norm(hidden, mlp, next_norm)
         if last_only:
-            hidden = hidden[:, -1:]
-        hidden = _rms_norm(hidden, self.final_norm, self.eps)
-        logits = self.lm_head(hidden)
+            x = x[:, -1:]
+        logits = self.lm_head(x)
         return (logits if self.shard is None else gather_vocab(logits, self.shard)).float()
 
     def _row_parallel(self, projection: _Projection, bias: torch.Tensor | None,

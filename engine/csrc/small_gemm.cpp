@@ -1,6 +1,6 @@
 // Y[M, N] = X[M, K] W[N, K]^T (+ bias[N]) for a few fp32 rows (decode and verify steps) on x86 CPUs with AVX2/FMA.
 //
-// Python side, with the measurements that motivate it: engine/cpu_gemm.py. Built by engine/cpu_gemm.py with
+// Python side, with the measurements that motivate it: engine/cpu_extension.py. Built by engine/cpu_extension.py with
 // g++ -O3 -mavx2 -mfma against torch's headers and registered as torch.ops.specserve.small_gemm.
 //
 // Each output element is a dot product over K, accumulated in 8-lane vectors in increasing k order and summed
@@ -22,7 +22,7 @@ namespace {
 
 constexpr int64_t kCols = 3;      // weight rows (output columns) per panel
 constexpr int64_t kRows = 4;      // activation rows per block
-constexpr int64_t kMaxRows = 64;  // Python sends at most this many (engine/cpu_gemm.py)
+constexpr int64_t kMaxRows = 64;  // Python sends at most this many (engine/cpu_extension.py)
 
 inline float lane_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

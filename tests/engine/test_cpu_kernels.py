@@ -1,4 +1,4 @@
-"""engine/cpu_kernels.py: the small-batch linear equals F.linear for every row count, uses engine/cpu_gemm.py's
+"""engine/cpu_kernels.py: the small-batch linear equals F.linear for every row count, uses engine/cpu_extension.py's
 kernel where it is available, and otherwise takes the split GEMV for one row of a large matrix."""
 
 import pytest
@@ -29,7 +29,7 @@ def test_linear_equals_f_linear(rows, with_bias, two_threads):
 
 
 def test_one_row_of_a_large_matrix_runs_as_one_bmm_per_thread_block(two_threads, monkeypatch):
-    monkeypatch.setattr(cpu_kernels.cpu_gemm, "small_gemm", lambda: None)  # a machine without engine/cpu_gemm.py's
+    monkeypatch.setattr(cpu_kernels.cpu_extension, "small_gemm", lambda: None)  # a machine without the kernel
     calls = []
     real_bmm = torch.bmm
 
@@ -60,7 +60,7 @@ def test_rows_the_small_gemm_kernel_takes(rows, in_features, used, monkeypatch):
         seen.append(tuple(x.shape))
         return F.linear(x, weight, bias)
 
-    monkeypatch.setattr(cpu_kernels.cpu_gemm, "small_gemm", lambda: kernel)
+    monkeypatch.setattr(cpu_kernels.cpu_extension, "small_gemm", lambda: kernel)
     x, weight = torch.randn(1, rows, in_features), torch.randn(1024, in_features)
     out = linear(x, weight)
     assert out.shape == (1, rows, 1024)

@@ -232,3 +232,21 @@ def test_compiled_agrees_with_eager():
     eager = scripted(StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=32), ROUNDS)
     compiled = scripted(StaticRunner(model, budget=SLOTS, compile=True, prefill_chunk=32), ROUNDS)
     assert_same_logits(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+def test_fused_cpu_layer_operators_give_the_aten_layers_logits(family, monkeypatch):
+    """engine/csrc/layer_ops.cpp (norms, SwiGLU, RoPE with the cache write) against the ATen code it replaces."""
+    import platform
+
+    from engine import static_llama
+
+    model = make_tiny_model(family, seed=0)
+    runner = StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16)
+    if platform.machine() == "x86_64":  # this project's machines: the fused path must be the one taken
+        assert static_llama._LayerOps.for_step(runner.model, torch.device("cpu")).fused is not None
+    fused = scripted(runner, ROUNDS)
+    monkeypatch.setattr(static_llama.cpu_extension, "op", lambda name: None)
+    assert static_llama._LayerOps.for_step(runner.model, torch.device("cpu")).fused is None
+    aten = scripted(StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16), ROUNDS)
+    assert_same_logits(fused, aten, atol=1e-4, rtol=1e-4)

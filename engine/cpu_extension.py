@@ -1,4 +1,8 @@
-"""A small-batch fp32 matrix product for x86 CPUs (AVX2/FMA), built from engine/csrc/small_gemm.cpp on first use.
+"""specserve's CPU operators (engine/csrc/*.cpp), built on first use into one library: `torch.ops.specserve.*`.
+
+- `small_gemm` (small_gemm.cpp): a small-batch fp32 matrix product for x86 CPUs with AVX2/FMA, below;
+- `rms_norm`, `add_rms_norm`, `silu_mul`, `rope_to_cache` (layer_ops.cpp): fused fp32 operators for the static
+  runner's eager layer, each replacing several ATen calls whose dispatch cost dominates at decode sizes.
 
 Decode and verify steps multiply a few rows (1..16) by every weight matrix. MKL's sgemm is slow at these shapes on
 this project's 2-core AVX2 machine (torch 2.13, SmolLM2-135M's 30 layers' projections, weights in cache, 2
@@ -10,11 +14,11 @@ one thread, weights in cache, 8 rows: 25 ms against MKL's 67 ms; weights from DR
 Its results are batch invariant: a row's outputs are the same bits whatever rows share the call (each dot product
 is summed in one fixed order), which MKL does not promise.
 
-The shared library is compiled with the system's C++ compiler (`CXX`, default g++) against the installed torch's
+The shared library (every source in engine/csrc) is compiled with the system's C++ compiler (`CXX`, default g++) against the installed torch's
 headers into `SPECSERVE_KERNEL_CACHE` (default ~/.cache/specserve/kernels), once per source, torch version and
-flags (~15 s on 2 cores); `make install` builds it ahead (`python -m engine.cpu_gemm`). Where it cannot be used
-(no AVX2, not x86, no compiler, a failed build) `small_gemm()` returns None, the reason is logged once as a
-warning, and callers keep ATen's kernels. `SPECSERVE_CPU_GEMM=aten` turns it off (A/B measurements).
+flags (~20 s on 2 cores); `make install` builds it ahead (`engine.cpu_extension.main()`). Where it cannot be
+used (no AVX2, not x86, no compiler, a failed build) `op(name)` returns None, the reason is logged once as a
+warning, and callers keep their ATen code. `SPECSERVE_CPU_OPS=aten` turns it off (A/B measurements).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+OPS = ("small_gemm", "rms_norm", "add_rms_norm", "silu_mul", "rope_to_cache")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
 MAX_ROWS = 64  # the kernel's limit; it beat MKL up to there (bench/RESULTS.md); prompt chunks keep MKL
 DEFAULT_CACHE = "~/.cache/specserve/kernels"
@@ -47,8 +52,8 @@ class KernelUnavailable(RuntimeError):
 
 def why_unavailable() -> str | None:
     """None where the kernel can run here, else the reason (before any build is tried)."""
-    if os.environ.get("SPECSERVE_CPU_GEMM", "auto") == "aten":
-        return "turned off (SPECSERVE_CPU_GEMM=aten)"
+    if os.environ.get("SPECSERVE_CPU_OPS", "auto") == "aten":
+        return "turned off (SPECSERVE_CPU_OPS=aten)"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not an x86-64 CPU ({platform.machine()})"
     capability = torch.backends.cpu.get_cpu_capability()
@@ -66,11 +71,11 @@ def _compiler() -> str:
 def library_path() -> Path:
     """Where the shared library for this source, torch build and flags lives."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode(), _compiler().encode(),
+    for part in (*[source.read_bytes() for source in SOURCES], torch.__version__.encode(), " ".join(FLAGS).encode(), _compiler().encode(),
                  str(torch._C._GLIBCXX_USE_CXX11_ABI).encode()):
         key.update(part)
     root = Path(os.environ.get("SPECSERVE_KERNEL_CACHE", DEFAULT_CACHE)).expanduser()
-    return root / f"small_gemm-{key.hexdigest()[:16]}.so"
+    return root / f"specserve_ops-{key.hexdigest()[:16]}.so"
 
 
 def build() -> Path:
@@ -85,12 +90,12 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     command = [_compiler(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-               *[f"-I{p}" for p in include_paths()], str(SOURCE), "-o", tmp,
+               *[f"-I{p}" for p in include_paths()], *map(str, SOURCES), "-o", tmp,
                f"-L{torch_lib}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
     try:
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise KernelUnavailable(f"building {SOURCE.name} failed ({result.returncode}): {result.stderr[-2000:]}")
+            raise KernelUnavailable(f"building {', '.join(s.name for s in SOURCES)} failed ({result.returncode}): {result.stderr[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -99,29 +104,40 @@ def build() -> Path:
 
 
 @functools.cache
-def small_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
-    """`torch.ops.specserve.small_gemm(x [M, K], weight [N, K], bias [N] | None) -> [M, N]`, or None where the
-    kernel is unavailable (the reason logged once)."""
+def _namespace():
+    """`torch.ops.specserve` with the library loaded, or None (the reason logged once)."""
     reason = why_unavailable()
     if reason is None:
         try:
-            if not hasattr(torch.ops.specserve, "small_gemm"):
+            if not hasattr(torch.ops.specserve, OPS[0]):
                 torch.ops.load_library(str(build()))
-            return torch.ops.specserve.small_gemm
+            return torch.ops.specserve
         except (KernelUnavailable, OSError, RuntimeError) as error:
             reason = str(error)
-    log.warning("small-batch CPU matrix product: not used (%s); fp32 decode steps use ATen's kernels", reason)
+    log.warning("specserve CPU operators: not used (%s); fp32 CPU steps use ATen's operators", reason)
     return None
 
 
+def op(name: str) -> Callable | None:
+    """`torch.ops.specserve.<name>` (one of `OPS`), or None where the library is unavailable."""
+    assert name in OPS, name
+    namespace = _namespace()
+    return None if namespace is None else getattr(namespace, name)
+
+
+def small_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
+    """`small_gemm(x [M, K], weight [N, K], bias [N] | None) -> [M, N]`, or None (unavailable)."""
+    return op("small_gemm")
+
+
 def main() -> int:
-    """`python -m engine.cpu_gemm`: build (or find) the library, say where, exit 0; exit 1 with the reason."""
+    """Build (or find) the library (`make install` calls this): build (or find) the library, say where, exit 0; exit 1 with the reason."""
     reason = why_unavailable()
     if reason is not None:
-        print(f"small_gemm not built: {reason}")
+        print(f"specserve CPU operators not built: {reason}")
         return 0 if reason.startswith(("turned off", "not an x86", "the CPU lacks")) else 1
     try:
-        print(f"small_gemm: {build()}")
+        print(f"specserve CPU operators: {build()}")
     except KernelUnavailable as error:
         print(error, file=sys.stderr)
         return 1

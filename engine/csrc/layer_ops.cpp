@@ -1,0 +1,157 @@
+// Fused fp32 CPU operators for the static runner's eager layer (engine/static_llama.py), each replacing several
+// ATen calls whose dispatch cost dominates at decode sizes (one or a few rows of 576 values: the arithmetic is
+// tiny, the per-call overhead is not). Semantics are those of the Python code they replace:
+//
+//   rms_norm(x, w, eps)               x * rsqrt(mean(x^2) + eps) * w                  (_rms_norm)
+//   add_rms_norm(h, d, w, eps)        h += d (in place), then rms_norm(h, w, eps)      (residual + next norm)
+//   silu_mul(gate_up)                 silu(gate) * up, gate_up = [gate | up]           (the SwiGLU MLP)
+//   rope_to_cache(qkv, cos, sin, positions, k_cache, v_cache, first_slot, heads, kv_heads)
+//       q [B, H, W, D] RoPE'd (rotate-half form, `_rope` in engine/llama_fast.py); k RoPE'd and v written into the
+//       caches at (first_slot + b, :, positions[b, w]), what the Python step does with index assignments
+//
+// Compiled with -std=c++17 (ISO: no floating-point contraction), so products and sums round as ATen's separate
+// elementwise operators do; reductions may sum in another order (fp32 tolerance).
+#include <cmath>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+namespace {
+
+void check_float(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous(), name,
+              " must be a contiguous float32 CPU tensor");
+}
+
+inline void norm_row(const float* x, const float* w, float eps, int64_t size, float* out) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < size; ++i) sum += x[i] * x[i];
+  const float scale = 1.0f / std::sqrt(sum / static_cast<float>(size) + eps);
+  for (int64_t i = 0; i < size; ++i) out[i] = (x[i] * scale) * w[i];
+}
+
+int64_t rows_of(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 1 && x.size(-1) == w.size(0), "norm weight [H] must match x's last dimension");
+  return x.numel() / w.size(0);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_float(x, "x");
+  check_float(weight, "weight");
+  const int64_t size = weight.size(0), rows = rows_of(x, weight);
+  at::Tensor out = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) norm_row(xp + r * size, wp, static_cast<float>(eps), size, op + r * size);
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm(at::Tensor hidden, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  check_float(hidden, "hidden");
+  check_float(delta, "delta");
+  check_float(weight, "weight");
+  TORCH_CHECK(hidden.sizes() == delta.sizes(), "hidden and delta must have the same shape");
+  const int64_t size = weight.size(0), rows = rows_of(hidden, weight);
+  at::Tensor out = at::empty_like(hidden);
+  float* hp = hidden.data_ptr<float>();
+  const float *dp = delta.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      float* h = hp + r * size;
+      const float* d = dp + r * size;
+      for (int64_t i = 0; i < size; ++i) h[i] = h[i] + d[i];
+      norm_row(h, wp, static_cast<float>(eps), size, op + r * size);
+    }
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_float(gate_up, "gate_up");
+  const int64_t width = gate_up.size(-1);
+  TORCH_CHECK(width % 2 == 0, "gate_up's last dimension must be even");
+  const int64_t half = width / 2, rows = gate_up.numel() / width;
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = half;
+  at::Tensor out = at::empty(shape, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float* g = gp + r * width;
+      const float* u = g + half;
+      float* o = op + r * half;
+      for (int64_t i = 0; i < half; ++i) o[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
+    }
+  });
+  return out;
+}
+
+inline void rope_row(const float* x, const float* cos, const float* sin, int64_t dim, float* out) {
+  const int64_t half = dim / 2;
+  for (int64_t d = 0; d < half; ++d) out[d] = x[d] * cos[d] + (-x[d + half]) * sin[d];
+  for (int64_t d = half; d < dim; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
+}
+
+at::Tensor rope_to_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache, int64_t first_slot,
+                         int64_t num_heads, int64_t num_kv_heads) {
+  check_float(qkv, "qkv");
+  check_float(cos, "cos");
+  check_float(sin, "sin");
+  check_float(k_cache, "k_cache");
+  check_float(v_cache, "v_cache");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 2,
+              "positions must be a contiguous int64 [B, W]");
+  TORCH_CHECK(qkv.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "qkv [B, W, (H + 2 KVH) D], caches [slots, KVH, capacity, D]");
+  const int64_t batch = qkv.size(0), width = qkv.size(1), dim = k_cache.size(3);
+  const int64_t slots = k_cache.size(0), capacity = k_cache.size(2);
+  TORCH_CHECK(positions.size(0) == batch && positions.size(1) == width, "positions must be [B, W]");
+  TORCH_CHECK(k_cache.size(1) == num_kv_heads && qkv.size(2) == (num_heads + 2 * num_kv_heads) * dim,
+              "qkv's width does not match the heads");
+  TORCH_CHECK(cos.size(1) == dim && sin.sizes() == cos.sizes() && dim % 2 == 0, "cos/sin [capacity, D], D even");
+  TORCH_CHECK(first_slot >= 0 && first_slot + batch <= slots, "rows past the cache's slots");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < batch * width; ++i)
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < capacity && pos[i] < cos.size(0), "position ", pos[i], " out of range");
+  at::Tensor q = at::empty({batch, num_heads, width, dim}, qkv.options());
+  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  const int64_t row = (num_heads + 2 * num_kv_heads) * dim;
+  at::parallel_for(0, batch * width, 8, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t b = t / width, w = t % width, p = pos[t];
+      const float* x = xp + t * row;
+      const float *c = cp + p * dim, *s = sp + p * dim;
+      for (int64_t h = 0; h < num_heads; ++h) rope_row(x + h * dim, c, s, dim, qp + ((b * num_heads + h) * width + w) * dim);
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        const int64_t at_cache = (((first_slot + b) * num_kv_heads + g) * capacity + p) * dim;
+        rope_row(x + (num_heads + g) * dim, c, s, dim, kp + at_cache);
+        const float* v = x + (num_heads + num_kv_heads + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) vp[at_cache + d] = v[d];
+      }
+    }
+  });
+  return q;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specserve, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) hidden, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_to_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, int first_slot, int num_heads, int num_kv_heads) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.impl("rope_to_cache", c10::DispatchKey::CPU, TORCH_FN(rope_to_cache));
+}

@@ -1,0 +1,161 @@
+"""engine/cpu_extension.py: the small-batch fp32 kernel builds on x86 machines with AVX2 and a compiler (this project's
+machines and CI), equals F.linear, gives a row the same bits whatever rows share the call, and refuses what it
+does not compute; where it cannot be built the reason is clear."""
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_extension
+
+X86_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and \
+    torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+needs_kernel = pytest.mark.skipif(not X86_AVX2, reason="the kernel is x86 AVX2/FMA code")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    op = cpu_extension.small_gemm()
+    assert op is not None, f"small_gemm unavailable: {cpu_extension.why_unavailable()}"
+    return op
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 33, 64])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 8), (2, 64), (7, 576), (1024, 320), (4099, 1536)])
+def test_equals_f_linear(kernel, rows, out_features, in_features):
+    generator = torch.Generator().manual_seed(rows * 7 + out_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    torch.testing.assert_close(kernel(x, weight, None), F.linear(x, weight), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kernel(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(kernel, threads):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, weight = torch.randn(11, 576), torch.randn(3 * 700 + 2, 576)  # a partial last panel
+        together = kernel(x, weight, None)
+        for r in range(x.shape[0]):
+            assert torch.equal(kernel(x[r : r + 1].contiguous(), weight, None)[0], together[r])
+            assert torch.equal(kernel(x[: r + 1].contiguous(), weight, None)[r], together[r])
+    finally:
+        torch.set_num_threads(saved)
+    torch.set_num_threads(3 - threads)
+    try:
+        assert torch.equal(kernel(x, weight, None), together)  # the threads' split changes nothing either
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("x", "weight", "message"), [
+    (torch.randn(65, 64), torch.randn(8, 64), "at most 64 rows"),
+    (torch.randn(2, 12), torch.randn(8, 12), "multiple of 8"),
+    (torch.randn(2, 64, dtype=torch.float64), torch.randn(8, 64, dtype=torch.float64), "float32"),
+    (torch.randn(2, 64), torch.randn(8, 32), "columns"),
+    (torch.randn(64, 2).t(), torch.randn(8, 64), "contiguous"),
+])
+def test_refuses_what_it_does_not_compute(kernel, x, weight, message):
+    with pytest.raises(RuntimeError, match=message):
+        kernel(x, weight, None)
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CPU_OPS", "aten")
+    assert cpu_extension.why_unavailable() == "turned off (SPECSERVE_CPU_OPS=aten)"
+
+
+@needs_kernel
+def test_without_a_compiler_the_reason_names_it(monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    assert "no C++ compiler" in cpu_extension.why_unavailable()
+
+
+@needs_kernel
+def test_a_failed_build_says_why_and_leaves_no_library(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
+    with pytest.raises(cpu_extension.KernelUnavailable, match="failed"):
+        cpu_extension.build()
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_kernel
+def test_the_library_is_cached_per_source_and_torch(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSERVE_KERNEL_CACHE", str(tmp_path))
+    path = cpu_extension.library_path()
+    assert path.parent == tmp_path and path.name.startswith("specserve_ops-")
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert cpu_extension.library_path() != path  # another torch build gets its own library
+
+
+# ---- layer_ops.cpp: each fused operator against the Python it replaces (engine/static_llama.py) -----------------
+
+@pytest.fixture(scope="module")
+def ops():
+    assert cpu_extension.op("rms_norm") is not None, cpu_extension.why_unavailable()
+    return torch.ops.specserve
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 64), (2, 300, 24)])
+def test_rms_norm_and_add_rms_norm(ops, shape):
+    from engine.static_llama import _rms_norm
+
+    x, delta, weight = torch.randn(shape), torch.randn(shape), torch.rand(shape[-1]) + 0.5
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), _rms_norm(x, weight, 1e-5), atol=1e-5, rtol=1e-5)
+    hidden = x.clone()
+    normed = ops.add_rms_norm(hidden, delta, weight, 1e-5)
+    torch.testing.assert_close(hidden, x + delta)  # added in place
+    torch.testing.assert_close(normed, _rms_norm(x + delta, weight, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_silu_mul(ops):
+    gate_up = torch.randn(2, 3, 2 * 40) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "width"), [(9, 3, 1), (4, 4, 3), (8, 2, 5)])
+def test_rope_to_cache_rotates_and_writes_where_the_python_step_does(ops, heads, kv_heads, width):
+    from engine.llama_fast import _rope
+
+    batch, dim, slots, capacity, first_slot = 3, 16, 5, 40, 1
+    qkv = torch.randn(batch, width, (heads + 2 * kv_heads) * dim)
+    angles = torch.rand(capacity, dim // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    positions = torch.tensor([[7], [0], [30]]) + torch.arange(width)
+    k_cache, v_cache = torch.randn(slots, kv_heads, capacity, dim), torch.randn(slots, kv_heads, capacity, dim)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+
+    q = ops.rope_to_cache(qkv, cos, sin, positions, k_cache, v_cache, first_slot, heads, kv_heads)
+
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    q_size, kv_size = heads * dim, kv_heads * dim
+    q_want = _rope(qkv[..., :q_size].view(batch, width, heads, dim).transpose(1, 2), c, s)
+    k = _rope(qkv[..., q_size : q_size + kv_size].view(batch, width, kv_heads, dim).transpose(1, 2), c, s)
+    rows = torch.arange(first_slot, first_slot + batch)[:, None]
+    k_want[rows, :, positions] = k.transpose(1, 2)
+    v_want[rows, :, positions] = qkv[..., q_size + kv_size :].view(batch, width, kv_heads, dim)
+    torch.testing.assert_close(q, q_want)
+    torch.testing.assert_close(k_cache, k_want)  # the other slots and positions untouched
+    torch.testing.assert_close(v_cache, v_want)
+
+
+@needs_kernel
+def test_rope_to_cache_refuses_positions_past_the_cache(ops):
+    qkv, table = torch.randn(1, 1, 3 * 8), torch.ones(10, 8)
+    cache = torch.zeros(2, 1, 10, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.rope_to_cache(qkv, table, table, torch.tensor([[10]]), cache, cache.clone(), 0, 1, 1)
+    with pytest.raises(RuntimeError, match="slots"):
+        ops.rope_to_cache(qkv, table, table, torch.tensor([[3]]), cache, cache.clone(), 2, 1, 1)
