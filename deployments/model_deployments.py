@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
+from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import get_current_placement_group
@@ -70,9 +72,24 @@ def _actor_options(worker: dict, index: int, name: str) -> dict:
             "runtime_env": {"env_vars": worker_env()}}
 
 
+# A lease open this long is checked against its worker's releases (`_LeasedReplica._reclaim_released`); the
+# replica's and worker's clocks meet through a call's round trip, so a release counts only if it came this much later.
+RECLAIM_AFTER_S = 5.0
+RELEASE_CLOCK_MARGIN_S = 1.0
+
+
+@dataclass
+class _OpenLease:
+    seq_id: str
+    started: float  # time.monotonic() when granted
+    closed: bool = False
+
+
 class _LeasedReplica:
     def __init__(self) -> None:
         self.leases = 0
+        self._open: dict[int, _OpenLease] = {}  # leases granted and not closed yet
+        self.reclaimed = 0  # leases closed by the sweep (`_reclaim_released`)
         self.ledger = LeaseLedger()  # the sequences leased here, and the sweep of those that outlive their leases
         self._sweeping: asyncio.Task | None = None
         self._replica_id = None
@@ -100,38 +117,83 @@ class _LeasedReplica:
         if refused is not None:  # no free KV-cache slot: the router waits and tries again (admission.py)
             yield refused
             return
-        self.leases += 1
-        self.ledger.leased(seq_id)
+        lease = self._open_lease(seq_id)
         try:
             yield LeaseInfo(self.replica_id, workers, endpoint, self.costs)
             await asyncio.Event().wait()  # until the router cancels the lease
         finally:
-            try:  # a target's rank 0 passes it on to the other ranks, in order
-                await workers[0].release.remote([seq_id])
-            except Exception:  # the worker is gone (and the replica with it)
-                pass
-            finally:  # the slot is free once the worker has released the sequence: a new one cannot find it taken
-                self.leases -= 1
-                self.ledger.ended(seq_id)
+            if not lease.closed:  # (closed already: reclaimed, see `_reclaim_released`)
+                try:  # a target's rank 0 passes it on to the other ranks, in order
+                    await workers[0].release.remote([seq_id])
+                except Exception:  # the worker is gone (and the replica with it)
+                    pass
+                finally:  # the slot is free once the worker has released the sequence: a new one cannot find it taken
+                    self._close_lease(lease)
+
+    def _open_lease(self, seq_id: str) -> "_OpenLease":
+        lease = _OpenLease(seq_id, time.monotonic())
+        self._open[id(lease)] = lease
+        self.leases += 1
+        self.ledger.leased(seq_id)
+        return lease
+
+    def _close_lease(self, lease: "_OpenLease") -> None:
+        if lease.closed:
+            return
+        lease.closed = True
+        self._open.pop(id(lease), None)
+        self.leases -= 1
+        self.ledger.ended(lease.seq_id)
 
     def _sweep(self, worker) -> None:
-        """Start releasing, on the workers, sequences that outlived their leases (lease_ledger.py); in a task of its
-        own, so the health check never waits behind a long model call."""
+        """Start the sweep (sequences that outlived their leases, then leases that outlived their sequences) in a
+        task of its own, so the health check never waits behind a long model call."""
         if self._sweeping is not None and not self._sweeping.done():
             return
         candidates = self.ledger.candidates()
-        if candidates:
-            self._sweeping = asyncio.get_running_loop().create_task(self._release_stale(worker, candidates))
+        now = time.monotonic()
+        open_leases = [lease for lease in self._open.values() if now - lease.started >= RECLAIM_AFTER_S]
+        if candidates or open_leases:
+            self._sweeping = asyncio.get_running_loop().create_task(
+                self._sweep_once(worker, candidates, open_leases))
 
-    async def _release_stale(self, worker, candidates: list[str]) -> None:
+    async def _sweep_once(self, worker, candidates: list[str], open_leases: list["_OpenLease"]) -> None:
         try:
-            stale = await worker.release_stale.remote(candidates, STALE_AFTER_S)
+            if candidates:
+                await self._release_stale(worker, candidates)
+            if open_leases:
+                await self._reclaim_released(worker, open_leases)
         except Exception:  # the worker is gone: the health check says so
             return
+
+    async def _release_stale(self, worker, candidates: list[str]) -> None:
+        """Release, on the workers, sequences that outlived their leases (lease_ledger.py)."""
+        stale = await worker.release_stale.remote(candidates, STALE_AFTER_S)
         if stale:
             self.ledger.swept += len(stale)
             logger.warning("replica %s: released %d sequence(s) its workers held after their leases ended: %s",
                            self.replica_id, len(stale), stale[:8])
+
+    async def _reclaim_released(self, worker, open_leases: list["_OpenLease"]) -> None:
+        """Close leases whose sequences a router has released on the worker since they were granted.
+
+        The router releases a finished request's Target sequence itself (leases.RayTargetLease.release) and then
+        cancels the lease, whose `finally` here closes it. Served under load (bench/RESULTS.md, session 15), a
+        replica went on refusing leases as full for a minute while it held none: its lease count had kept leases
+        that Serve logged as CANCELLED, whose `finally` had not run (the README's "Limits"). A lease whose sequence
+        was released on the worker after the lease began is over, whatever its generator does, so it is closed
+        here, its slot counted free again; if its `finally` runs later, it finds the lease closed.
+        """
+        ago = await worker.released_ago.remote(sorted({lease.seq_id for lease in open_leases}))
+        now = time.monotonic()
+        over = [lease for lease in open_leases if not lease.closed and lease.seq_id in ago
+                and now - ago[lease.seq_id] > lease.started + RELEASE_CLOCK_MARGIN_S]
+        for lease in over:
+            self._close_lease(lease)
+        if over:
+            self.reclaimed += len(over)
+            logger.warning("replica %s: closed %d lease(s) whose sequences were released while the leases stayed "
+                           "open: %s", self.replica_id, len(over), [lease.seq_id for lease in over][:8])
 
     async def _check(self, workers: list) -> None:
         """Serve's health check: raises at once if a worker died, if one does not answer a ping within
@@ -188,7 +250,7 @@ class DraftServer(_LeasedReplica):
             yield item
 
     async def stats(self) -> dict:
-        return {"replica": self.replica_id, "leases": self.leases, "swept": self.ledger.swept,
+        return {"replica": self.replica_id, "leases": self.leases, "swept": self.ledger.swept, "reclaimed": self.reclaimed,
                 "worker": self.worker_name,
                 "namespace": ray.get_runtime_context().namespace, **(await self.worker.stats.remote())}
 
@@ -230,7 +292,7 @@ class TargetServer(_LeasedReplica):
 
     async def stats(self) -> dict:
         ranks = await asyncio.gather(*[w.stats.remote() for w in self.workers])
-        return {"replica": self.replica_id, "leases": self.leases, "swept": self.ledger.swept,
+        return {"replica": self.replica_id, "leases": self.leases, "swept": self.ledger.swept, "reclaimed": self.reclaimed,
                 "kv_capacity": self.capacity, "ranks": list(ranks)}
 
     async def check_health(self) -> None:

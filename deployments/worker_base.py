@@ -16,6 +16,7 @@ import os
 import socket
 import tempfile
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -28,6 +29,8 @@ from engine.runner import Runner
 from .channel import ChannelServer
 from .channel_wire import Endpoint
 from .messages import SeqDelta
+
+RELEASES_REMEMBERED = 4096  # sequences whose release times a worker keeps (`released_ago`)
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +163,7 @@ class ModelWorker:
         self.torch_threads = self._model.call(set_torch_threads, torch_threads, concurrent_workers)
         self.busy = BusyClock()
         self._known = KnownTokens()
+        self._released_at: OrderedDict[str, float] = OrderedDict()  # seq -> time.monotonic() of its last release
         self.calls = 0  # model calls served
         self.rows = 0  # sequences in them, summed
 
@@ -184,9 +188,23 @@ class ModelWorker:
         self._model.call(self._release, seq_ids)
 
     def _release(self, seq_ids: list[str]) -> None:
+        now = time.monotonic()
         for seq_id in seq_ids:
             self._known.pop(seq_id)
             self._forget(seq_id)
+            self._released_at[seq_id] = now
+            self._released_at.move_to_end(seq_id)
+        while len(self._released_at) > RELEASES_REMEMBERED:
+            self._released_at.popitem(last=False)
+
+    def released_ago(self, seq_ids: list[str]) -> dict[str, float]:
+        """Seconds since each of `seq_ids` was last released here, for those released among the last
+        RELEASES_REMEMBERED (model_deployments' sweep closes leases whose sequences a router released)."""
+        return self._model.call(self._released_ago, seq_ids)
+
+    def _released_ago(self, seq_ids: list[str]) -> dict[str, float]:
+        now = time.monotonic()
+        return {seq_id: now - self._released_at[seq_id] for seq_id in seq_ids if seq_id in self._released_at}
 
     def _forget(self, seq_id: str) -> None:
         runner = self.model_runner()

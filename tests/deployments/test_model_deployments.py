@@ -1,6 +1,7 @@
 """The Draft/Target replicas' own logic without a cluster: lease accounting against the KV-cache capacity."""
 
 import asyncio
+import time
 
 from deployments.admission import LeaseRefused
 from deployments.messages import LeaseInfo
@@ -57,3 +58,73 @@ def test_an_unbounded_replica_never_refuses():
 
     grants, leases = asyncio.run(go())
     assert all(isinstance(g, LeaseInfo) for g in grants) and leases == 5
+
+
+class _ReleasingWorker(_Worker):
+    """Also answers `released_ago` from the release times a test sets (time.monotonic() values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released_at: dict[str, float] = {}
+        self.released_ago = self._AgoCall(self)
+        self.release_stale = self._AgoCall(self, stale=True)
+
+    class _AgoCall:
+        def __init__(self, worker, stale=False):
+            self.worker, self.stale = worker, stale
+
+        def remote(self, seq_ids, *args):
+            async def run():
+                if self.stale:
+                    return []
+                now = time.monotonic()
+                return {s: now - self.worker.released_at[s] for s in seq_ids if s in self.worker.released_at}
+            return run()
+
+
+def test_the_sweep_closes_a_lease_whose_sequence_was_released_after_it_began(monkeypatch):
+    """A lease whose generator never reaches its `finally` (it is left suspended, as seen under load) is closed once
+    its worker says the sequence was released after the lease was granted; an older release (before a re-lease) and
+    young leases are left alone, and the abandoned generator's `finally`, should it run later, changes nothing."""
+    import deployments.model_deployments as md
+
+    monkeypatch.setattr(md, "RECLAIM_AFTER_S", 0.0)
+    replica, worker = _LeasedReplica(), _ReleasingWorker()
+    replica.capacity = 2
+
+    async def go():
+        worker.released_at["b"] = time.monotonic() - 60  # a sequence released a minute before its re-lease
+        abandoned, relet = replica._hold("a", [worker], "e"), replica._hold("b", [worker], "e")
+        await abandoned.__anext__()
+        await relet.__anext__()
+        refused = [item async for item in replica._hold("c", [worker], "e")]
+        await asyncio.sleep(md.RELEASE_CLOCK_MARGIN_S + 0.05)
+        worker.released_at["a"] = time.monotonic()  # the router's direct release, at the request's end
+        replica._sweep(worker)
+        await replica._sweeping
+        after_sweep = (replica.leases, replica.reclaimed, sorted(replica.ledger.held))
+        granted = await replica._hold("c", [worker], "e").__anext__()
+        await abandoned.aclose()  # the late `finally`: the lease is closed already
+        return refused, after_sweep, granted, replica.leases
+
+    refused, after_sweep, granted, leases = asyncio.run(go())
+    assert isinstance(refused[0], LeaseRefused)
+    assert after_sweep == (1, 1, ["b"]), "a's lease closed; b's (released before it was granted) kept"
+    assert isinstance(granted, LeaseInfo)
+    assert leases == 2, "b and c: a's late finally did not count its lease off a second time"
+    assert worker.released == [], "a closed lease's late finally sends no second release"
+
+
+def test_young_leases_are_not_checked(monkeypatch):
+    import deployments.model_deployments as md
+
+    replica, worker = _LeasedReplica(), _ReleasingWorker()
+
+    async def go():
+        await replica._hold("a", [worker], "e").__anext__()
+        worker.released_at["a"] = time.monotonic() + 10  # released "after" the lease; but the lease is young
+        replica._sweep(worker)
+        return replica._sweeping, replica.leases
+
+    sweeping, leases = asyncio.run(go())
+    assert md.RECLAIM_AFTER_S >= 1.0 and sweeping is None and leases == 1

@@ -215,6 +215,18 @@ def test_release_stale_frees_only_sequences_no_call_touched_lately(target, draft
     assert "late-d" not in draft.stats()["live_sequence_ids"]
 
 
+def test_released_ago_reports_when_each_sequence_was_released(target):
+    """The replica's sweep closes leases whose sequences were released after they began (model_deployments.py)."""
+    import time
+
+    assert target.released_ago(["nothing-yet"]) == {}
+    target.verify([verify_call(delta("gone", PROMPT), [])])
+    target.release(["gone"])
+    time.sleep(0.05)
+    ago = target.released_ago(["gone", "nothing-yet"])
+    assert list(ago) == ["gone"] and 0.05 <= ago["gone"] < 5.0
+
+
 PENALISED = SamplingParams(max_tokens=16, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.4,
                            logit_bias=((14, 1.0),))
 
