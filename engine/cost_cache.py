@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_extension
+
 log = logging.getLogger(__name__)
 
 DEFAULT_DIR = "~/.cache/specserve/costs"
@@ -30,6 +32,8 @@ def hardware_key(device: torch.device) -> dict:
     """What the measurement ran on: the processor (or GPU), the threads torch computes with, torch's version."""
     key = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
            "cpus": len(os.sched_getaffinity(0)), "cpu": _cpu_model()}
+    if device.type == "cpu":  # specserve's CPU operators, which version, or none (ATen's): a step's cost changes
+        key["cpu_ops"] = cpu_extension.identity()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         key["gpu"] = {"name": props.name, "capability": [props.major, props.minor], "memory": props.total_memory}

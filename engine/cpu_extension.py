@@ -125,6 +125,11 @@ def op(name: str) -> Callable | None:
     return None if namespace is None else getattr(namespace, name)
 
 
+def identity() -> str:
+    """Which operators steps run on: the library's file name (its source, torch and flags hash), or "aten"."""
+    return library_path().name if _namespace() is not None else "aten"
+
+
 def small_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
     """`small_gemm(x [M, K], weight [N, K], bias [N] | None) -> [M, N]`, or None (unavailable)."""
     return op("small_gemm")

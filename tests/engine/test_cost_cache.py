@@ -2,6 +2,9 @@
 changes or the file is unreadable; never kept without a directory."""
 
 import json
+from pathlib import Path
+
+import torch
 
 from engine.cost_cache import cached_costs, costs_key, model_key
 from engine.static_runner import KVBudget, StaticRunner
@@ -61,3 +64,18 @@ def test_the_key_changes_with_the_models_files_the_runner_and_its_settings(tmp_p
     assert key != costs_key("target", model_dir, "float32", large, max_k=3)
     assert key != costs_key("draft", model_dir, "int8", small, max_k=3)
     assert key["hardware"]["threads"] >= 1 and key["hardware"]["torch"]
+
+
+def test_the_key_names_the_cpu_operators_steps_run_on(monkeypatch):
+    """Costs measured on ATen's operators are not reused once specserve's CPU operators run the steps, or after
+    their sources change (engine/cpu_extension.py)."""
+    from engine import cost_cache, cpu_extension
+
+    with_ops = cost_cache.hardware_key(torch.device("cpu"))
+    monkeypatch.setattr(cpu_extension, "_namespace", lambda: None)
+    assert cost_cache.hardware_key(torch.device("cpu"))["cpu_ops"] == "aten"
+    if with_ops["cpu_ops"] != "aten":  # x86 with AVX2 and g++ (this project's machines)
+        assert with_ops["cpu_ops"].startswith("specserve_ops-")
+        monkeypatch.setattr(cpu_extension, "_namespace", lambda: object())
+        monkeypatch.setattr(cpu_extension, "SOURCES", [*cpu_extension.SOURCES, Path(cpu_extension.__file__)])
+        assert cost_cache.hardware_key(torch.device("cpu"))["cpu_ops"] != with_ops["cpu_ops"]
