@@ -46,6 +46,16 @@ class _RayLease:
     async def close(self) -> None:
         self._stream.cancel()
 
+    async def release(self) -> None:
+        """The worker frees the sequence now, whatever becomes of the lease's cancel on its way through Serve (the
+        replica's own release follows and finds nothing: releases are idempotent; and the replica's sweep closes a
+        lease whose sequence was released like this: model_deployments._reclaim_released). A target's rank 0
+        passes it on."""
+        try:
+            await self._channels.call(self.endpoint, "release", [self.seq_id])
+        except (ChannelClosed, TensorParallelBroken):  # the worker is gone, and its caches with it
+            pass
+
     async def _call(self, method: str, *args):
         try:
             return await self._channels.call(self.endpoint, method, *args)
@@ -94,14 +104,6 @@ class RayTargetLease(_RayLease):
         health check tears the replica down). Either way the call ends with ReplicaGone.
         """
         return VerifyResult.from_wire(await self._call("verify", [call.wire() for call in calls]))
-
-    async def release(self) -> None:
-        """The worker frees the sequence now, whatever becomes of the lease's cancel on its way through Serve (the
-        replica's own release follows and finds nothing: releases are idempotent). Rank 0 passes it on."""
-        try:
-            await self._channels.call(self.endpoint, "release", [self.seq_id])
-        except (ChannelClosed, TensorParallelBroken):  # the worker is gone, and its caches with it
-            pass
 
 
 class RayLeaseBroker:

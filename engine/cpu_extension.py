@@ -1,8 +1,8 @@
 """specserve's CPU operators (engine/csrc/*.cpp), built on first use into one library: `torch.ops.specserve.*`.
 
 - `small_gemm` (small_gemm.cpp): a small-batch fp32 matrix product for x86 CPUs with AVX2/FMA, below;
-- `rms_norm`, `add_rms_norm`, `silu_mul`, `rope_to_cache` (layer_ops.cpp): fused fp32 operators for the static
-  runner's eager layer, each replacing several ATen calls whose dispatch cost dominates at decode sizes.
+- `rms_norm`, `add_rms_norm`, `silu_mul`, `rope_to_cache`, `cache_attention` (layer_ops.cpp): fused fp32 operators
+  for the static runner's eager layer, each replacing several ATen calls whose dispatch cost dominates at decode sizes.
 
 Decode and verify steps multiply a few rows (1..16) by every weight matrix. MKL's sgemm is slow at these shapes on
 this project's 2-core AVX2 machine (torch 2.13, SmolLM2-135M's 30 layers' projections, weights in cache, 2
@@ -40,7 +40,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
-OPS = ("small_gemm", "rms_norm", "add_rms_norm", "silu_mul", "rope_to_cache")
+OPS = ("small_gemm", "rms_norm", "add_rms_norm", "silu_mul", "rope_to_cache", "cache_attention")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
 MAX_ROWS = 64  # the kernel's limit; it beat MKL up to there (bench/RESULTS.md); prompt chunks keep MKL
 DEFAULT_CACHE = "~/.cache/specserve/kernels"

@@ -35,6 +35,8 @@ from .static_tp import Shard, embed, gather_vocab, reduce_sum, row_parallel_bias
 FAMILIES = ("llama", "mistral", "qwen2", "gemma")
 # ATen's int8 weight-only kernel is built for decode (a few rows); a prompt chunk dequantizes for one dense product
 INT8_KERNEL_MAX_ROWS = 32
+# steps of at most this many tokens per row (decode, verify) run attention through `cache_attention` on CPU
+CACHE_ATTENTION_MAX_WIDTH = 8
 _STATIC_ROPE = {None, "default", "linear", "llama3", "yarn", "longrope"}
 
 
@@ -190,7 +192,7 @@ class _LayerOps:
         if (device.type == "cpu" and model.dtype == torch.float32 and model.k_cache_0.dtype == torch.float32
                 and not torch.compiler.is_compiling()):
             fused = {name: cpu_extension.op(name) for name in ("rms_norm", "add_rms_norm", "silu_mul",
-                                                                "rope_to_cache")}
+                                                                "rope_to_cache", "cache_attention")}
             fused = fused if all(fused.values()) else None
         return cls(model, fused)
 
@@ -211,6 +213,23 @@ class _LayerOps:
             return self.fused["silu_mul"](gate_up.contiguous())
         gate, up = gate_up.chunk(2, dim=-1)
         return (F.gelu(gate, approximate="tanh") if self.model.gelu else F.silu(gate)) * up
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, first_slot: int,
+                  positions: torch.Tensor, kv_len: int, visible: torch.Tensor,
+                  sdpa: bool) -> torch.Tensor:  # q [B, H, W, D] -> [B, H, W, D]
+        """Causal GQA attention over each row's cached keys: steps of at most CACHE_ATTENTION_MAX_WIDTH tokens per row
+        by `cache_attention` where the fused operators run (each row reads only its own keys, nothing is
+        materialized); else one SDPA call (`sdpa`: `use_fused_attention`) or `grouped_attention`."""
+        m, width = self.model, q.shape[2]
+        if self.fused is not None and width <= CACHE_ATTENTION_MAX_WIDTH and m.head_dim % 8 == 0:
+            return self.fused["cache_attention"](q.contiguous(), k_cache, v_cache, first_slot, positions.contiguous(),
+                                                 kv_len, m.scale)
+        batch = q.shape[0]
+        keys = k_cache[first_slot : first_slot + batch, :, :kv_len].to(q.dtype)
+        values = v_cache[first_slot : first_slot + batch, :, :kv_len].to(q.dtype)
+        if sdpa:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=m.scale, enable_gqa=True)
+        return grouped_attention(q, keys, values, visible, m.scale)
 
     def rope_to_cache(self, qkv: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, first_slot: int) -> torch.Tensor:  # qkv [B, W, ...] -> q [B, H, W, D]
@@ -318,13 +337,7 @@ class StaticLlama(nn.Module):
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = getattr(self, f"k_cache_{index}"), getattr(self, f"v_cache_{index}")
             q = ops.rope_to_cache(layer.qkv(x), positions, k_cache, v_cache, first_slot)  # [B, H, W, D]
-            keys = k_cache[first_slot : first_slot + batch, :, :kv_len].to(q.dtype)
-            values = v_cache[first_slot : first_slot + batch, :, :kv_len].to(q.dtype)
-            if fused_attention:
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=self.scale,
-                                                      enable_gqa=True)
-            else:
-                attn = grouped_attention(q, keys, values, visible, self.scale)
+            attn = ops.attention(q, k_cache, v_cache, first_slot, positions, kv_len, visible, fused_attention)
             attn = attn.transpose(1, 2).reshape(batch, width, -1)
             hidden, x = ops.add_norm(hidden, self._row_parallel(layer.o, layer.o_bias, attn), layer.post_norm)
             mlp = self._row_parallel(layer.down, layer.down_bias, ops.activation(layer.gate_up(x)))

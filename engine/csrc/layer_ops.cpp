@@ -5,13 +5,19 @@
 //   rms_norm(x, w, eps)               x * rsqrt(mean(x^2) + eps) * w                  (_rms_norm)
 //   add_rms_norm(h, d, w, eps)        h += d (in place), then rms_norm(h, w, eps)      (residual + next norm)
 //   silu_mul(gate_up)                 silu(gate) * up, gate_up = [gate | up]           (the SwiGLU MLP)
+//   cache_attention(q, k_cache, v_cache, first_slot, positions, kv_len, scale)
+//       causal GQA attention of a few queries per row over its cached keys, read in place (below)
 //   rope_to_cache(qkv, cos, sin, positions, k_cache, v_cache, first_slot, heads, kv_heads)
 //       q [B, H, W, D] RoPE'd (rotate-half form, `_rope` in engine/llama_fast.py); k RoPE'd and v written into the
 //       caches at (first_slot + b, :, positions[b, w]), what the Python step does with index assignments
 //
 // Compiled with -std=c++17 (ISO: no floating-point contraction), so products and sums round as ATen's separate
 // elementwise operators do; reductions may sum in another order (fp32 tolerance).
+#include <algorithm>
 #include <cmath>
+#include <vector>
+
+#include <immintrin.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -154,4 +160,100 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
   m.impl("rope_to_cache", c10::DispatchKey::CPU, TORCH_FN(rope_to_cache));
+}
+
+namespace {
+
+inline float lane_total(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_hadd_ps(x, x);
+  x = _mm_hadd_ps(x, x);
+  return _mm_cvtss_f32(x);
+}
+
+// attention of a few queries per row (decode, verify) over the rows' own cached keys, read in place:
+// out[b, h, w] = softmax_t<=positions[b, w](scale * q[b, h, w] . k[slot_b, g, t]) . v[slot_b, g, t], g = h / (H / KVH),
+// t < kv_len too (a padding row's position lies past every real key). Unlike `visible_keys` + SDPA, a row reads only
+// its own keys, and nothing is materialized.
+at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           int64_t first_slot, const at::Tensor& positions, int64_t kv_len, double scale) {
+  check_float(q, "q");
+  check_float(k_cache, "k_cache");
+  check_float(v_cache, "v_cache");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 2,
+              "positions must be a contiguous int64 [B, W]");
+  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "q [B, H, W, D], caches [slots, KVH, capacity, D]");
+  const int64_t batch = q.size(0), heads = q.size(1), width = q.size(2), dim = q.size(3);
+  const int64_t kv_heads = k_cache.size(1), capacity = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "head sizes do not match");
+  TORCH_CHECK(dim % 8 == 0, "cache_attention: head_dim must be a multiple of 8, got ", dim);
+  TORCH_CHECK(positions.size(0) == batch && positions.size(1) == width, "positions must be [B, W]");
+  TORCH_CHECK(first_slot >= 0 && first_slot + batch <= k_cache.size(0), "rows past the cache's slots");
+  TORCH_CHECK(kv_len >= 1 && kv_len <= capacity, "kv_len ", kv_len, " out of range");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < batch * width; ++i)
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < capacity, "position ", pos[i], " out of range");
+  const int64_t group = heads / kv_heads;
+  at::Tensor out = at::empty_like(q);
+  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, batch * heads, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(capacity);
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t b = task / heads, h = task % heads, g = h / group;
+      const float* keys = kp + ((first_slot + b) * kv_heads + g) * capacity * dim;
+      const float* values = vp + ((first_slot + b) * kv_heads + g) * capacity * dim;
+      for (int64_t w = 0; w < width; ++w) {
+        const float* qv = qp + ((b * heads + h) * width + w) * dim;
+        const int64_t length = std::min(pos[b * width + w] + 1, kv_len);  // padding rows: at most kv_len keys
+        float top = -INFINITY;
+        int64_t t = 0;
+        for (; t + 4 <= length; t += 4) {  // four keys at a time: independent accumulators keep the FMAs busy
+          const float* k0 = keys + t * dim;
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          for (int64_t d = 0; d < dim; d += 8) {
+            const __m256 x = _mm256_loadu_ps(qv + d);
+            a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + dim + d), a1);
+            a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + 2 * dim + d), a2);
+            a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + 3 * dim + d), a3);
+          }
+          scores[t] = lane_total(a0) * s;
+          scores[t + 1] = lane_total(a1) * s;
+          scores[t + 2] = lane_total(a2) * s;
+          scores[t + 3] = lane_total(a3) * s;
+        }
+        for (; t < length; ++t) {
+          __m256 a = _mm256_setzero_ps();
+          for (int64_t d = 0; d < dim; d += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(keys + t * dim + d), a);
+          scores[t] = lane_total(a) * s;
+        }
+        for (int64_t i = 0; i < length; ++i) top = std::max(top, scores[i]);
+        float total = 0.0f;
+        for (int64_t i = 0; i < length; ++i) {
+          scores[i] = std::exp(scores[i] - top);
+          total += scores[i];
+        }
+        float* o = op + ((b * heads + h) * width + w) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = 0.0f;
+        for (int64_t i = 0; i < length; ++i) {
+          const float p = scores[i] / total;
+          const float* vv = values + i * dim;
+          for (int64_t d = 0; d < dim; ++d) o[d] += p * vv[d];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specserve, m) {
+  m.def("cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, int first_slot, Tensor positions, int kv_len, "
+        "float scale) -> Tensor");
+  m.impl("cache_attention", c10::DispatchKey::CPU, TORCH_FN(cache_attention));
 }

@@ -116,8 +116,8 @@ class _Lease:
         return VerifyResult.from_wire(run())
 
     async def release(self) -> None:
-        self.broker.direct_releases += 1
-        self.core.release([self.seq_id])  # the router's own release through the channel (RayTargetLease.release)
+        self.broker.direct_releases[self.kind] += 1
+        self.core.release([self.seq_id])  # the router's own release through the channel (_RayLease.release)
 
     async def close(self) -> None:
         self.closed = True
@@ -151,7 +151,7 @@ class LocalBroker:
         self.refuse_draft_leases = 0  # the next n draft leases fail (no Draft replica available)
         self.cancels = 0
         self.chained = 0  # chained rounds (draft hands its drafts to the target)
-        self.direct_releases = 0  # target sequences freed by the router through the channel after their last round
+        self.direct_releases = {"draft": 0, "target": 0}  # freed by the router through the channel after the last round
         self.break_chains = 0  # the next n chained rounds fail after drafting (the target unreachable from the draft)
         self.held_target_leases: set[str] = set()
         self.leased_targets: set[str] = set()

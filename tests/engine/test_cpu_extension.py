@@ -159,3 +159,23 @@ def test_rope_to_cache_refuses_positions_past_the_cache(ops):
         ops.rope_to_cache(qkv, table, table, torch.tensor([[10]]), cache, cache.clone(), 0, 1, 1)
     with pytest.raises(RuntimeError, match="slots"):
         ops.rope_to_cache(qkv, table, table, torch.tensor([[3]]), cache, cache.clone(), 2, 1, 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "width"), [(9, 3, 1), (4, 4, 4), (8, 2, 3)])
+def test_cache_attention_equals_masked_attention_over_each_rows_own_keys(ops, heads, kv_heads, width):
+    from engine.static_llama import grouped_attention, visible_keys
+
+    batch, dim, slots, capacity, first_slot, kv_len = 3, 16, 5, 64, 1, 48
+    q = torch.randn(batch, heads, width, dim)
+    k_cache, v_cache = torch.randn(slots, kv_heads, capacity, dim), torch.randn(slots, kv_heads, capacity, dim)
+    positions = torch.tensor([[5], [0], [40]]) + torch.arange(width)
+    positions[1] = 60  # a padding row (position past every real key): reads kv_len keys, its output unused
+    got = ops.cache_attention(q, k_cache, v_cache, first_slot, positions, kv_len, dim ** -0.5)
+    rows = slice(first_slot, first_slot + batch)
+    want = grouped_attention(q, k_cache[rows, :, :kv_len], v_cache[rows, :, :kv_len],
+                             visible_keys(positions, kv_len), dim ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    alone = ops.cache_attention(q[2:].contiguous(), k_cache, v_cache, first_slot + 2, positions[2:].contiguous(),
+                                kv_len, dim ** -0.5)
+    assert torch.equal(alone[0], got[2]), "a row's attention does not depend on the rows beside it"
