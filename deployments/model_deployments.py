@@ -80,28 +80,26 @@ RECLAIM_AFTER_S = 5.0
 RELEASE_WAIT_S = 10.0
 
 
-async def _awaited(ref):
-    """An ObjectRef as a coroutine (asyncio.wait_for wants an awaitable it can wrap in a task)."""
-    return await ref
-
-
-@dataclass
+@dataclass(eq=False)  # one per grant, compared by identity
 class _OpenLease:
     seq_id: str
     started: float  # time.monotonic() when granted
-    closed: bool = False
 
 
 class _LeasedReplica:
     def __init__(self) -> None:
-        self.leases = 0
-        self._open: dict[int, _OpenLease] = {}  # leases granted and not closed yet
+        self._open: set[_OpenLease] = set()  # leases granted and not closed yet
         self.reclaimed = 0  # leases closed by the sweep (`_reclaim_released`)
         self.ledger = LeaseLedger()  # the sequences leased here, and the sweep of those that outlive their leases
         self._sweeping: asyncio.Task | None = None
         self._replica_id = None
         self.costs: dict | None = None  # measured at start when the router's K policy needs them (policy.py)
         self.capacity: int | None = None  # sequences its workers' KV caches hold; None: unbounded
+
+    @property
+    def leases(self) -> int:
+        """Leases granted and not closed yet (what the replica refuses new ones by, against its capacity)."""
+        return len(self._open)
 
     @property
     def replica_id(self) -> str:
@@ -129,9 +127,9 @@ class _LeasedReplica:
             yield LeaseInfo(self.replica_id, workers, endpoint, self.costs)
             await asyncio.Event().wait()  # until the router cancels the lease
         finally:
-            if not lease.closed:  # (closed already: reclaimed, see `_reclaim_released`)
+            if lease in self._open:  # (closed already: reclaimed, see `_reclaim_released`)
                 try:  # a target's rank 0 passes it on to the other ranks, in order
-                    await asyncio.wait_for(_awaited(workers[0].release.remote([seq_id])), RELEASE_WAIT_S)
+                    await asyncio.wait_for(workers[0].release.remote([seq_id]), RELEASE_WAIT_S)
                 except asyncio.TimeoutError:
                     logger.warning("replica %s: the release of %s on its worker did not answer within %.0f s; the "
                                    "lease is counted off anyway (the router released the sequence itself if its "
@@ -144,18 +142,14 @@ class _LeasedReplica:
 
     def _open_lease(self, seq_id: str) -> "_OpenLease":
         lease = _OpenLease(seq_id, time.monotonic())
-        self._open[id(lease)] = lease
-        self.leases += 1
+        self._open.add(lease)
         self.ledger.leased(seq_id)
         return lease
 
     def _close_lease(self, lease: "_OpenLease") -> None:
-        if lease.closed:
-            return
-        lease.closed = True
-        self._open.pop(id(lease), None)
-        self.leases -= 1
-        self.ledger.ended(lease.seq_id)
+        if lease in self._open:
+            self._open.remove(lease)
+            self.ledger.ended(lease.seq_id)
 
     def _sweep(self, worker) -> None:
         """Start the sweep (sequences that outlived their leases, then leases that outlived their sequences) in a
@@ -164,7 +158,7 @@ class _LeasedReplica:
             return
         candidates = self.ledger.candidates()
         now = time.monotonic()
-        open_leases = [lease for lease in self._open.values() if now - lease.started >= RECLAIM_AFTER_S]
+        open_leases = [lease for lease in self._open if now - lease.started >= RECLAIM_AFTER_S]
         if candidates or open_leases:
             self._sweeping = asyncio.get_running_loop().create_task(
                 self._sweep_once(worker, candidates, open_leases))
@@ -199,7 +193,7 @@ class _LeasedReplica:
         sent = time.monotonic()
         ago = await worker.released_ago.remote(sorted({lease.seq_id for lease in open_leases}))
         # the worker measured `ago` after `sent`: each release happened after `sent - ago` (no shared clock needed)
-        over = [lease for lease in open_leases if not lease.closed and lease.seq_id in ago
+        over = [lease for lease in open_leases if lease in self._open and lease.seq_id in ago
                 and sent - ago[lease.seq_id] > lease.started]
         for lease in over:
             self._close_lease(lease)
@@ -263,8 +257,8 @@ class DraftServer(_LeasedReplica):
             yield item
 
     async def stats(self) -> dict:
-        return {"replica": self.replica_id, "leases": self.leases, "swept": self.ledger.swept, "reclaimed": self.reclaimed,
-                "worker": self.worker_name,
+        return {"replica": self.replica_id, "leases": self.leases, "swept": self.ledger.swept,
+                "reclaimed": self.reclaimed, "worker": self.worker_name,
                 "namespace": ray.get_runtime_context().namespace, **(await self.worker.stats.remote())}
 
     async def check_health(self) -> None:
@@ -305,8 +299,8 @@ class TargetServer(_LeasedReplica):
 
     async def stats(self) -> dict:
         ranks = await asyncio.gather(*[w.stats.remote() for w in self.workers])
-        return {"replica": self.replica_id, "leases": self.leases, "swept": self.ledger.swept, "reclaimed": self.reclaimed,
-                "kv_capacity": self.capacity, "ranks": list(ranks)}
+        return {"replica": self.replica_id, "leases": self.leases, "swept": self.ledger.swept,
+                "reclaimed": self.reclaimed, "kv_capacity": self.capacity, "ranks": list(ranks)}
 
     async def check_health(self) -> None:
         await self._check(self.workers)

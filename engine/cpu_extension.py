@@ -14,10 +14,10 @@ one thread, weights in cache, 8 rows: 25 ms against MKL's 67 ms; weights from DR
 Its results are batch invariant: a row's outputs are the same bits whatever rows share the call (each dot product
 is summed in one fixed order), which MKL does not promise.
 
-The shared library (every source in engine/csrc) is compiled with the system's C++ compiler (`CXX`, default g++) against the installed torch's
-headers into `SPECSERVE_KERNEL_CACHE` (default ~/.cache/specserve/kernels), once per source, torch version and
-flags (~20 s on 2 cores); `make install` builds it ahead (`engine.cpu_extension.main()`). Where it cannot be
-used (no AVX2, not x86, no compiler, a failed build) `op(name)` returns None, the reason is logged once as a
+The shared library (every source in engine/csrc) is compiled with the system's C++ compiler (`CXX`, default g++)
+against the installed torch's headers into `SPECSERVE_KERNEL_CACHE` (default ~/.cache/specserve/kernels), once
+per source, torch version and flags (~20 s on 2 cores); `make install` builds it ahead (`main()`). Where it cannot
+be used (no AVX2, not x86, no compiler, a failed build) `op(name)` returns None, the reason is logged once as a
 warning, and callers keep their ATen code. `SPECSERVE_CPU_OPS=aten` turns it off (A/B measurements).
 """
 
@@ -40,6 +40,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # included by the sources: part of the cache key
 OPS = ("small_gemm", "rms_norm", "add_rms_norm", "silu_mul", "rope_to_cache", "cache_attention")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
 MAX_ROWS = 64  # the kernel's limit; it beat MKL up to there (bench/RESULTS.md); prompt chunks keep MKL
@@ -71,8 +72,8 @@ def _compiler() -> str:
 def library_path() -> Path:
     """Where the shared library for this source, torch build and flags lives."""
     key = hashlib.sha256()
-    for part in (*[source.read_bytes() for source in SOURCES], torch.__version__.encode(), " ".join(FLAGS).encode(), _compiler().encode(),
-                 str(torch._C._GLIBCXX_USE_CXX11_ABI).encode()):
+    for part in (*[source.read_bytes() for source in SOURCES + HEADERS], torch.__version__.encode(),
+                 " ".join(FLAGS).encode(), _compiler().encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode()):
         key.update(part)
     root = Path(os.environ.get("SPECSERVE_KERNEL_CACHE", DEFAULT_CACHE)).expanduser()
     return root / f"specserve_ops-{key.hexdigest()[:16]}.so"
@@ -95,7 +96,8 @@ def build() -> Path:
     try:
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise KernelUnavailable(f"building {', '.join(s.name for s in SOURCES)} failed ({result.returncode}): {result.stderr[-2000:]}")
+            names = ", ".join(source.name for source in SOURCES)
+            raise KernelUnavailable(f"building {names} failed ({result.returncode}): {result.stderr[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -136,7 +138,8 @@ def small_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], 
 
 
 def main() -> int:
-    """Build (or find) the library (`make install` calls this): build (or find) the library, say where, exit 0; exit 1 with the reason."""
+    """`make install`'s step: build (or find) the library and say where, exit 0; exit 1 with the reason if a build
+    that should work failed (0 where the machine cannot run the operators at all)."""
     reason = why_unavailable()
     if reason is not None:
         print(f"specserve CPU operators not built: {reason}")

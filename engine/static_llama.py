@@ -183,18 +183,26 @@ class _LayerOps:
     3-20 calls; at decode sizes their dispatch, not their arithmetic, is the cost). Compiled steps keep ATen's
     (inductor fuses them itself)."""
 
-    def __init__(self, model: "StaticLlama", fused: dict | None) -> None:
+    def __init__(self, model: "StaticLlama", fused: dict | None, positions: torch.Tensor, first_slot: int,
+                 kv_len: int) -> None:
         self.model, self.fused = model, fused
+        self.positions, self.first_slot, self.kv_len = positions, first_slot, kv_len  # the step's, [B, W] positions
+        self._visible: torch.Tensor | None = None
 
     @classmethod
-    def for_step(cls, model: "StaticLlama", device: torch.device) -> "_LayerOps":
+    def for_step(cls, model: "StaticLlama", positions: torch.Tensor, first_slot: int, kv_len: int) -> "_LayerOps":
         fused = None
-        if (device.type == "cpu" and model.dtype == torch.float32 and model.k_cache_0.dtype == torch.float32
+        if (positions.device.type == "cpu" and model.dtype == torch.float32 and model.k_cache_0.dtype == torch.float32
                 and not torch.compiler.is_compiling()):
             fused = {name: cpu_extension.op(name) for name in ("rms_norm", "add_rms_norm", "silu_mul",
                                                                 "rope_to_cache", "cache_attention")}
             fused = fused if all(fused.values()) else None
-        return cls(model, fused)
+        return cls(model, fused, positions, first_slot, kv_len)
+
+    def visible(self) -> torch.Tensor:  # [B, 1, W, L]: built once per step, and only where a path masks
+        if self._visible is None:
+            self._visible = visible_keys(self.positions, self.kv_len)
+        return self._visible
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [B, W, H]
         if self.fused is not None:
@@ -214,30 +222,30 @@ class _LayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return (F.gelu(gate, approximate="tanh") if self.model.gelu else F.silu(gate)) * up
 
-    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, first_slot: int,
-                  positions: torch.Tensor, kv_len: int, visible: torch.Tensor,
-                  sdpa: bool) -> torch.Tensor:  # q [B, H, W, D] -> [B, H, W, D]
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor) -> torch.Tensor:  # q [B, H, W, D] -> [B, H, W, D]
         """Causal GQA attention over each row's cached keys: steps of at most CACHE_ATTENTION_MAX_WIDTH tokens per row
         by `cache_attention` where the fused operators run (each row reads only its own keys, nothing is
-        materialized); else one SDPA call (`sdpa`: `use_fused_attention`) or `grouped_attention`."""
-        m, width = self.model, q.shape[2]
+        materialized); else one SDPA call (`use_fused_attention`) or `grouped_attention`."""
+        m, (batch, _, width, _) = self.model, q.shape
+        first, kv_len = self.first_slot, self.kv_len
         if self.fused is not None and width <= CACHE_ATTENTION_MAX_WIDTH and m.head_dim % 8 == 0:
-            return self.fused["cache_attention"](q.contiguous(), k_cache, v_cache, first_slot, positions.contiguous(),
-                                                 kv_len, m.scale)
-        batch = q.shape[0]
-        keys = k_cache[first_slot : first_slot + batch, :, :kv_len].to(q.dtype)
-        values = v_cache[first_slot : first_slot + batch, :, :kv_len].to(q.dtype)
-        if sdpa:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=m.scale, enable_gqa=True)
-        return grouped_attention(q, keys, values, visible, m.scale)
+            return self.fused["cache_attention"](q.contiguous(), k_cache, v_cache, first, self.positions, kv_len,
+                                                 m.scale)
+        keys = k_cache[first : first + batch, :, :kv_len].to(q.dtype)
+        values = v_cache[first : first + batch, :, :kv_len].to(q.dtype)
+        if use_fused_attention(q.device, batch, width):
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.visible(), scale=m.scale,
+                                                  enable_gqa=True)
+        return grouped_attention(q, keys, values, self.visible(), m.scale)
 
-    def rope_to_cache(self, qkv: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, first_slot: int) -> torch.Tensor:  # qkv [B, W, ...] -> q [B, H, W, D]
+    def rope_to_cache(self, qkv: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> torch.Tensor:  # qkv [B, W, ...] -> q [B, H, W, D]
         """RoPE on the queries and keys; keys and values written to the cache at (first_slot + b, :, position)."""
-        m = self.model
+        m, positions, first_slot = self.model, self.positions, self.first_slot
         if self.fused is not None:
-            return self.fused["rope_to_cache"](qkv.contiguous(), m.cos, m.sin, positions.contiguous(), k_cache,
-                                               v_cache, first_slot, m.num_heads, m.num_kv_heads)
+            return self.fused["rope_to_cache"](qkv.contiguous(), m.cos, m.sin, positions, k_cache, v_cache,
+                                               first_slot, m.num_heads, m.num_kv_heads)
         batch, width = positions.shape
         cos, sin = m.cos[positions][:, None], m.sin[positions][:, None]  # [B, 1, W, D]
         q = qkv[..., : m.q_size].view(batch, width, -1, m.head_dim).transpose(1, 2)
@@ -330,14 +338,12 @@ class StaticLlama(nn.Module):
         hidden = F.embedding(tokens, self.embed) if self.shard is None else embed(tokens, self.embed, self.shard)
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        ops = _LayerOps.for_step(self, tokens.device)
-        visible = visible_keys(positions, kv_len)  # [B, 1, W, L]
-        fused_attention = use_fused_attention(tokens.device, batch, width)
+        ops = _LayerOps.for_step(self, positions, first_slot, kv_len)
         x = ops.norm(hidden, self.layers[0].input_norm)
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = getattr(self, f"k_cache_{index}"), getattr(self, f"v_cache_{index}")
-            q = ops.rope_to_cache(layer.qkv(x), positions, k_cache, v_cache, first_slot)  # [B, H, W, D]
-            attn = ops.attention(q, k_cache, v_cache, first_slot, positions, kv_len, visible, fused_attention)
+            q = ops.rope_to_cache(layer.qkv(x), k_cache, v_cache)  # [B, H, W, D]
+            attn = ops.attention(q, k_cache, v_cache)
             attn = attn.transpose(1, 2).reshape(batch, width, -1)
             hidden, x = ops.add_norm(hidden, self._row_parallel(layer.o, layer.o_bias, attn), layer.post_norm)
             mlp = self._row_parallel(layer.down, layer.down_bias, ops.activation(layer.gate_up(x)))

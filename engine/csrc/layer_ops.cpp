@@ -25,11 +25,27 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 namespace {
 
 void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous(), name,
               " must be a contiguous float32 CPU tensor");
+}
+
+// positions [B, W] of rows first_slot .. first_slot + B - 1 of `cache` ([slots, KVH, capacity, D]): a contiguous
+// int64 tensor whose every entry is in [0, limit)
+const int64_t* checked_positions(const at::Tensor& positions, int64_t batch, int64_t width, int64_t first_slot,
+                                 const at::Tensor& cache, int64_t limit) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 2,
+              "positions must be a contiguous int64 [B, W]");
+  TORCH_CHECK(positions.size(0) == batch && positions.size(1) == width, "positions must be [B, W]");
+  TORCH_CHECK(first_slot >= 0 && first_slot + batch <= cache.size(0), "rows past the cache's slots");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < batch * width; ++i)
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < limit, "position ", pos[i], " out of range");
+  return pos;
 }
 
 inline void norm_row(const float* x, const float* w, float eps, int64_t size, float* out) {
@@ -113,20 +129,15 @@ at::Tensor rope_to_cache(const at::Tensor& qkv, const at::Tensor& cos, const at:
   check_float(sin, "sin");
   check_float(k_cache, "k_cache");
   check_float(v_cache, "v_cache");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 2,
-              "positions must be a contiguous int64 [B, W]");
   TORCH_CHECK(qkv.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "qkv [B, W, (H + 2 KVH) D], caches [slots, KVH, capacity, D]");
   const int64_t batch = qkv.size(0), width = qkv.size(1), dim = k_cache.size(3);
-  const int64_t slots = k_cache.size(0), capacity = k_cache.size(2);
-  TORCH_CHECK(positions.size(0) == batch && positions.size(1) == width, "positions must be [B, W]");
+  const int64_t capacity = k_cache.size(2);
   TORCH_CHECK(k_cache.size(1) == num_kv_heads && qkv.size(2) == (num_heads + 2 * num_kv_heads) * dim,
               "qkv's width does not match the heads");
   TORCH_CHECK(cos.size(1) == dim && sin.sizes() == cos.sizes() && dim % 2 == 0, "cos/sin [capacity, D], D even");
-  TORCH_CHECK(first_slot >= 0 && first_slot + batch <= slots, "rows past the cache's slots");
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t i = 0; i < batch * width; ++i)
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < capacity && pos[i] < cos.size(0), "position ", pos[i], " out of range");
+  const int64_t* pos = checked_positions(positions, batch, width, first_slot, k_cache,
+                                         std::min(capacity, cos.size(0)));
   at::Tensor q = at::empty({batch, num_heads, width, dim}, qkv.options());
   const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
@@ -136,7 +147,8 @@ at::Tensor rope_to_cache(const at::Tensor& qkv, const at::Tensor& cos, const at:
       const int64_t b = t / width, w = t % width, p = pos[t];
       const float* x = xp + t * row;
       const float *c = cp + p * dim, *s = sp + p * dim;
-      for (int64_t h = 0; h < num_heads; ++h) rope_row(x + h * dim, c, s, dim, qp + ((b * num_heads + h) * width + w) * dim);
+      for (int64_t h = 0; h < num_heads; ++h)
+        rope_row(x + h * dim, c, s, dim, qp + ((b * num_heads + h) * width + w) * dim);
       for (int64_t g = 0; g < num_kv_heads; ++g) {
         const int64_t at_cache = (((first_slot + b) * num_kv_heads + g) * capacity + p) * dim;
         rope_row(x + (num_heads + g) * dim, c, s, dim, kp + at_cache);
@@ -164,12 +176,7 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
 
 namespace {
 
-inline float lane_total(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_hadd_ps(x, x);
-  x = _mm_hadd_ps(x, x);
-  return _mm_cvtss_f32(x);
-}
+using specserve::lane_sum;
 
 // attention of a few queries per row (decode, verify) over the rows' own cached keys, read in place:
 // out[b, h, w] = softmax_t<=positions[b, w](scale * q[b, h, w] . k[slot_b, g, t]) . v[slot_b, g, t], g = h / (H / KVH),
@@ -180,20 +187,14 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   check_float(q, "q");
   check_float(k_cache, "k_cache");
   check_float(v_cache, "v_cache");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 2,
-              "positions must be a contiguous int64 [B, W]");
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "q [B, H, W, D], caches [slots, KVH, capacity, D]");
   const int64_t batch = q.size(0), heads = q.size(1), width = q.size(2), dim = q.size(3);
   const int64_t kv_heads = k_cache.size(1), capacity = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "head sizes do not match");
   TORCH_CHECK(dim % 8 == 0, "cache_attention: head_dim must be a multiple of 8, got ", dim);
-  TORCH_CHECK(positions.size(0) == batch && positions.size(1) == width, "positions must be [B, W]");
-  TORCH_CHECK(first_slot >= 0 && first_slot + batch <= k_cache.size(0), "rows past the cache's slots");
   TORCH_CHECK(kv_len >= 1 && kv_len <= capacity, "kv_len ", kv_len, " out of range");
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t i = 0; i < batch * width; ++i)
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < capacity, "position ", pos[i], " out of range");
+  const int64_t* pos = checked_positions(positions, batch, width, first_slot, k_cache, capacity);
   const int64_t group = heads / kv_heads;
   at::Tensor out = at::empty_like(q);
   const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
@@ -220,16 +221,16 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
             a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + 2 * dim + d), a2);
             a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + 3 * dim + d), a3);
           }
-          scores[t] = lane_total(a0) * s;
-          scores[t + 1] = lane_total(a1) * s;
-          scores[t + 2] = lane_total(a2) * s;
-          scores[t + 3] = lane_total(a3) * s;
+          scores[t] = lane_sum(a0) * s;
+          scores[t + 1] = lane_sum(a1) * s;
+          scores[t + 2] = lane_sum(a2) * s;
+          scores[t + 3] = lane_sum(a3) * s;
         }
         for (; t < length; ++t) {
           __m256 a = _mm256_setzero_ps();
           for (int64_t d = 0; d < dim; d += 8)
             a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(keys + t * dim + d), a);
-          scores[t] = lane_total(a) * s;
+          scores[t] = lane_sum(a) * s;
         }
         for (int64_t i = 0; i < length; ++i) top = std::max(top, scores[i]);
         float total = 0.0f;

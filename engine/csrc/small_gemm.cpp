@@ -18,18 +18,15 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int64_t kCols = 3;      // weight rows (output columns) per panel
 constexpr int64_t kRows = 4;      // activation rows per block
 constexpr int64_t kMaxRows = 64;  // Python sends at most this many (engine/cpu_extension.py)
 
-inline float lane_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
+using specserve::lane_sum;
 
 // one panel of `cols` (<= kCols) weight rows times rows [m0, m0 + rows) of x
 template <int64_t rows, int64_t cols>
@@ -39,7 +36,8 @@ inline void block(const float* x, const float* w, int64_t k_size, float* acc_out
     for (int64_t j = 0; j < cols; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < k_size; k += 8) {
     if (prefetch != nullptr && (k & 15) == 0)
-      for (int64_t j = 0; j < kCols; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * k_size + k), _MM_HINT_T0);
+      for (int64_t j = 0; j < kCols; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + j * k_size + k), _MM_HINT_T0);
     __m256 wv[cols];
     for (int64_t j = 0; j < cols; ++j) wv[j] = _mm256_loadu_ps(w + j * k_size + k);
     for (int64_t i = 0; i < rows; ++i) {

@@ -243,10 +243,11 @@ def test_fused_cpu_layer_operators_give_the_aten_layers_logits(family, monkeypat
 
     model = make_tiny_model(family, seed=0)
     runner = StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16)
+    step = (torch.zeros(1, 1, dtype=torch.long), 0, 64)  # positions, first slot, keys read
     if platform.machine() == "x86_64":  # this project's machines: the fused path must be the one taken
-        assert static_llama._LayerOps.for_step(runner.model, torch.device("cpu")).fused is not None
+        assert static_llama._LayerOps.for_step(runner.model, *step).fused is not None
     fused = scripted(runner, ROUNDS)
     monkeypatch.setattr(static_llama.cpu_extension, "op", lambda name: None)
-    assert static_llama._LayerOps.for_step(runner.model, torch.device("cpu")).fused is None
+    assert static_llama._LayerOps.for_step(runner.model, *step).fused is None
     aten = scripted(StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16), ROUNDS)
     assert_same_logits(fused, aten, atol=1e-4, rtol=1e-4)
