@@ -34,18 +34,22 @@ def linear(
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None = None,  # [out]
 ) -> torch.Tensor:  # [..., out]
-    """F.linear; on CPU in fp32: one row as a GEMV split across threads, 2+ rows as (W @ x^T)^T."""
+    """F.linear; on CPU with fp32 activations: 1-64 rows on engine/cpu_extension.py's kernel (fp32 or bf16 weights),
+    else one row as a GEMV split across threads, 2+ rows as (W @ x^T)^T. bf16 weights beside fp32 activations (the
+    static runner's bf16 models on CPU) are widened to fp32, in registers by the kernel or for the one product."""
     rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():  # compiled steps (inductor, frozen weights) choose their own kernels
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight.to(x.dtype), bias)
     if rows <= cpu_extension.MAX_ROWS and x.shape[-1] % 8 == 0 and weight.is_contiguous():
         kernel = cpu_extension.small_gemm()
         if kernel is not None:
             out = kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight,
                          None if bias is None else bias.contiguous())
             return out.reshape(*x.shape[:-1], weight.shape[0])
+    if weight.dtype != torch.float32:  # a prompt chunk (compute-bound): MKL's fp32 product over the widened weight
+        return F.linear(x, weight.float(), bias)
     if rows == 1:
         return _split_gemv(x, weight, bias)
     # x must be row-major here: MKL is fast for W @ (row-major x)^T, slow when that operand is column-major

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_extension
 from .grammar import GrammarCompiler, SequenceGrammars
 from .loading import DEFAULT_MODEL, eos_token_ids, load_causal_lm, load_tokenizer, resolve
 from .model_runner import ModelRunner
@@ -79,11 +80,28 @@ def make_runner(model: torch.nn.Module, config: EngineConfig, vocab_size: int | 
         return ModelRunner(model, max_model_len=config.max_model_len, vocab_size=vocab_size)
     if reason is not None:
         raise ValueError(f"runner: static cannot run this model: {reason}")
-    dtype = None
-    if model.device.type == "cpu" and next(model.parameters()).dtype == torch.bfloat16 and not cpu_computes_bf16():
-        dtype = torch.float32  # an int8 draft's activations: bf16 is emulated (slow) on this CPU
+    dtype, weight_dtype = cpu_step_dtypes(model, config.compile)
     return StaticRunner(model, max_model_len=config.max_model_len, vocab_size=vocab_size, budget=config.budget(),
-                        compile=config.compile, prefill_chunk=config.prefill_chunk, dtype=dtype)
+                        compile=config.compile, prefill_chunk=config.prefill_chunk, dtype=dtype,
+                        weight_dtype=weight_dtype)
+
+
+def cpu_step_dtypes(model: torch.nn.Module, compile: bool) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(activation dtype, weight dtype) of the static runner's steps; (None, None): the model's own dtype for both.
+
+    On CPU, a bf16 model (a bf16 target, or an int8 draft's other weights) runs with bf16 weights and fp32
+    activations where specserve's CPU operators load: its products widen each weight in registers
+    (engine/csrc/small_gemm.cpp), so a step reads a bf16 model's bytes and computes in fp32. SmolLM2-135M, 2 threads,
+    on this project's avx512_bf16 machine (bench/RESULTS.md, session 16): a decode step at batch 1 took 36.5 ms with
+    ATen's bf16 operators, 23 ms in fp32. Without the operators, bf16 activations stay where the CPU computes bf16
+    natively and become fp32 where it would emulate them. Compiled steps keep the model's dtype."""
+    if model.device.type != "cpu" or next(model.parameters()).dtype != torch.bfloat16:
+        return None, None
+    if not compile and cpu_extension.small_gemm() is not None:
+        return torch.float32, torch.bfloat16
+    if not cpu_computes_bf16():
+        return torch.float32, None  # an int8 draft's activations: bf16 is emulated (slow) on this CPU
+    return None, None
 
 
 def build_target(config: EngineConfig):

@@ -69,15 +69,16 @@ def why_unsupported(model: nn.Module) -> str | None:
     return None
 
 
-def _fuse(modules: list[nn.Module], dtype: torch.dtype, with_bias: bool = True) -> tuple[
-        torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(weight [out, in], int8 scales [out] or None, bias [out] or None) of projections fused along outputs
-    (`with_bias=False`: biases left out, a row-parallel layer's whole bias is added after its all-reduce)."""
+def _fuse(modules: list[nn.Module], dtype: torch.dtype, with_bias: bool = True,
+          weight_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(weight [out, in] in `weight_dtype` (default `dtype`), int8 scales [out] or None, bias [out] or None) of
+    projections fused along outputs (`with_bias=False`: biases left out, a row-parallel layer's whole bias is added
+    after its all-reduce)."""
     if all(isinstance(m, Int8WeightOnlyLinear) for m in modules):
         weight = torch.cat([m.weight_int8 for m in modules])
         scales = torch.cat([m.scales for m in modules]).to(dtype)
     else:
-        weight, scales = torch.cat([m.weight.detach() for m in modules]).to(dtype), None
+        weight, scales = torch.cat([m.weight.detach() for m in modules]).to(weight_dtype or dtype), None
     biases = [getattr(m, "bias", None) if with_bias else None for m in modules]
     bias = None
     if any(b is not None for b in biases):
@@ -90,9 +91,10 @@ def _fuse(modules: list[nn.Module], dtype: torch.dtype, with_bias: bool = True) 
 class _Projection(nn.Module):
     """One fused projection; int8 weights (per-channel scales) are dequantized inside the product."""
 
-    def __init__(self, modules: list[nn.Module], dtype: torch.dtype, with_bias: bool = True) -> None:
+    def __init__(self, modules: list[nn.Module], dtype: torch.dtype, with_bias: bool = True,
+                 weight_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        weight, scales, bias = _fuse(modules, dtype, with_bias)
+        weight, scales, bias = _fuse(modules, dtype, with_bias, weight_dtype)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.scales = None if scales is None else nn.Parameter(scales, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -108,6 +110,11 @@ class _Projection(nn.Module):
             return linear(x, self.weight, self.bias)  # (W @ x^T)^T for a few fp32 rows on CPU: cpu_kernels.py
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
+        if (x.device.type == "cpu" and x.dtype == torch.float32 and rows.shape[0] <= cpu_extension.MAX_ROWS
+                and shape[-1] % 8 == 0 and not torch.compiler.is_compiling() and cpu_extension.small_gemm()):
+            # int8 widened to fp32 in registers, fp32 activations and sums, scaled per output channel
+            out = cpu_extension.small_gemm()(rows.contiguous(), self.weight, self.bias, self.scales)
+            return out.reshape(*shape[:-1], -1)
         if x.device.type == "cpu" and rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
             out = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.weight, self.kernel_scales).to(x.dtype)
         else:  # prefill on CPU, and CUDA: dequantize inside the product (gpt-fast's WeightOnlyInt8Linear)
@@ -117,19 +124,19 @@ class _Projection(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, layer: nn.Module, dtype: torch.dtype, norm_offset: float) -> None:
+    def __init__(self, layer: nn.Module, dtype: torch.dtype, norm_offset: float, weight_dtype: torch.dtype) -> None:
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = nn.Parameter(layer.input_layernorm.weight.detach().float() + norm_offset,
                                        requires_grad=False)
         self.post_norm = nn.Parameter(layer.post_attention_layernorm.weight.detach().float() + norm_offset,
                                       requires_grad=False)
-        self.qkv = _Projection([attn.q_proj, attn.k_proj, attn.v_proj], dtype)
-        self.gate_up = _Projection([mlp.gate_proj, mlp.up_proj], dtype)
+        self.qkv = _Projection([attn.q_proj, attn.k_proj, attn.v_proj], dtype, weight_dtype=weight_dtype)
+        self.gate_up = _Projection([mlp.gate_proj, mlp.up_proj], dtype, weight_dtype=weight_dtype)
         # row-parallel (a shard): the product's partial sums are all-reduced, then the whole bias is added once
         self.o_bias, self.down_bias = row_parallel_bias(attn.o_proj, dtype), row_parallel_bias(mlp.down_proj, dtype)
-        self.o = _Projection([attn.o_proj], dtype, with_bias=self.o_bias is None)
-        self.down = _Projection([mlp.down_proj], dtype, with_bias=self.down_bias is None)
+        self.o = _Projection([attn.o_proj], dtype, with_bias=self.o_bias is None, weight_dtype=weight_dtype)
+        self.down = _Projection([mlp.down_proj], dtype, with_bias=self.down_bias is None, weight_dtype=weight_dtype)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., H], weight [H] fp32
@@ -259,11 +266,16 @@ class _LayerOps:
 
 
 class StaticLlama(nn.Module):
-    """The model's weights (fused, in `dtype`) and its preallocated KV cache: `num_slots` sequences of
-    `capacity` positions. Build with `StaticLlama.from_model`; the transformers model can be dropped after."""
+    """The model's weights (fused, in `weight_dtype`, default `dtype`) and its preallocated KV cache: `num_slots`
+    sequences of `capacity` positions; activations, norms and the cache in `dtype`. Build with
+    `StaticLlama.from_model`; the transformers model can be dropped after.
+
+    `weight_dtype=bfloat16` with `dtype=float32` is how bf16 models run on CPU: the products widen each weight to fp32
+    as it streams in (engine/csrc/small_gemm.cpp), so a step reads half the bytes of an fp32 model and computes
+    every activation in fp32, i.e. the model with bf16-rounded weights, computed in fp32."""
 
     def __init__(self, model: nn.Module, num_slots: int, capacity: int, dtype: torch.dtype | None = None,
-                 cache_dtype: torch.dtype | None = None) -> None:
+                 cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         reason = why_unsupported(model)
         if reason is not None:
@@ -273,7 +285,8 @@ class StaticLlama(nn.Module):
         device = param.device
         dtype = dtype or (param.dtype if param.is_floating_point() else torch.float32)
         gemma = config.model_type == "gemma"
-        self.dtype, self.device = dtype, device
+        weight_dtype = weight_dtype or dtype
+        self.dtype, self.weight_dtype, self.device = dtype, weight_dtype, device
         self.num_slots, self.capacity = num_slots, capacity
         self.shard: Shard | None = shard_of(model)  # a tensor-parallel rank's: its heads, KV heads, vocabulary rows
         world = self.shard.world if self.shard else 1
@@ -287,11 +300,11 @@ class StaticLlama(nn.Module):
         self.gelu = act != "silu"
         self.embed_scale = math.sqrt(config.hidden_size) if gemma else None
         norm_offset = 1.0 if gemma else 0.0
-        self.embed = nn.Parameter(base.embed_tokens.weight.detach().to(dtype), requires_grad=False)
-        self.layers = nn.ModuleList(_Layer(layer, dtype, norm_offset) for layer in base.layers)
+        self.embed = nn.Parameter(base.embed_tokens.weight.detach().to(weight_dtype), requires_grad=False)
+        self.layers = nn.ModuleList(_Layer(layer, dtype, norm_offset, weight_dtype) for layer in base.layers)
         self.final_norm = nn.Parameter(base.norm.weight.detach().float() + norm_offset, requires_grad=False)
         head = model.get_output_embeddings()
-        self.lm_head = _Projection([head], dtype)
+        self.lm_head = _Projection([head], dtype, weight_dtype=weight_dtype)
         if getattr(head, "weight", None) is base.embed_tokens.weight and self.lm_head.scales is None:
             self.lm_head.weight = self.embed  # tied: one copy
         self.vocab_size = self.lm_head.weight.shape[0] * world
@@ -336,6 +349,7 @@ class StaticLlama(nn.Module):
         batch, width = tokens.shape
         positions = starts[:, None] + torch.arange(width, device=tokens.device)[None, :]  # [B, W]
         hidden = F.embedding(tokens, self.embed) if self.shard is None else embed(tokens, self.embed, self.shard)
+        hidden = hidden.to(self.dtype)  # [B, W, H]: bf16 weights beside fp32 activations are widened here
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         ops = _LayerOps.for_step(self, positions, first_slot, kv_len)

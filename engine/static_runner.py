@@ -128,7 +128,7 @@ class StaticRunner(SlotTableAccess):
 
     def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, vocab_size: int | None = None,
                  budget: KVBudget = KVBudget(), compile: bool = True, prefill_chunk: int = 256,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> None:
         config = model.config
         window = config_context_window(config)
         self.max_model_len = min(window, max_model_len) if max_model_len else window
@@ -148,7 +148,8 @@ class StaticRunner(SlotTableAccess):
                                    f" of {self.max_model_len} tokens")
         if shard is not None:
             num_slots = agree_num_slots(num_slots, shard, self.device)
-        self.model = StaticLlama(model, num_slots=num_slots, capacity=capacity, dtype=self.dtype)
+        self.model = StaticLlama(model, num_slots=num_slots, capacity=capacity, dtype=self.dtype,
+                                 weight_dtype=weight_dtype)
         self.vocab_size = vocab_size or self.model.vocab_size
         self.batch_buckets = buckets_up_to(num_slots)
         self.width_buckets = buckets_up_to(MAX_WIDTH)

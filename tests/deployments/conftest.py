@@ -48,7 +48,10 @@ TINY_CHAT_TEMPLATE = "{% for m in messages %}w5 w9 w{{ 10 + m['content'] | lengt
 
 def tiny_config(dirs, **overrides) -> SpecServeConfig:
     target, draft = dirs
-    model = {"target": str(target), "draft": str(draft), "draft_dtype": "float32", "served_model_name": "tiny",
+    # fp32 on every machine (`auto` is bf16 on CPUs that compute it): the served texts are checked against the fp32
+    # transformers forward
+    model = {"target": str(target), "target_dtype": "float32", "draft": str(draft), "draft_dtype": "float32",
+             "served_model_name": "tiny",
              "max_model_len": 256, **overrides.pop("model", {})}
     limits = {"max_prompt_tokens": 200, "max_tokens": 128, **overrides.pop("limits", {})}
     # tiny draft and target cost the same, so the adaptive policy would (rightly) never draft: tests of the round

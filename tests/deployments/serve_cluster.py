@@ -55,6 +55,18 @@ def readme_config_with_draft_model(out_dir: Path) -> str:
     return str(config_variant(ROOT / "serve_config.yaml", DRAFT_MODEL_PAIR, Path(out_dir) / "serve_config.yaml"))
 
 
+def served_target(config: Path = ROOT / "serve_config.yaml"):
+    """(runner, tokenizer) of the target exactly as a serve config builds it (its dtype: `auto` is bf16 on CPUs that
+    compute bf16), in this process: the reference that served greedy texts must equal."""
+    import yaml
+
+    from deployments.config import SpecServeConfig
+    from engine.factory import build_target
+
+    args = yaml.safe_load(Path(config).read_text())["applications"][0]["args"]
+    return build_target(SpecServeConfig.model_validate(args).engine_config())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

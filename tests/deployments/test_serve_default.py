@@ -4,7 +4,7 @@ cluster: ready, greedy output equal to plain decoding of the target, n-gram roun
 import httpx
 import pytest
 
-from tests.deployments.serve_cluster import BASE, serve_app, wait_until
+from tests.deployments.serve_cluster import BASE, serve_app, served_target, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -23,12 +23,11 @@ def client(tmp_path_factory):
 
 
 def test_the_default_config_serves_plain_decodings_text_with_ngram_drafts(client):
-    from engine import EngineConfig, SamplingParams
+    from engine import SamplingParams
     from engine.cli import encode_prompt
-    from engine.factory import build_target
     from engine.speculative import SpeculativeEngine
 
-    runner, tokenizer = build_target(EngineConfig())
+    runner, tokenizer = served_target()
     reference = SpeculativeEngine(runner, tokenizer, None, 0).generate(
         [encode_prompt(tokenizer, PROMPT, True)], SamplingParams(max_tokens=48))[0].text
 

@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from tests.deployments.serve_cluster import readme_config_with_draft_model, serve_app
+from tests.deployments.serve_cluster import readme_config_with_draft_model, serve_app, served_target
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -36,12 +36,11 @@ def client(cluster):
 @pytest.fixture(scope="module")
 def reference():
     """Plain greedy decoding of the same target, in-process."""
-    from engine import EngineConfig, SamplingParams
+    from engine import SamplingParams
     from engine.cli import encode_prompt
-    from engine.factory import build_target
     from engine.speculative import SpeculativeEngine
 
-    runner, tokenizer = build_target(EngineConfig())
+    runner, tokenizer = served_target()
     engine = SpeculativeEngine(runner, tokenizer, None, 0)
 
     def run(prompt: str, chat: bool, n: int, ignore_eos: bool = False) -> str:

@@ -1,4 +1,4 @@
-"""engine/cpu_extension.py: the small-batch fp32 kernel builds on x86 machines with AVX2 and a compiler (this project's
+"""engine/cpu_extension.py: the small-batch kernel (fp32 activations; fp32, bf16 or int8 weights) builds on x86 machines with AVX2 and a compiler (this project's
 machines and CI), equals F.linear, gives a row the same bits whatever rows share the call, and refuses what it
 does not compute; where it cannot be built the reason is clear."""
 
@@ -55,16 +55,57 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(kernel, threads):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 17, 64])
+@pytest.mark.parametrize(("out_features", "in_features"), [(7, 576), (1537, 576), (4099, 64)])
+def test_bf16_and_int8_weights_are_widened_exactly(kernel, rows, out_features, in_features):
+    """A bf16 weight is the fp32 product over the same (exactly widened) weight; an int8 weight with per-channel
+    scales is the fp32 product over its integers, scaled per output: fp32 sums throughout."""
+    generator = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    bf16 = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    torch.testing.assert_close(kernel(x, bf16, bias), F.linear(x, bf16.float(), bias), atol=1e-4, rtol=1e-4)
+    int8 = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+    scales = torch.rand(out_features, generator=generator) / 64
+    torch.testing.assert_close(kernel(x, int8, None, scales), F.linear(x, int8.float()) * scales,
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kernel(x, int8, bias, scales), F.linear(x, int8.float()) * scales + bias,
+                               atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_narrow_weights_keep_a_row_s_bits_whatever_rows_share_the_call(kernel, dtype):
+    x = torch.randn(9, 576)
+    weight = torch.randn(3 * 500 + 1, 576).to(dtype) if dtype != torch.int8 else \
+        torch.randint(-128, 128, (3 * 500 + 1, 576), dtype=torch.int8)
+    scales = torch.rand(weight.shape[0]) if dtype == torch.int8 else None
+    together = kernel(x, weight, None, scales)
+    for r in range(x.shape[0]):
+        assert torch.equal(kernel(x[r : r + 1].contiguous(), weight, None, scales)[0], together[r])
+
+
+@needs_kernel
 @pytest.mark.parametrize(("x", "weight", "message"), [
     (torch.randn(65, 64), torch.randn(8, 64), "at most 64 rows"),
     (torch.randn(2, 12), torch.randn(8, 12), "multiple of 8"),
     (torch.randn(2, 64, dtype=torch.float64), torch.randn(8, 64, dtype=torch.float64), "float32"),
     (torch.randn(2, 64), torch.randn(8, 32), "columns"),
     (torch.randn(64, 2).t(), torch.randn(8, 64), "contiguous"),
+    (torch.randn(2, 64), torch.randn(8, 64).half(), "float32, bfloat16 or int8"),
+    (torch.randn(2, 64), torch.ones(8, 64, dtype=torch.int8), "int8 weights need scales"),
 ])
 def test_refuses_what_it_does_not_compute(kernel, x, weight, message):
     with pytest.raises(RuntimeError, match=message):
         kernel(x, weight, None)
+
+
+@needs_kernel
+def test_scales_belong_to_int8_weights_only(kernel):
+    with pytest.raises(RuntimeError, match="int8 weights need scales"):
+        kernel(torch.randn(2, 64), torch.randn(8, 64), None, torch.ones(8))
+    with pytest.raises(RuntimeError, match="scales must be a contiguous float32"):
+        kernel(torch.randn(2, 64), torch.ones(8, 64, dtype=torch.int8), None, torch.ones(7))
 
 
 def test_turned_off_by_the_environment(monkeypatch):

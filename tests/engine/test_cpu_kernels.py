@@ -65,3 +65,14 @@ def test_rows_the_small_gemm_kernel_takes(rows, in_features, used, monkeypatch):
     out = linear(x, weight)
     assert out.shape == (1, rows, 1024)
     assert seen == ([(rows, in_features)] if used else [])  # 64 rows at most, K a multiple of 8
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64, 65, 200])
+def test_bf16_weights_beside_fp32_activations_compute_in_fp32(rows, two_threads):
+    """The static runner's bf16 models on CPU: the kernel for up to 64 rows, MKL over the widened weight beyond
+    (prompt chunks), both the fp32 product over the bf16 weight; with the operators off, the same."""
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(1024, 320).bfloat16(), torch.randn(1024), torch.randn(1, rows, 320)
+    out = linear(x, weight, bias)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x, weight.float(), bias), atol=1e-4, rtol=1e-4)

@@ -35,3 +35,21 @@ def test_proposers_are_built_by_method(tmp_path):
     assert build(draft="none") is None
     assert isinstance(build(draft="ngram"), NgramProposer)
     assert isinstance(build(draft=draft, draft_dtype="float32", runner="transformers"), DraftModelProposer)
+
+
+def test_bf16_models_on_cpu_run_bf16_weights_with_fp32_activations_where_the_operators_load(monkeypatch):
+    import torch
+
+    from engine import cpu_extension, factory
+    from tests.conftest import make_tiny_model
+
+    bf16, fp32 = make_tiny_model(seed=0).to(torch.bfloat16), make_tiny_model(seed=0)
+    monkeypatch.setattr(cpu_extension, "small_gemm", lambda: object())
+    assert factory.cpu_step_dtypes(bf16, compile=False) == (torch.float32, torch.bfloat16)
+    assert factory.cpu_step_dtypes(fp32, compile=False) == (None, None)
+    monkeypatch.setattr(factory, "cpu_computes_bf16", lambda: True)
+    assert factory.cpu_step_dtypes(bf16, compile=True) == (None, None)  # compiled steps keep the model's dtype
+    monkeypatch.setattr(cpu_extension, "small_gemm", lambda: None)
+    assert factory.cpu_step_dtypes(bf16, compile=False) == (None, None)  # native bf16 without the operators
+    monkeypatch.setattr(factory, "cpu_computes_bf16", lambda: False)
+    assert factory.cpu_step_dtypes(bf16, compile=False) == (torch.float32, None)  # emulated bf16: fp32 steps

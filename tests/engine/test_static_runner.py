@@ -1,6 +1,9 @@
 """The fast runner: same logits as transformers per family, a KV budget that refuses and reuses, chunked prefill,
 no host sync inside a step, compiled == eager."""
 
+import copy
+import platform
+
 import pytest
 import torch
 
@@ -94,16 +97,60 @@ def test_int8_weights_run_on_the_fast_path():
 
 
 def test_int8_weights_with_fp32_activations_feed_the_int8_kernel_bf16(monkeypatch):
-    """The int8 draft on a CPU without native bf16 runs fp32 (engine/factory.py) but hands ATen's int8 kernel
-    bf16 rows, its fast path; its logits stay those of the bf16-activation runner up to rounding."""
+    """Without specserve's CPU operators, an int8 draft with fp32 activations hands ATen's int8 kernel bf16 rows,
+    its fast path; its logits stay those of the bf16-activation runner up to rounding."""
+    from engine import cpu_extension
+
     model = quantize_int8_weight_only(make_tiny_model("llama", seed=0))
     want = scripted(StaticRunner(model, budget=SLOTS, compile=False), ROUNDS)
+    monkeypatch.setattr(cpu_extension, "small_gemm", lambda: None)
     fed = []
     kernel = torch._weight_int8pack_mm
     monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: fed.append((x.dtype, s.dtype)) or kernel(x, w, s))
     got = scripted(StaticRunner(model, budget=SLOTS, compile=False, dtype=torch.float32), ROUNDS)
     assert fed and set(fed) == {(torch.bfloat16, torch.bfloat16)}
     assert_same_logits(got, want, atol=0.5, rtol=0.1)
+
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@pytest.mark.skipif(not X86, reason="specserve's CPU operators are x86 code")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma"])
+def test_bf16_weights_with_fp32_activations_are_the_fp32_model_of_the_rounded_weights(family):
+    """How a bf16 model runs on CPU (engine/factory.cpu_step_dtypes): weights stay bf16 and are widened in the
+    products, every activation and the KV cache are fp32, so the logits are the fp32 forward of the same weights."""
+    model = make_tiny_model(family, seed=0).to(torch.bfloat16)
+    want = reference(copy.deepcopy(model).float())
+    runner = StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16, dtype=torch.float32,
+                          weight_dtype=torch.bfloat16)
+    layer = runner.model.layers[0]
+    assert {layer.qkv.weight.dtype, layer.down.weight.dtype, runner.model.embed.dtype} == {torch.bfloat16}
+    assert runner.model.k_cache_0.dtype == torch.float32
+    assert_same_logits(scripted(runner, ROUNDS), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not X86, reason="specserve's CPU operators are x86 code")
+def test_int8_weights_with_fp32_activations_are_the_fp32_model_of_the_dequantized_weights(monkeypatch):
+    """An int8 draft on CPU: specserve's kernel widens the integers in registers and scales each output, the
+    activations stay fp32 (ATen's int8 kernel is not called), so the logits are the dequantized fp32 model's."""
+    from engine.quantize import Int8WeightOnlyLinear
+
+    model = quantize_int8_weight_only(make_tiny_model("llama", seed=0))
+    dequantized = make_tiny_model("llama", seed=0)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, Int8WeightOnlyLinear):
+                dequantized.get_submodule(name).weight.copy_(module.weight_int8.float() * module.scales.float()[:, None])
+        for name, param in model.named_parameters():
+            dequantized.get_parameter(name).copy_(param.float())
+        for name, buffer in model.named_buffers():  # RoPE's inv_freq, rounded to bf16 with the rest of the model
+            if not name.endswith(("weight_int8", "scales")):
+                dequantized.get_buffer(name).copy_(buffer.float())
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: pytest.fail("ATen's int8 kernel used"))
+    got = scripted(StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16, dtype=torch.float32,
+                                weight_dtype=torch.bfloat16), ROUNDS)
+    assert_same_logits(got, reference(dequantized), atol=1e-4, rtol=1e-4)
 
 
 def test_other_families_are_refused_with_the_reason():
