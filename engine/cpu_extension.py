@@ -43,7 +43,7 @@ SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # included by the sources: part of the cache key
 OPS = ("small_gemm", "rms_norm", "add_rms_norm", "silu_mul", "rope_to_cache", "cache_attention")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
-MAX_ROWS = 64  # the kernel's limit; it beat MKL up to there (bench/RESULTS.md); prompt chunks keep MKL
+MAX_ROWS = 64  # callers that cannot tell steps from prompt chunks use the kernel up to here (it beat MKL there)
 DEFAULT_CACHE = "~/.cache/specserve/kernels"
 
 

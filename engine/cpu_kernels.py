@@ -33,23 +33,33 @@ def linear(
     x: torch.Tensor,  # [..., in]
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None = None,  # [out]
+    step: bool | None = None,
 ) -> torch.Tensor:  # [..., out]
-    """F.linear; on CPU with fp32 activations: 1-64 rows on engine/cpu_extension.py's kernel (fp32 or bf16 weights),
-    else one row as a GEMV split across threads, 2+ rows as (W @ x^T)^T. bf16 weights beside fp32 activations (the
-    static runner's bf16 models on CPU) are widened to fp32, in registers by the kernel or for the one product."""
+    """F.linear; on CPU with fp32 activations, engine/cpu_extension.py's kernel where it loads (fp32 or bf16
+    weights), else one row as a GEMV split across threads, 2+ rows as (W @ x^T)^T.
+
+    Which rows take the kernel: `step=True` (a decode or verify step, a few tokens per row) every row, so a row is
+    computed the same whatever the batch (the kernel is batch invariant: a verify scores a token exactly as a decode
+    step would); `step=False` (a prompt chunk, compute-bound) none, ATen's GEMM is faster there; `None` (callers that
+    do not know) at most MAX_ROWS.
+
+    bf16 weights beside fp32 activations (the static runner's bf16 models on CPU, engine/factory.cpu_step_dtypes) make
+    a bf16 product: the activations rounded to bf16, fp32 sums, by the kernel (fp32 output) or by ATen's bf16 GEMM
+    (oneDNN on CPUs with bf16 units; its output is rounded to bf16)."""
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
+    kernel_rows = rows <= cpu_extension.MAX_ROWS if step is None else step
+    if (kernel_rows and x.shape[-1] % 8 == 0 and weight.is_contiguous() and not torch.compiler.is_compiling()
+            and cpu_extension.small_gemm() is not None):
+        out = cpu_extension.small_gemm()(x.reshape(rows, x.shape[-1]).contiguous(), weight,
+                                         None if bias is None else bias.contiguous())
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    if weight.dtype != torch.float32:
+        out = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+        return out if bias is None else out + bias
     if torch.compiler.is_compiling():  # compiled steps (inductor, frozen weights) choose their own kernels
-        return F.linear(x, weight.to(x.dtype), bias)
-    if rows <= cpu_extension.MAX_ROWS and x.shape[-1] % 8 == 0 and weight.is_contiguous():
-        kernel = cpu_extension.small_gemm()
-        if kernel is not None:
-            out = kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight,
-                         None if bias is None else bias.contiguous())
-            return out.reshape(*x.shape[:-1], weight.shape[0])
-    if weight.dtype != torch.float32:  # a prompt chunk (compute-bound): MKL's fp32 product over the widened weight
-        return F.linear(x, weight.float(), bias)
+        return F.linear(x, weight, bias)
     if rows == 1:
         return _split_gemv(x, weight, bias)
     # x must be row-major here: MKL is fast for W @ (row-major x)^T, slow when that operand is column-major

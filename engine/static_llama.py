@@ -105,17 +105,19 @@ class _Projection(nn.Module):
         if scales is not None and weight.device.type == "cpu":
             self.kernel_scales = nn.Parameter(scales.to(torch.bfloat16), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+    def forward(self, x: torch.Tensor, step: bool | None = None) -> torch.Tensor:  # [..., in] -> [..., out]
+        """`step`: a decode/verify step (True) or a prompt chunk (False); which CPU kernel runs (cpu_kernels.linear)."""
         if self.scales is None:
-            return linear(x, self.weight, self.bias)  # (W @ x^T)^T for a few fp32 rows on CPU: cpu_kernels.py
+            return linear(x, self.weight, self.bias, step)  # on CPU: specserve's kernel or ATen's, cpu_kernels.py
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if (x.device.type == "cpu" and x.dtype == torch.float32 and rows.shape[0] <= cpu_extension.MAX_ROWS
-                and shape[-1] % 8 == 0 and not torch.compiler.is_compiling() and cpu_extension.small_gemm()):
+        own_kernel = (x.device.type == "cpu" and x.dtype == torch.float32 and shape[-1] % 8 == 0
+                      and not torch.compiler.is_compiling() and cpu_extension.small_gemm() is not None)
+        if own_kernel and (rows.shape[0] <= cpu_extension.MAX_ROWS if step is None else step):
             # int8 widened to fp32 in registers, fp32 activations and sums, scaled per output channel
             out = cpu_extension.small_gemm()(rows.contiguous(), self.weight, self.bias, self.scales)
             return out.reshape(*shape[:-1], -1)
-        if x.device.type == "cpu" and rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
+        if x.device.type == "cpu" and rows.shape[0] <= INT8_KERNEL_MAX_ROWS and not own_kernel:
             out = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.weight, self.kernel_scales).to(x.dtype)
         else:  # prefill on CPU, and CUDA: dequantize inside the product (gpt-fast's WeightOnlyInt8Linear)
             out = F.linear(rows, self.weight.to(x.dtype)) * self.scales
@@ -353,25 +355,28 @@ class StaticLlama(nn.Module):
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         ops = _LayerOps.for_step(self, positions, first_slot, kv_len)
+        # decode/verify steps run every product on the CPU kernel, whatever the batch, so a row's step is computed
+        # the same in any batch; prompt chunks (compute-bound) take ATen's GEMM
+        step = width <= CACHE_ATTENTION_MAX_WIDTH
         x = ops.norm(hidden, self.layers[0].input_norm)
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = getattr(self, f"k_cache_{index}"), getattr(self, f"v_cache_{index}")
-            q = ops.rope_to_cache(layer.qkv(x), k_cache, v_cache)  # [B, H, W, D]
+            q = ops.rope_to_cache(layer.qkv(x, step), k_cache, v_cache)  # [B, H, W, D]
             attn = ops.attention(q, k_cache, v_cache)
             attn = attn.transpose(1, 2).reshape(batch, width, -1)
-            hidden, x = ops.add_norm(hidden, self._row_parallel(layer.o, layer.o_bias, attn), layer.post_norm)
-            mlp = self._row_parallel(layer.down, layer.down_bias, ops.activation(layer.gate_up(x)))
+            hidden, x = ops.add_norm(hidden, self._row_parallel(layer.o, layer.o_bias, attn, step), layer.post_norm)
+            mlp = self._row_parallel(layer.down, layer.down_bias, ops.activation(layer.gate_up(x, step)), step)
             next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
             hidden, x = ops.add_norm(hidden, mlp, next_norm)
         if last_only:
             x = x[:, -1:]
-        logits = self.lm_head(x)
+        logits = self.lm_head(x, step or last_only)
         return (logits if self.shard is None else gather_vocab(logits, self.shard)).float()
 
-    def _row_parallel(self, projection: _Projection, bias: torch.Tensor | None,
-                      x: torch.Tensor) -> torch.Tensor:  # [B, W, in (/world)] -> [B, W, H]
+    def _row_parallel(self, projection: _Projection, bias: torch.Tensor | None, x: torch.Tensor,
+                      step: bool) -> torch.Tensor:  # [B, W, in (/world)] -> [B, W, H]
         """o_proj / down_proj: whole, or a shard's partial product summed over the ranks (then its whole bias)."""
-        out = projection(x)
+        out = projection(x, step)
         if self.shard is None:
             return out
         out = reduce_sum(out, self.shard)

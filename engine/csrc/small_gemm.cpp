@@ -1,7 +1,9 @@
 // Y[M, N] = X[M, K] W[N, K]^T (* scales[N]) (+ bias[N]) for a few fp32 rows (decode and verify steps) on x86 CPUs with
-// AVX2/FMA. W is float32, bfloat16, or int8 with per-output-channel scales (weight-only quantization): bf16 and int8
-// weights are widened to fp32 in registers as they stream in, so the activations and every sum stay fp32 and a
-// memory-bound step reads 2x (bf16) or 4x (int8) fewer weight bytes.
+// AVX2/FMA. W is float32, bfloat16, or int8 with per-output-channel scales (weight-only quantization); bf16 and int8
+// weights are widened to fp32 in registers as they stream in, so a memory-bound step reads 2x (bf16) or 4x (int8)
+// fewer weight bytes, and every sum is fp32. With bf16 weights the product is a bf16 product: X is rounded to bf16
+// first (round to nearest even, as torch's .bfloat16()), so each term is an exact product of two bf16 values, as in
+// a bf16 GEMM with fp32 accumulation (ATen/oneDNN, which prompt chunks use), and the output stays fp32.
 //
 // Python side, with the measurements that motivate it: engine/cpu_extension.py. Built by engine/cpu_extension.py with
 // g++ -O3 -mavx2 -mfma against torch's headers and registered as torch.ops.specserve.small_gemm.
@@ -21,15 +23,27 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <cstring>
+#include <vector>
+
 #include "simd.h"
 
 namespace {
 
 constexpr int64_t kCols = 3;      // weight rows (output columns) per panel
 constexpr int64_t kRows = 4;      // activation rows per block
-constexpr int64_t kMaxRows = 64;  // Python sends at most this many (engine/cpu_extension.py)
 
 using specserve::lane_sum;
+
+// the nearest bf16 value (ties to even; NaN stays NaN), as an fp32: what torch's .bfloat16().float() gives
+inline float round_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return value;
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&value, &bits, sizeof(bits));
+  return value;
+}
 
 // 8 consecutive weights as fp32 lanes: bf16 is the upper half of an fp32 (exact), int8 converts exactly
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -120,7 +134,6 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight, const std::
   const int64_t m_size = x.size(0), k_size = x.size(1), n_size = weight.size(0);
   TORCH_CHECK(weight.size(1) == k_size, "small_gemm: x has ", k_size, " columns, weight ", weight.size(1));
   TORCH_CHECK(k_size % 8 == 0, "small_gemm: K must be a multiple of 8, got ", k_size);
-  TORCH_CHECK(m_size <= kMaxRows, "small_gemm: at most ", kMaxRows, " rows, got ", m_size);
   TORCH_CHECK((wtype == at::kChar) == scales.has_value(), "small_gemm: int8 weights need scales [N], and only they");
   const float* b = nullptr;
   if (bias.has_value()) {
@@ -137,9 +150,15 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight, const std::
   at::Tensor y = at::empty({m_size, n_size}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (wtype == at::kFloat) gemm(xp, weight.data_ptr<float>(), s, b, yp, m_size, k_size, n_size);
-  else if (wtype == at::kBFloat16) gemm(xp, weight.data_ptr<at::BFloat16>(), s, b, yp, m_size, k_size, n_size);
-  else gemm(xp, weight.data_ptr<int8_t>(), s, b, yp, m_size, k_size, n_size);
+  if (wtype == at::kFloat) {
+    gemm(xp, weight.data_ptr<float>(), s, b, yp, m_size, k_size, n_size);
+  } else if (wtype == at::kBFloat16) {
+    std::vector<float> rounded(static_cast<size_t>(m_size * k_size));
+    for (size_t i = 0; i < rounded.size(); ++i) rounded[i] = round_to_bf16(xp[i]);
+    gemm(rounded.data(), weight.data_ptr<at::BFloat16>(), s, b, yp, m_size, k_size, n_size);
+  } else {
+    gemm(xp, weight.data_ptr<int8_t>(), s, b, yp, m_size, k_size, n_size);
+  }
   return y;
 }
 

@@ -67,12 +67,33 @@ def test_rows_the_small_gemm_kernel_takes(rows, in_features, used, monkeypatch):
     assert seen == ([(rows, in_features)] if used else [])  # 64 rows at most, K a multiple of 8
 
 
-@pytest.mark.parametrize("rows", [1, 8, 64, 65, 200])
-def test_bf16_weights_beside_fp32_activations_compute_in_fp32(rows, two_threads):
-    """The static runner's bf16 models on CPU: the kernel for up to 64 rows, MKL over the widened weight beyond
-    (prompt chunks), both the fp32 product over the bf16 weight; with the operators off, the same."""
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_bf16_weights_beside_fp32_activations_make_a_bf16_product(rows, two_threads):
+    """The static runner's bf16 models on CPU: the activations rounded to bf16, fp32 sums, on the kernel (fp32 output)
+    or, for prompt chunks, ATen's bf16 GEMM (its output rounded to bf16)."""
     torch.manual_seed(rows)
     weight, bias, x = torch.randn(1024, 320).bfloat16(), torch.randn(1024), torch.randn(1, rows, 320)
+    want = F.linear(x.bfloat16().float(), weight.float(), bias)
     out = linear(x, weight, bias)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, F.linear(x, weight.float(), bias), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    chunk = linear(x, weight, bias, step=False)
+    torch.testing.assert_close(chunk, want, atol=0.2, rtol=1e-2)  # bf16 output: 8 significant bits
+    unbiased = linear(x, weight, step=False)
+    assert torch.equal(unbiased, unbiased.bfloat16().float())
+
+
+@pytest.mark.parametrize(("rows", "step", "used"), [(200, True, True), (1, False, False), (64, None, True),
+                                                    (65, None, False)])
+def test_steps_take_the_kernel_for_every_row_and_prompt_chunks_never(rows, step, used, monkeypatch):
+    """A verify of 4 tokens for 32 rows (128 rows) still runs on the batch-invariant kernel, so each row is
+    computed as its decode step would be; prompt chunks take ATen's GEMM; callers that do not say: 64 rows."""
+    seen = []
+
+    def kernel(x, weight, bias):
+        seen.append(tuple(x.shape))
+        return F.linear(x, weight, bias)
+
+    monkeypatch.setattr(cpu_kernels.cpu_extension, "small_gemm", lambda: kernel)
+    linear(torch.randn(1, rows, 320), torch.randn(1024, 320), step=step)
+    assert seen == ([(rows, 320)] if used else [])

@@ -115,19 +115,55 @@ def test_int8_weights_with_fp32_activations_feed_the_int8_kernel_bf16(monkeypatc
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
+def rounding_linear_inputs(model):
+    """`model` (fp32) with every nn.Linear's input rounded to bf16: the fp32 forward of bf16 products."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
+    return model
+
+
 @pytest.mark.skipif(not X86, reason="specserve's CPU operators are x86 code")
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma"])
-def test_bf16_weights_with_fp32_activations_are_the_fp32_model_of_the_rounded_weights(family):
-    """How a bf16 model runs on CPU (engine/factory.cpu_step_dtypes): weights stay bf16 and are widened in the
-    products, every activation and the KV cache are fp32, so the logits are the fp32 forward of the same weights."""
+def test_bf16_weights_with_fp32_activations_make_bf16_products_and_keep_the_rest_fp32(family):
+    """How a bf16 model runs on CPU (engine/factory.cpu_step_dtypes): weights stay bf16, each product takes
+    bf16-rounded activations with fp32 sums, norms, attention, residuals and the KV cache are fp32. Decode/verify steps
+    (rounds 0-2 here) equal that reference up to where a last-bit difference in fp32 (the bias is added in another
+    order) moves an activation across a bf16 rounding boundary, one bf16 step (2^-8 relative); prompt chunks (round
+    3's 40 tokens) run ATen's bf16 GEMM, whose outputs are rounded to bf16, so the rounds after them agree to bf16
+    tolerance."""
     model = make_tiny_model(family, seed=0).to(torch.bfloat16)
-    want = reference(copy.deepcopy(model).float())
+    want = reference(rounding_linear_inputs(copy.deepcopy(model).float()))
     runner = StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16, dtype=torch.float32,
                           weight_dtype=torch.bfloat16)
     layer = runner.model.layers[0]
     assert {layer.qkv.weight.dtype, layer.down.weight.dtype, runner.model.embed.dtype} == {torch.bfloat16}
     assert runner.model.k_cache_0.dtype == torch.float32
-    assert_same_logits(scripted(runner, ROUNDS), want, atol=1e-4, rtol=1e-4)
+    got = scripted(runner, ROUNDS)
+    assert_same_logits(got[:3], want[:3], rounds=ROUNDS[:3], atol=0.05, rtol=0.02)
+    exact = [torch.equal(g[b, :k], w[b, :k]) for g, w, (_, _, widths) in zip(got[:3], want[:3], ROUNDS[:3])
+             for b, k in enumerate(widths)]
+    assert sum(exact) >= len(exact) - 2, exact  # bit for bit, but for such a flip or two
+    assert_same_logits(got[3:], want[3:], rounds=ROUNDS[3:], atol=0.1, rtol=0.05)
+
+
+@pytest.mark.skipif(not X86, reason="specserve's CPU operators are x86 code")
+def test_a_bf16_rows_step_is_the_same_bits_in_any_batch():
+    """Steps of every width and batch run their products on the batch-invariant kernel: a row's verify logits are
+    the bits the same row gets alone, so greedy speculation equals plain decoding exactly."""
+    model = make_tiny_model("llama", seed=1).to(torch.bfloat16)
+
+    def run(rows):
+        runner = StaticRunner(model, budget=KVBudget(gib=1.0, max_num_seqs=24), compile=False, dtype=torch.float32,
+                              weight_dtype=torch.bfloat16)
+        ids = [f"r{i}" for i in range(rows)]
+        for i, s in enumerate(ids):
+            runner.add(s)
+        runner.forward(ids, [[2 + i, 3, 4, 5] for i in range(rows)], [1] * rows)
+        return runner.forward(ids, [[6, 7, 8, 9]] * rows, [4] * rows)  # 4 tokens per row: up to 96 rows
+
+    alone, batched = run(1), run(24)
+    assert torch.equal(alone[0], batched[0])
 
 
 @pytest.mark.skipif(not X86, reason="specserve's CPU operators are x86 code")
