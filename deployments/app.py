@@ -42,7 +42,7 @@ def worker_spec(cfg: SpecServeConfig, role: str) -> dict:
     if spec.overlap and cfg.model.uses_draft_model:
         concurrent += 1 if role == "target" else cfg.tp_size
     return {"num_cpus": s.num_cpus, "num_gpus": s.num_gpus, "resources": dict(s.resources),
-            "torch_threads": s.torch_threads, "concurrent_workers": concurrent,
+            "torch_threads": s.torch_threads, "concurrent_workers": concurrent, "niceness": s.niceness,
             "calibrate": spec.adaptive and spec.calibration is None}
 
 

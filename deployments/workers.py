@@ -56,9 +56,9 @@ class DraftWorkerCore(ModelWorker):
     CANCELLED_KEPT = 256  # cancel ids remembered (one per in-flight ahead draft is enough)
 
     def __init__(self, config: EngineConfig, torch_threads: int | None = None, calibrate: bool = False,
-                 concurrent_workers: int = 1) -> None:
+                 concurrent_workers: int = 1, niceness: int | None = None) -> None:
         super().__init__({"propose": self.propose, "propose_chained": self.propose_chained}, torch_threads,
-                         concurrent_workers)
+                         concurrent_workers, niceness)
         self._relay = ChannelRelay()  # to target workers, for chained rounds
         with cpu_startup_turn(config):
             self.on_model_thread(self._start, config, calibrate)
@@ -159,9 +159,9 @@ class TargetWorkerCore(ModelWorker):
     """One tensor-parallel rank of the target: a shard of the weights and of every KV cache."""
 
     def __init__(self, config: EngineConfig, rank: int = 0, world: int = 1, torch_threads: int | None = None,
-                 concurrent_workers: int | None = None) -> None:
+                 concurrent_workers: int | None = None, niceness: int | None = None) -> None:
         super().__init__({"verify": self.verify, "verify_chained": self.verify_chained}, torch_threads,
-                         concurrent_workers or world)
+                         concurrent_workers or world, niceness)
         self._peers: list[ChannelSender] = []  # rank 0 only: the other ranks, in rank order
         self.broken: str | None = None  # why this rank's group can no longer compute
         self.rank, self.world = rank, world

@@ -1,6 +1,8 @@
 """specserve's CPU operators (engine/csrc/*.cpp), built on first use into one library: `torch.ops.specserve.*`.
 
-- `small_gemm` (small_gemm.cpp): a small-batch fp32 matrix product for x86 CPUs with AVX2/FMA, below;
+- `small_gemm` (small_gemm.cpp): a small-batch matrix product for x86 CPUs with AVX2/FMA, below: fp32 activations
+  times fp32, bf16 (a bf16 product: activations rounded to bf16, fp32 sums) or int8 weights (per-channel scales),
+  the narrow weights widened in registers so a memory-bound step reads their bytes only;
 - `rms_norm`, `add_rms_norm`, `silu_mul`, `rope_to_cache`, `cache_attention` (layer_ops.cpp): fused fp32 operators
   for the static runner's eager layer, each replacing several ATen calls whose dispatch cost dominates at decode sizes.
 

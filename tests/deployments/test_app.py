@@ -52,3 +52,44 @@ def test_autoscaling_windows_must_outlast_the_load_reports():
     assert autoscaling["metrics_interval_s"] == 0.25
     assert AutoscalingConfig(**autoscaling).metrics_interval_s == 0.25  # Ray takes it
     assert "metrics_interval_s" not in deployment_options(SpecServeConfig())["Target"]["autoscaling_config"]
+
+
+def test_model_workers_compute_at_niceness_0_by_default_and_the_config_bounds_it():
+    import pydantic
+    import pytest
+
+    from deployments.app import worker_spec
+    from deployments.config import SpecServeConfig
+
+    cfg = SpecServeConfig.model_validate({"model": {"draft": "smollm2"}, "draft": {"niceness": 5}})
+    assert worker_spec(cfg, "target")["niceness"] == 0 and worker_spec(cfg, "draft")["niceness"] == 5
+    assert worker_spec(SpecServeConfig.model_validate({"target": {"niceness": None}}), "target")["niceness"] is None
+    with pytest.raises(pydantic.ValidationError, match="niceness"):
+        SpecServeConfig.model_validate({"target": {"niceness": 20}})
+
+
+def test_a_thread_s_niceness_is_its_own_and_a_refusal_is_a_warning(monkeypatch, caplog):
+    import os
+    import threading
+
+    from deployments import worker_base
+
+    def in_thread(fn, *args):
+        out = []
+        thread = threading.Thread(target=lambda: out.append(fn(*args)))
+        thread.start()
+        thread.join()
+        return out[0]
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    higher = min(mine + 1, 19)  # raising it needs no privilege
+    assert in_thread(worker_base.set_thread_niceness, higher) == higher
+    assert in_thread(worker_base.set_thread_niceness, None) == mine  # a new thread inherits this one's; None keeps it
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the calling thread's alone
+
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(worker_base.os, "setpriority", refuse)
+    assert in_thread(worker_base.set_thread_niceness, -5) == mine
+    assert "cannot set niceness -5" in caplog.text and "CAP_SYS_NICE" in caplog.text
