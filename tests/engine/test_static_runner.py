@@ -272,6 +272,38 @@ def test_the_same_prompt_in_several_rows_is_computed_once_and_copied():
     assert sum(fed_rows[:prefill_calls]) <= 4 + 2, f"rows fed per prefill forward: {fed_rows[:prefill_calls]}"
 
 
+def test_a_prompt_s_logit_comes_from_its_last_chunk_without_a_step_of_its_own():
+    """A prompt (a long row wanting one logit) is read whole in chunks: its last chunk's forward gives its logit, and
+    no decode-sized step runs for it; beside a decode row, or padded in a shared chunk, the logits stay the reference's
+    (a row whose last chunk was padded has its last token fed again in the step)."""
+    model = make_tiny_model("llama", seed=5)
+    prompt, short = [(3 * t) % 60 + 2 for t in range(40)], [(7 * t) % 60 + 2 for t in range(23)]
+    ref = ModelRunner(model, fast_path=False)
+    for s in ("p", "q", "d"):
+        ref.add(s)
+    want_p = ref.forward(["p"], [prompt], [1])
+    want_q = ref.forward(["q"], [short], [1])
+    ref.forward(["d"], [[4, 5, 6]], [1])
+    want_d = ref.forward(["d"], [[7]], [1])
+
+    runner = StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16)
+    steps = []
+    batched = runner._batched_step
+    runner._batched_step = lambda states, *a: steps.append(len(states)) or batched(states, *a)
+    runner.add("p")
+    assert_same_logits([runner.forward(["p"], [prompt], [1])], [want_p], rounds=[(["p"], [prompt], [1])],
+                       atol=1e-4, rtol=1e-4)
+    assert steps == []  # 40 tokens as chunks of 16, 16, 8: the last one's forward gave the logit
+    for s in ("q", "d"):
+        runner.add(s)
+    runner.forward(["d"], [[4, 5, 6]], [1])
+    steps.clear()
+    got = runner.forward(["q", "d"], [short, [7]], [1, 1])  # a prompt beside a decode row
+    torch.testing.assert_close(got[0, :1], want_q[0, :1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1, :1], want_d[0, :1], atol=1e-4, rtol=1e-4)
+    assert steps == [1]  # only the decode row stepped
+
+
 def test_prefill_groups_take_neighbouring_slots_within_the_token_and_padding_limits():
     assert prefill_groups([0, 1, 2], [16, 16, 16], 64) == [[0, 1, 2]]
     assert prefill_groups([0, 1, 3], [16, 16, 16], 64) == [[0, 1], [2]]  # slot 2 is not in the call
