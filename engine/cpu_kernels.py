@@ -38,18 +38,21 @@ def linear(
     """F.linear; on CPU with fp32 activations, engine/cpu_extension.py's kernel where it loads (fp32 or bf16
     weights), else one row as a GEMV split across threads, 2+ rows as (W @ x^T)^T.
 
-    Which rows take the kernel: `step=True` (a decode or verify step, a few tokens per row) every row, so a row is
-    computed the same whatever the batch (the kernel is batch invariant: a verify scores a token exactly as a decode
-    step would); `step=False` (a prompt chunk, compute-bound) none, ATen's GEMM is faster there; `None` (callers that
-    do not know) at most MAX_ROWS.
+    Which rows take the kernel with fp32 weights: `step=True` (a decode or verify step, a few tokens per row) every
+    row, so a row is computed the same whatever the batch (the kernel is batch invariant: a verify scores a token
+    exactly as a decode step would); `step=False` (a prompt chunk, compute-bound) none, MKL is faster there; `None`
+    (callers that do not know) at most MAX_ROWS.
 
     bf16 weights beside fp32 activations (the static runner's bf16 models on CPU, engine/factory.cpu_step_dtypes) make
-    a bf16 product: the activations rounded to bf16, fp32 sums, by the kernel (fp32 output) or by ATen's bf16 GEMM
-    (oneDNN on CPUs with bf16 units; its output is rounded to bf16)."""
+    a bf16 product: the activations rounded to bf16, fp32 sums and output, always on the kernel, prompt chunks
+    included. ATen's bf16 GEMM (oneDNN) computes a 256-row chunk 2.2x faster here but rounds its output to bf16 and
+    is not batch invariant: a prompt's cache then depended on which prompts shared its forward and on how it was
+    chunked, and served greedy texts differed from the same request decoded alone (bench/RESULTS.md, session 16).
+    Without the kernel, the product is ATen's bf16 GEMM."""
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
-    kernel_rows = rows <= cpu_extension.MAX_ROWS if step is None else step
+    kernel_rows = weight.dtype == torch.bfloat16 or (rows <= cpu_extension.MAX_ROWS if step is None else step)
     if (kernel_rows and x.shape[-1] % 8 == 0 and weight.is_contiguous() and not torch.compiler.is_compiling()
             and cpu_extension.small_gemm() is not None):
         out = cpu_extension.small_gemm()(x.reshape(rows, x.shape[-1]).contiguous(), weight,

@@ -356,7 +356,8 @@ class StaticLlama(nn.Module):
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         ops = _LayerOps.for_step(self, positions, first_slot, kv_len)
         # decode/verify steps run every product on the CPU kernel, whatever the batch, so a row's step is computed
-        # the same in any batch; prompt chunks (compute-bound) take ATen's GEMM
+        # the same in any batch; fp32 prompt chunks (compute-bound) take MKL (bf16 ones stay on the kernel too:
+        # cpu_kernels.linear)
         step = width <= CACHE_ATTENTION_MAX_WIDTH
         x = ops.norm(hidden, self.layers[0].input_norm)
         for index, layer in enumerate(self.layers):

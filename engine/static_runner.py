@@ -193,38 +193,19 @@ class StaticRunner(SlotTableAccess):
                 raise ContextWindowError(
                     f"sequence would reach {len(state.tokens) + len(toks)} tokens > {self.max_model_len}")
         # long rows: everything but their last num_logits tokens is prefilled first, in chunks; the rest joins the
-        # batch. A prompt (a long row wanting one logit) is read whole: its last chunk's forward gives that logit, so
-        # it costs no step of its own (a decode-sized pass over the weights: ~12% of a 100-token prompt's prefill)
-        heads, tails, prompts = [], [], set()
-        for b, (toks, k) in enumerate(zip(new_tokens, num_logits)):
+        # batch
+        heads, tails = [], []
+        for toks, k in zip(new_tokens, num_logits):
+            head = len(toks) - max(k, 1) if len(toks) > MAX_WIDTH else 0
             if k > MAX_WIDTH:
                 raise ValueError(f"at most {MAX_WIDTH} logits per row, asked for {k}")
-            head = len(toks) - max(k, 1) if len(toks) > MAX_WIDTH else 0
-            if head and k == 1:
-                head = len(toks)
-                prompts.add(b)
             heads.append(list(toks[:head]))
             tails.append(list(toks[head:]))
-        last = self._prefill_heads(states, heads, prompts)
-        for b in prompts - last.keys():  # its last chunk was padded in a shared forward: its last token is fed again
-            tails[b] = [states[b].tokens.pop()]
-        stepped = [b for b in range(len(states)) if tails[b]]
+        self._prefill_heads(states, heads)
+        logits = self._batched_step(states, tails, list(num_logits))
         self.forward_calls += 1
         self.forward_rows += len(states)
-        if len(stepped) == len(states):
-            return self._batched_step(states, tails, list(num_logits))
-        vocab = next(iter(last.values())).shape[-1] if last else None
-        logits = None
-        if stepped:
-            logits = self._batched_step([states[b] for b in stepped], [tails[b] for b in stepped],
-                                        [num_logits[b] for b in stepped])
-            vocab = logits.shape[-1]
-        out = torch.zeros(len(states), max(num_logits), vocab, device=self.device)
-        if logits is not None:
-            out[stepped, : logits.shape[1]] = logits
-        for b, row in last.items():
-            out[b, 0] = row
-        return out
+        return logits
 
     @torch.inference_mode()
     def prompt_logits(self, seq_id: str, new_tokens: Sequence[int]) -> torch.Tensor:  # [N, V] float32
@@ -239,18 +220,15 @@ class StaticRunner(SlotTableAccess):
         state.tokens.extend(tokens)
         return logits[0]
 
-    def _prefill_heads(self, states: list[SeqSlot], heads: list[list[int]],
-                       prompts: set[int]) -> dict[int, torch.Tensor]:  # row -> [V] logits
-        """Feed each row's head (prompt tokens whose logits are not needed, or a whole prompt: the rows in `prompts`)
-        in chunks of at most `prefill_chunk` tokens; returns the logits at the last token of each row in `prompts`
-        whose last chunk was the widest of its forward (the forward computes the logits at its last column only). Rows in neighbouring slots share a forward (`prefill_groups`): 8 new prompts cost one pass over the
+    def _prefill_heads(self, states: list[SeqSlot], heads: list[list[int]]) -> None:
+        """Feed each row's head (prompt tokens whose logits are not needed) in chunks of at most `prefill_chunk`
+        tokens. Rows in neighbouring slots share a forward (`prefill_groups`): 8 new prompts cost one pass over the
         weights per chunk instead of 8, the projections run as larger matrix products, and each layer's fixed costs
         are paid once (measured in bench/RESULTS.md, session 13). Rows whose cached tokens and head are the same
         (the `n` choices of one request, one prompt sent twice) are computed once: the others copy its keys and
         values."""
         heads, copies = shared_heads(states, heads)
         fed = [0] * len(states)
-        last: dict[int, torch.Tensor] = {}
         while True:
             chunks = {b: heads[b][fed[b] : fed[b] + self.prefill_chunk] for b in range(len(states))
                       if fed[b] < len(heads[b])}
@@ -260,34 +238,26 @@ class StaticRunner(SlotTableAccess):
             for group in prefill_groups([states[b].slot for b in order], [len(chunks[b]) for b in order],
                                         PREFILL_TOKENS_PER_FORWARD * self.prefill_chunk):
                 members = [order[i] for i in group]
-                logits = self._prefill_rows([states[b] for b in members], [chunks[b] for b in members])
-                width = max(len(chunks[b]) for b in members)
-                for i, b in enumerate(members):
+                self._prefill_rows([states[b] for b in members], [chunks[b] for b in members])
+                for b in members:
                     fed[b] += len(chunks[b])
-                    if b in prompts and fed[b] == len(heads[b]) and len(chunks[b]) == width:
-                        last[b] = logits[i, 0]
         for leader, follower, head in copies:
             self.model.move_slot(states[leader].slot, states[follower].slot, len(states[leader].tokens))
             states[follower].tokens.extend(head)
-            if leader in last and follower in prompts:
-                last[follower] = last[leader]
-        return last
 
-    def _prefill_rows(self, states: list[SeqSlot], chunks: list[list[int]]) -> torch.Tensor:  # [G, 1, V]
+    def _prefill_rows(self, states: list[SeqSlot], chunks: list[list[int]]) -> None:
         """One forward of prompt chunks for rows in consecutive slots; chunks never run as CUDA graphs (see
         __init__), so only the shorter chunks are padded, to the longest (their padding writes past their own
-        tokens, which the next tokens overwrite and no query sees before that). Returns the logits at the forward's
-        last column (a row's last token where its chunk is the widest)."""
+        tokens, which the next tokens overwrite and no query sees before that)."""
         width = max(len(c) for c in chunks)
         ids = torch.zeros(len(states), width, dtype=torch.long)
         for r, chunk in enumerate(chunks):
             ids[r, : len(chunk)] = torch.tensor(chunk)
         starts = torch.tensor([len(state.tokens) for state in states])
         kv_len = self._kv_len(max(len(state.tokens) for state in states) + width)
-        logits = self._run(ids, starts, states[0].slot, kv_len, last_only=True, step=self._prefill)
+        self._run(ids, starts, states[0].slot, kv_len, last_only=True, step=self._prefill)
         for state, chunk in zip(states, chunks):
             state.tokens.extend(chunk)
-        return logits
 
     def _batched_step(self, states: list[SeqSlot], tails: list[list[int]],
                       num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]

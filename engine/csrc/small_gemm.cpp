@@ -3,7 +3,7 @@
 // weights are widened to fp32 in registers as they stream in, so a memory-bound step reads 2x (bf16) or 4x (int8)
 // fewer weight bytes, and every sum is fp32. With bf16 weights the product is a bf16 product: X is rounded to bf16
 // first (round to nearest even, as torch's .bfloat16()), so each term is an exact product of two bf16 values, as in
-// a bf16 GEMM with fp32 accumulation (ATen/oneDNN, which prompt chunks use), and the output stays fp32.
+// a bf16 GEMM with fp32 accumulation, and the output stays fp32 (not rounded to bf16 as ATen's bf16 GEMM does).
 //
 // Python side, with the measurements that motivate it: engine/cpu_extension.py. Built by engine/cpu_extension.py with
 // g++ -O3 -mavx2 -mfma against torch's headers and registered as torch.ops.specserve.small_gemm.

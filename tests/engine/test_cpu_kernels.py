@@ -67,20 +67,18 @@ def test_rows_the_small_gemm_kernel_takes(rows, in_features, used, monkeypatch):
     assert seen == ([(rows, in_features)] if used else [])  # 64 rows at most, K a multiple of 8
 
 
-@pytest.mark.parametrize("rows", [1, 8, 64])
-def test_bf16_weights_beside_fp32_activations_make_a_bf16_product(rows, two_threads):
-    """The static runner's bf16 models on CPU: the activations rounded to bf16, fp32 sums, on the kernel (fp32 output)
-    or, for prompt chunks, ATen's bf16 GEMM (its output rounded to bf16)."""
+@pytest.mark.parametrize("rows", [1, 8, 64, 200])
+def test_bf16_weights_beside_fp32_activations_make_a_bf16_product_on_the_kernel(rows, two_threads):
+    """The static runner's bf16 models on CPU: the activations rounded to bf16, fp32 sums and output, on the
+    batch-invariant kernel for steps and prompt chunks alike (a row's bits never depend on the rows beside it)."""
     torch.manual_seed(rows)
     weight, bias, x = torch.randn(1024, 320).bfloat16(), torch.randn(1024), torch.randn(1, rows, 320)
     want = F.linear(x.bfloat16().float(), weight.float(), bias)
-    out = linear(x, weight, bias)
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
-    chunk = linear(x, weight, bias, step=False)
-    torch.testing.assert_close(chunk, want, atol=0.2, rtol=1e-2)  # bf16 output: 8 significant bits
-    unbiased = linear(x, weight, step=False)
-    assert torch.equal(unbiased, unbiased.bfloat16().float())
+    for step in (True, False, None):
+        out = linear(x, weight, bias, step=step)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+        assert torch.equal(out[:, :1], linear(x[:, :1], weight, bias, step=step))
 
 
 @pytest.mark.parametrize(("rows", "step", "used"), [(200, True, True), (1, False, False), (64, None, True),
