@@ -243,6 +243,14 @@ class _LayerOps:
                                                  m.scale)
         keys = k_cache[first : first + batch, :, :kv_len].to(q.dtype)
         values = v_cache[first : first + batch, :, :kv_len].to(q.dtype)
+        if self.fused is not None and batch > 1:
+            # prompt chunks on the CPU operators: one SDPA call per row, so a row's prefill is the same computation
+            # whatever prompts share the forward (with bf16 products a last-bit difference here becomes a bf16
+            # rounding step: grouped and alone prefills of SmolLM2 gave first-token logits 0.07-0.24 apart)
+            visible = self.visible()
+            return torch.cat([F.scaled_dot_product_attention(q[b : b + 1], keys[b : b + 1], values[b : b + 1],
+                                                             attn_mask=visible[b : b + 1], scale=m.scale,
+                                                             enable_gqa=True) for b in range(batch)])
         if use_fused_attention(q.device, batch, width):
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.visible(), scale=m.scale,
                                                   enable_gqa=True)
