@@ -140,11 +140,13 @@ class ScalingSection(StrictModel):
         None, ge=1, description="torch intra-op threads per worker. None: the node's cores divided among the workers "
                                 "that run at the same time (Ray itself would leave torch with 1 thread)")
     niceness: int | None = Field(
-        0, ge=-20, le=19, description="scheduling niceness of a model worker's compute threads (Draft/Target). Ray "
-                                      "starts its workers at 15, the same as the router and Serve's proxy, whose "
-                                      "streaming work then preempts a compute thread mid-step; 0 lets the models "
-                                      "run first (a 1-stream served step 14-19% faster on 2 cores). Lowering it "
-                                      "needs CAP_SYS_NICE; without it a warning is logged. None: Ray's")
+        None, ge=-20, le=19, description="scheduling niceness of a model worker's compute threads (Draft/Target). Ray "
+                                         "starts its workers at 15, the same as the router and Serve's proxy, whose "
+                                         "streaming work then preempts a compute thread mid-step; 0 lets the models "
+                                         "run first (a 1-stream served step 14-19% faster on a dedicated 2-core "
+                                         "machine), but a saturated node then starves the routers and Serve's "
+                                         "control plane (an autoscaling test flapped). Lowering it needs "
+                                         "CAP_SYS_NICE; without it a warning is logged. None (default): Ray's")
 
     @model_validator(mode="after")
     def _bounds(self) -> "ScalingSection":

@@ -54,7 +54,7 @@ def test_autoscaling_windows_must_outlast_the_load_reports():
     assert "metrics_interval_s" not in deployment_options(SpecServeConfig())["Target"]["autoscaling_config"]
 
 
-def test_model_workers_compute_at_niceness_0_by_default_and_the_config_bounds_it():
+def test_model_workers_keep_rays_niceness_unless_the_config_sets_one_and_it_is_bounded():
     import pydantic
     import pytest
 
@@ -62,8 +62,8 @@ def test_model_workers_compute_at_niceness_0_by_default_and_the_config_bounds_it
     from deployments.config import SpecServeConfig
 
     cfg = SpecServeConfig.model_validate({"model": {"draft": "smollm2"}, "draft": {"niceness": 5}})
-    assert worker_spec(cfg, "target")["niceness"] == 0 and worker_spec(cfg, "draft")["niceness"] == 5
-    assert worker_spec(SpecServeConfig.model_validate({"target": {"niceness": None}}), "target")["niceness"] is None
+    assert worker_spec(cfg, "target")["niceness"] is None and worker_spec(cfg, "draft")["niceness"] == 5
+    assert worker_spec(SpecServeConfig.model_validate({"target": {"niceness": 0}}), "target")["niceness"] == 0
     with pytest.raises(pydantic.ValidationError, match="niceness"):
         SpecServeConfig.model_validate({"target": {"niceness": 20}})
 
