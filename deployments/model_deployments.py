@@ -246,7 +246,7 @@ class DraftServer(_LeasedReplica):
         options = _actor_options(worker, 1, "specserve-draft")
         self.worker_name = options["name"]
         self.worker = draft_cls.options(**options).remote(engine_config, worker["torch_threads"], worker["calibrate"],
-                                                          worker["concurrent_workers"], worker.get("niceness"))
+                                                          worker["concurrent_workers"], worker["niceness"])
         # fail fast (missing model file, bad tokenizer) at start-up
         stats = ray.get(self.worker.stats.remote())
         self.costs, self.capacity = stats["costs"], stats.get("kv_capacity")
@@ -277,7 +277,7 @@ class TargetServer(_LeasedReplica):
         self.workers = [
             target_cls.options(**_actor_options(worker, 1 + rank, f"specserve-target-r{rank}")).remote(
                 engine_config, rank, tp_size, worker["torch_threads"], worker["concurrent_workers"],
-                worker.get("niceness"))
+                worker["niceness"])
             for rank in range(tp_size)
         ]
         if tp_size > 1:

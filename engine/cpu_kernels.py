@@ -19,6 +19,8 @@ and batch invariant. The tricks stay for machines without it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,11 +54,9 @@ def linear(
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)
-    kernel_rows = weight.dtype == torch.bfloat16 or (rows <= cpu_extension.MAX_ROWS if step is None else step)
-    if (kernel_rows and x.shape[-1] % 8 == 0 and weight.is_contiguous() and not torch.compiler.is_compiling()
-            and cpu_extension.small_gemm() is not None):
-        out = cpu_extension.small_gemm()(x.reshape(rows, x.shape[-1]).contiguous(), weight,
-                                         None if bias is None else bias.contiguous())
+    kernel = small_gemm_for(x, weight)
+    if kernel is not None and kernel_takes(rows, weight, step):
+        out = kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight, None if bias is None else bias.contiguous())
         return out.reshape(*x.shape[:-1], weight.shape[0])
     if weight.dtype != torch.float32:
         out = F.linear(x.to(weight.dtype), weight).to(x.dtype)
@@ -70,6 +70,24 @@ def linear(
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def small_gemm_for(
+    x: torch.Tensor,  # [..., in]
+    weight: torch.Tensor,  # [out, in]: fp32, bf16 or int8
+) -> Callable | None:
+    """engine/cpu_extension.py's kernel where it can compute this product (fp32 activations on CPU, `in` a multiple
+    of 8, a contiguous weight, an eager step), else None."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[-1] % 8 or not weight.is_contiguous()
+            or torch.compiler.is_compiling()):
+        return None
+    return cpu_extension.small_gemm()
+
+
+def kernel_takes(rows: int, weight: torch.Tensor, step: bool | None) -> bool:
+    """Whether the kernel computes a product of `rows` rows (see `linear`): bf16 weights always; else steps (True)
+    always, prompt chunks (False) never, and callers that do not say up to MAX_ROWS."""
+    return weight.dtype == torch.bfloat16 or (rows <= cpu_extension.MAX_ROWS if step is None else step)
 
 
 def _split_gemv(

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_extension
-from .cpu_kernels import linear
+from .cpu_kernels import kernel_takes, linear, small_gemm_for
 from .llama_fast import _rope  # x [B, heads, W, D] rotated by cos/sin [B, 1, W, D]
 from .quantize import Int8WeightOnlyLinear
 from .static_tp import Shard, embed, gather_vocab, reduce_sum, row_parallel_bias, shard_of, why_shard_unsupported
@@ -111,13 +111,11 @@ class _Projection(nn.Module):
             return linear(x, self.weight, self.bias, step)  # on CPU: specserve's kernel or ATen's, cpu_kernels.py
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        own_kernel = (x.device.type == "cpu" and x.dtype == torch.float32 and shape[-1] % 8 == 0
-                      and not torch.compiler.is_compiling() and cpu_extension.small_gemm() is not None)
-        if own_kernel and (rows.shape[0] <= cpu_extension.MAX_ROWS if step is None else step):
+        kernel = small_gemm_for(x, self.weight)
+        if kernel is not None and kernel_takes(rows.shape[0], self.weight, step):
             # int8 widened to fp32 in registers, fp32 activations and sums, scaled per output channel
-            out = cpu_extension.small_gemm()(rows.contiguous(), self.weight, self.bias, self.scales)
-            return out.reshape(*shape[:-1], -1)
-        if x.device.type == "cpu" and rows.shape[0] <= INT8_KERNEL_MAX_ROWS and not own_kernel:
+            return kernel(rows.contiguous(), self.weight, self.bias, self.scales).reshape(*shape[:-1], -1)
+        if x.device.type == "cpu" and rows.shape[0] <= INT8_KERNEL_MAX_ROWS and kernel is None:
             out = torch._weight_int8pack_mm(rows.to(torch.bfloat16), self.weight, self.kernel_scales).to(x.dtype)
         else:  # prefill on CPU, and CUDA: dequantize inside the product (gpt-fast's WeightOnlyInt8Linear)
             out = F.linear(rows, self.weight.to(x.dtype)) * self.scales
@@ -280,9 +278,10 @@ class StaticLlama(nn.Module):
     sequences of `capacity` positions; activations, norms and the cache in `dtype`. Build with
     `StaticLlama.from_model`; the transformers model can be dropped after.
 
-    `weight_dtype=bfloat16` with `dtype=float32` is how bf16 models run on CPU: the products widen each weight to fp32
-    as it streams in (engine/csrc/small_gemm.cpp), so a step reads half the bytes of an fp32 model and computes
-    every activation in fp32, i.e. the model with bf16-rounded weights, computed in fp32."""
+    `weight_dtype=bfloat16` with `dtype=float32` is how bf16 models run on CPU (engine/factory.cpu_step_dtypes): each
+    product is a bf16 product (activations rounded to bf16, fp32 sums and output, the weights widened as they stream
+    in: engine/csrc/small_gemm.cpp), so a step reads half the bytes of an fp32 model, and norms, residuals, RoPE,
+    attention and the KV cache stay fp32."""
 
     def __init__(self, model: nn.Module, num_slots: int, capacity: int, dtype: torch.dtype | None = None,
                  cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> None:
