@@ -3,6 +3,8 @@
 - `small_gemm` (small_gemm.cpp): a small-batch matrix product for x86 CPUs with AVX2/FMA, below: fp32 activations
   times fp32, bf16 (a bf16 product: activations rounded to bf16, fp32 sums) or int8 weights (per-channel scales),
   the narrow weights widened in registers so a memory-bound step reads their bytes only;
+- `bf16_gemm` (bf16_gemm.cpp): the bf16 product of bf16 models on CPUs with AVX512_BF16 (VDPBF16PS over weights
+  packed once in its VNNI layout), batch invariant at any row count, prompt chunks included;
 - `rms_norm`, `add_rms_norm`, `silu_mul`, `rope_to_cache`, `cache_attention` (layer_ops.cpp): fused fp32 operators
   for the static runner's eager layer, each replacing several ATen calls whose dispatch cost dominates at decode sizes.
 
@@ -43,7 +45,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # included by the sources: part of the cache key
-OPS = ("small_gemm", "rms_norm", "add_rms_norm", "silu_mul", "rope_to_cache", "cache_attention")
+OPS = ("small_gemm", "bf16_gemm", "bf16_gemm_supported", "rms_norm", "add_rms_norm", "silu_mul", "rope_to_cache", "cache_attention")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
 MAX_ROWS = 64  # callers that cannot tell steps from prompt chunks use the kernel up to here (it beat MKL there)
 DEFAULT_CACHE = "~/.cache/specserve/kernels"
@@ -137,6 +139,14 @@ def identity() -> str:
 def small_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
     """`small_gemm(x [M, K], weight [N, K], bias [N] | None) -> [M, N]`, or None (unavailable)."""
     return op("small_gemm")
+
+
+@functools.cache
+def bf16_gemm() -> Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor] | None:
+    """`bf16_gemm(x [M, K], packed [N/16, K/2, 16, 2], n, bias [N] | None) -> [M, N]` (bf16_gemm.cpp; `packed` from
+    cpu_kernels.pack_bf16), or None where the library is unavailable or the CPU lacks AVX512_BF16."""
+    supported = op("bf16_gemm_supported")
+    return op("bf16_gemm") if supported is not None and supported() else None
 
 
 def main() -> int:

@@ -90,6 +90,19 @@ def kernel_takes(rows: int, weight: torch.Tensor, step: bool | None) -> bool:
     return weight.dtype == torch.bfloat16 or (rows <= cpu_extension.MAX_ROWS if step is None else step)
 
 
+BF16_LANES = 16  # output columns per packed vector (bf16_gemm.cpp)
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [ceil(out/16), ceil(in/2), 16, 2] bf16
+    """A weight in the VNNI layout engine/csrc/bf16_gemm.cpp reads: 16 output columns by a pair of inputs per
+    64-byte vector, zero-padded to whole vectors and pairs."""
+    out_features, in_features = weight.shape
+    vectors, pairs = -(-out_features // BF16_LANES), -(-in_features // 2)
+    padded = torch.zeros(vectors * BF16_LANES, pairs * 2, dtype=torch.bfloat16, device=weight.device)
+    padded[:out_features, :in_features] = weight
+    return padded.view(vectors, BF16_LANES, pairs, 2).transpose(1, 2).contiguous()
+
+
 def _split_gemv(
     x: torch.Tensor,  # [..., in], one row
     weight: torch.Tensor,  # [out, in]

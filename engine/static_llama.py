@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_extension
-from .cpu_kernels import kernel_takes, linear, small_gemm_for
+from .cpu_kernels import kernel_takes, linear, pack_bf16, small_gemm_for
 from .llama_fast import _rope  # x [B, heads, W, D] rotated by cos/sin [B, 1, W, D]
 from .quantize import Int8WeightOnlyLinear
 from .static_tp import Shard, embed, gather_vocab, reduce_sum, row_parallel_bias, shard_of, why_shard_unsupported
@@ -95,7 +95,15 @@ class _Projection(nn.Module):
                  weight_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         weight, scales, bias = _fuse(modules, dtype, with_bias, weight_dtype)
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.out_features = weight.shape[0]
+        # a bf16 weight beside fp32 activations on a CPU with AVX512_BF16: packed once for bf16_gemm, which then
+        # computes every product of it (steps and prompt chunks); the [out, in] copy is not kept
+        self.packed = None
+        if (scales is None and weight.dtype == torch.bfloat16 and dtype == torch.float32
+                and weight.device.type == "cpu" and cpu_extension.bf16_gemm() is not None):
+            self.packed = nn.Parameter(pack_bf16(weight), requires_grad=False)
+            weight = None
+        self.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
         self.scales = None if scales is None else nn.Parameter(scales, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # ATen's CPU int8 kernel is fast only for bf16 activations (SmolLM2-135M's projections, one row, on this
@@ -107,6 +115,10 @@ class _Projection(nn.Module):
 
     def forward(self, x: torch.Tensor, step: bool | None = None) -> torch.Tensor:  # [..., in] -> [..., out]
         """`step`: a decode/verify step (True) or a prompt chunk (False); which CPU kernel runs (cpu_kernels.linear)."""
+        if self.packed is not None:
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return cpu_extension.bf16_gemm()(rows, self.packed, self.out_features, self.bias).reshape(
+                *x.shape[:-1], self.out_features)
         if self.scales is None:
             return linear(x, self.weight, self.bias, step)  # on CPU: specserve's kernel or ATen's, cpu_kernels.py
         shape = x.shape
@@ -316,7 +328,7 @@ class StaticLlama(nn.Module):
         self.lm_head = _Projection([head], dtype, weight_dtype=weight_dtype)
         if getattr(head, "weight", None) is base.embed_tokens.weight and self.lm_head.scales is None:
             self.lm_head.weight = self.embed  # tied: one copy
-        self.vocab_size = self.lm_head.weight.shape[0] * world
+        self.vocab_size = self.lm_head.out_features * world
         cos, sin = _rope_tables(base.rotary_emb, capacity, device)
         self.register_buffer("cos", cos.to(dtype), persistent=False)  # [capacity, D]
         self.register_buffer("sin", sin.to(dtype), persistent=False)

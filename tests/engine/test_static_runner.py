@@ -2,6 +2,7 @@
 no host sync inside a step, compiled == eager."""
 
 import copy
+import functools
 import platform
 
 import pytest
@@ -123,6 +124,26 @@ def rounding_linear_inputs(model):
     return model
 
 
+def dpbf16_linears(model):
+    """`model` (fp32, bf16-valued weights) whose nn.Linear layers compute as engine/csrc/bf16_gemm.cpp does: inputs
+    rounded to bf16, exact products summed into fp32 a pair of k at a time, the odd k first, one rounding per
+    addition (VDPBF16PS as Intel's SDM specifies it, and as this project's AVX512_BF16 machines compute it), then
+    the bias."""
+    def forward(module, x):
+        x = x.bfloat16().float()
+        acc = torch.zeros(*x.shape[:-1], module.weight.shape[0])
+        for k in range(0, module.weight.shape[1], 2):
+            for j in (k + 1, k):
+                if j < module.weight.shape[1]:
+                    acc = acc + x[..., j, None] * module.weight[:, j]
+        return acc if module.bias is None else acc + module.bias
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = functools.partial(forward, module)
+    return model
+
+
 @pytest.mark.skipif(not X86, reason="specserve's CPU operators are x86 code")
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma"])
 def test_bf16_weights_with_fp32_activations_make_bf16_products_and_keep_the_rest_fp32(family):
@@ -131,11 +152,14 @@ def test_bf16_weights_with_fp32_activations_make_bf16_products_and_keep_the_rest
     that reference up to where a last-bit difference in fp32 (the bias is added in another order, attention sums in
     another order) moves an activation across a bf16 rounding boundary, one bf16 step (2^-8 relative)."""
     model = make_tiny_model(family, seed=0).to(torch.bfloat16)
-    want = reference(rounding_linear_inputs(copy.deepcopy(model).float()))
     runner = StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16, dtype=torch.float32,
                           weight_dtype=torch.bfloat16)
     layer = runner.model.layers[0]
-    assert {layer.qkv.weight.dtype, layer.down.weight.dtype, runner.model.embed.dtype} == {torch.bfloat16}
+    # packed: bf16_gemm (AVX512_BF16) computes the products, else small_gemm (fp32 FMAs in k order)
+    products = dpbf16_linears if layer.qkv.packed is not None else rounding_linear_inputs
+    want = reference(products(copy.deepcopy(model).float()))
+    stored = [p.packed if p.packed is not None else p.weight for p in (layer.qkv, layer.down)]  # packed: bf16_gemm
+    assert {*(w.dtype for w in stored), runner.model.embed.dtype} == {torch.bfloat16}
     assert runner.model.k_cache_0.dtype == torch.float32
     got = scripted(runner, ROUNDS)
     assert_same_logits(got[:3], want[:3], rounds=ROUNDS[:3], atol=0.05, rtol=0.02)

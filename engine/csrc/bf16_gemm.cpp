@@ -1,0 +1,179 @@
+// Y[M, N] = bf16(X[M, K]) W[N, K]^T (+ bias[N]) on x86 CPUs with AVX512_BF16, for any M: the bf16 product of the
+// static runner's bf16 models on CPU (fp32 activations rounded to bf16 with round-to-nearest-even, as torch's
+// .bfloat16(); bf16 weights; fp32 sums and output), for decode and verify steps and prompt chunks alike.
+//
+// The weights are packed once at load (engine/cpu_kernels.pack_bf16) in the VNNI layout that VDPBF16PS reads:
+// [N/16, K/2, 16, 2], 16 output columns by a pair of k per 64-byte vector. One instruction then multiplies a
+// broadcast pair of activations by 16 columns' pairs and adds both products to 16 fp32 accumulators (an outer
+// product: no horizontal sums), 32 multiply-adds where engine/csrc/small_gemm.cpp's widening kernel does 8.
+//
+// Batch invariance: every output element is accumulated over the k pairs in increasing order by the same
+// instruction, in its own register lane, whatever M is, whichever block its row falls in and whichever thread
+// computes it. A row's result is the same bits alone, beside other rows (a batched step, a grouped prefill), in a
+// decode step, a verify step or a prompt chunk. MKL and oneDNN choose blockings and k splits by shape, so their
+// bits depend on the batch.
+//
+// Blocking: tiles of up to kRows activation rows by kCols 16-column vectors (24 accumulators + 3 weight vectors
+// + 1 broadcast of the 32 registers). A thread's tiles share a weight panel (K/2 x 48 pairs, 54 KiB at K = 576),
+// which stays in L2 while every row block of the chunk passes over it. Threads (torch's intra-op pool) take
+// contiguous runs of tiles, panel-major.
+//
+// Compiled for AVX512_BF16 per function (the library's other sources target AVX2), and run only where the CPU
+// reports it (`bf16_gemm_supported`; engine/cpu_extension.py checks before use).
+#include <immintrin.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 8;   // activation rows per tile
+constexpr int64_t kCols = 3;   // 16-column weight vectors per tile
+constexpr int64_t kLanes = 16;
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+
+// rows [0, m) of x [m, k] fp32 as bf16 pairs [m, pairs] (uint32: k even in the low half), rounded to nearest even
+// as torch's .bfloat16() (NaN kept NaN); an odd K's last pair is padded with zero
+void to_bf16_pairs(const float* x, int64_t m, int64_t k, int64_t pairs, uint32_t* out) {
+  const __m512i round_bias = _mm512_set1_epi32(0x7fff);
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i inf = _mm512_set1_epi32(0x7f800000);
+  uint16_t* halves = reinterpret_cast<uint16_t*>(out);
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = x + i * k;
+    uint16_t* dst = halves + i * 2 * pairs;
+    int64_t j = 0;
+    for (; j + kLanes <= k; j += kLanes) {
+      const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(row + j));
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(round_bias, lsb)), 16);
+      const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, abs_mask), inf);
+      const __m512i kept = _mm512_mask_mov_epi32(rounded, nan, _mm512_srli_epi32(bits, 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm512_cvtepi32_epi16(kept));
+    }
+    for (; j < k; ++j) {
+      uint32_t bits;
+      std::memcpy(&bits, row + j, sizeof(bits));
+      dst[j] = (bits & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>(bits >> 16)
+                                                   : static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+    if (k < 2 * pairs) dst[k] = 0;
+  }
+}
+
+// rows x cols tile: rows of x (bf16 pairs, stride `pairs`) times `cols` 16-column vectors of the packed weight
+template <int64_t rows, int64_t cols>
+inline void tile(const uint32_t* x, const uint32_t* w, int64_t pairs, float* y, int64_t y_stride, int64_t n0,
+                 int64_t n_size, const float* bias) {
+  __m512 acc[rows][cols];
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t vector_stride = pairs * kLanes;  // uint32 pairs per 16-column vector
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh wv[cols];
+    for (int64_t j = 0; j < cols; ++j)
+      wv[j] = (__m512bh)_mm512_loadu_si512(w + j * vector_stride + p * kLanes);
+    for (int64_t i = 0; i < rows; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * pairs + p]));
+      for (int64_t j = 0; j < cols; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int64_t j = 0; j < cols; ++j) {
+    const int64_t n = n0 + j * kLanes;
+    const int64_t valid = std::min<int64_t>(kLanes, n_size - n);
+    const __mmask16 mask = valid >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i) {
+      const __m512 value = bias != nullptr ? _mm512_add_ps(acc[i][j], b) : acc[i][j];
+      _mm512_mask_storeu_ps(y + i * y_stride + n, mask, value);
+    }
+  }
+}
+
+template <int64_t cols>
+inline void tile_rows(const uint32_t* x, const uint32_t* w, int64_t pairs, float* y, int64_t n_size, int64_t n0,
+                      int64_t rows, const float* bias) {
+  switch (rows) {
+    case 1: tile<1, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
+    case 2: tile<2, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
+    case 3: tile<3, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
+    case 4: tile<4, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
+    case 5: tile<5, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
+    case 6: tile<6, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
+    case 7: tile<7, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
+    default: tile<8, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
+  }
+}
+
+void gemm(const uint32_t* x, const uint32_t* w, const float* bias, float* y, int64_t m_size, int64_t pairs,
+          int64_t n_size, int64_t vectors) {
+  const int64_t panels = (vectors + kCols - 1) / kCols;
+  const int64_t row_blocks = (m_size + kRows - 1) / kRows;
+  // a run of tiles should stream at least ~64 KiB of weights (or its equivalent in arithmetic), else the split
+  // costs more than it saves
+  const int64_t tile_bytes = kCols * pairs * kLanes * 4 * std::min<int64_t>(m_size, kRows);
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, tile_bytes));
+  at::parallel_for(0, panels * row_blocks, grain, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t panel = t / row_blocks, block = t % row_blocks;
+      const int64_t v0 = panel * kCols, m0 = block * kRows;
+      const int64_t cols = std::min(kCols, vectors - v0), rows = std::min(kRows, m_size - m0);
+      const uint32_t* wp = w + v0 * pairs * kLanes;
+      const uint32_t* xp = x + m0 * pairs;
+      float* yp = y + m0 * n_size;
+      const int64_t n0 = v0 * kLanes;
+      if (cols == 3) tile_rows<3>(xp, wp, pairs, yp, n_size, n0, rows, bias);
+      else if (cols == 2) tile_rows<2>(xp, wp, pairs, yp, n_size, n0, rows, bias);
+      else tile_rows<1>(xp, wp, pairs, yp, n_size, n0, rows, bias);
+    }
+  });
+}
+
+#pragma GCC pop_options
+
+bool bf16_gemm_supported() { return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"); }
+
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n_size,
+                     const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(bf16_gemm_supported(), "bf16_gemm: this CPU lacks AVX512_BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "bf16_gemm: x must be a contiguous float32 CPU [M, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == kLanes && packed.size(3) == 2 && packed.device().is_cpu(),
+              "bf16_gemm: packed must be a contiguous bfloat16 CPU [N/16, K/2, 16, 2] (cpu_kernels.pack_bf16)");
+  const int64_t m_size = x.size(0), k_size = x.size(1), vectors = packed.size(0), pairs = packed.size(1);
+  TORCH_CHECK(k_size == 2 * pairs || k_size == 2 * pairs - 1, "bf16_gemm: x has ", k_size,
+              " columns, the packed weight ", 2 * pairs);
+  TORCH_CHECK(n_size > (vectors - 1) * kLanes && n_size <= vectors * kLanes, "bf16_gemm: n = ", n_size,
+              " does not fit the packed weight's ", vectors, " column vectors");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_size,
+                "bf16_gemm: bias must be a contiguous float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({m_size, n_size}, x.options());
+  if (m_size == 0) return y;
+  std::vector<uint32_t> pairs_x(static_cast<size_t>(m_size * pairs));
+  to_bf16_pairs(x.data_ptr<float>(), m_size, k_size, pairs, pairs_x.data());
+  gemm(pairs_x.data(), reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()), b, y.data_ptr<float>(),
+       m_size, pairs, n_size, vectors);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specserve, m) {
+  m.def("bf16_gemm(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor");
+  m.impl("bf16_gemm", c10::DispatchKey::CPU, TORCH_FN(bf16_gemm));
+  m.def("bf16_gemm_supported() -> bool", &bf16_gemm_supported);
+}
