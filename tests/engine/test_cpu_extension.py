@@ -159,10 +159,18 @@ def test_rms_norm_and_add_rms_norm(ops, shape):
 
 
 @needs_kernel
-def test_silu_mul(ops):
-    gate_up = torch.randn(2, 3, 2 * 40) * 4
+@pytest.mark.parametrize("half", [40, 13, 1536])  # whole 8-lane vectors, a partial last one
+def test_silu_mul(ops, half):
+    gate_up = torch.cat([torch.randn(2, 3, 2 * half) * scale for scale in (0.1, 4, 40)])
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    got = ops.silu_mul(gate_up)
+    want = F.silu(gate.double()) * up.double()  # the exact value: e^x is a polynomial within 2 ulp
+    torch.testing.assert_close(got.double(), want, atol=1e-30, rtol=1e-6)
+    rows = gate_up.reshape(-1, 2 * half)
+    together = ops.silu_mul(rows)
+    for r in (0, 5, rows.shape[0] - 1):  # a value's result does not depend on the values beside it
+        assert torch.equal(ops.silu_mul(rows[r : r + 1].contiguous())[0], together[r])
+    assert ops.silu_mul(torch.tensor([[float("nan"), 1.0]])).isnan().all()
 
 
 @needs_kernel
