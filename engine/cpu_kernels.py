@@ -50,7 +50,8 @@ def linear(
     included. ATen's bf16 GEMM (oneDNN) computes a 256-row chunk 2.2x faster here but rounds its output to bf16 and
     is not batch invariant: a prompt's cache then depended on which prompts shared its forward and on how it was
     chunked, and served greedy texts differed from the same request decoded alone (bench/RESULTS.md, session 16).
-    Without the kernel, the product is ATen's bf16 GEMM."""
+    Without the kernel, the product is ATen's bf16 GEMM. (The static runner multiplies bf16 weights on CPUs with
+    AVX512_BF16 by engine/csrc/bf16_gemm.cpp instead, over weights packed by `pack_bf16`: engine/static_llama.py.)"""
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype not in (torch.float32, torch.bfloat16):
         return F.linear(x, weight, bias)

@@ -93,8 +93,9 @@ def cpu_step_dtypes(model: torch.nn.Module, compile: bool) -> tuple[torch.dtype 
     activations where specserve's CPU operators load: each product is a bf16 product (activations rounded to bf16,
     fp32 sums; engine/cpu_kernels.linear), while norms, residuals, RoPE, attention and the KV cache stay fp32 on the
     fused operators, which ATen's bf16 operators do not match at decode sizes. SmolLM2-135M, 2 threads, on this
-    project's avx512_bf16 machine (bench/RESULTS.md, session 16): a decode step at batch 1 took 36.5 ms with ATen's
-    bf16 operators, 16.5 ms so, against 24.6 ms in fp32. An int8 draft's products widen the int8 weights in
+    project's avx512_bf16 machine (bench/RESULTS.md, sessions 16-17): a decode step at batch 1 took 36.5 ms with
+    ATen's bf16 operators, 16.5 ms on the widening kernel and 10.6 ms on the VDPBF16PS one (bf16_gemm.cpp), against
+    24.6 ms in fp32. An int8 draft's products widen the int8 weights in
     registers, fp32 activations (10 ms a step). Without the operators, bf16 activations stay where the CPU computes
     bf16 natively and become fp32 where it would emulate them. Compiled steps keep the model's dtype."""
     if model.device.type != "cpu" or next(model.parameters()).dtype != torch.bfloat16:

@@ -291,9 +291,10 @@ class StaticLlama(nn.Module):
     `StaticLlama.from_model`; the transformers model can be dropped after.
 
     `weight_dtype=bfloat16` with `dtype=float32` is how bf16 models run on CPU (engine/factory.cpu_step_dtypes): each
-    product is a bf16 product (activations rounded to bf16, fp32 sums and output, the weights widened as they stream
-    in: engine/csrc/small_gemm.cpp), so a step reads half the bytes of an fp32 model, and norms, residuals, RoPE,
-    attention and the KV cache stay fp32."""
+    product is a bf16 product (activations rounded to bf16, fp32 sums and output), so a step reads half the bytes of
+    an fp32 model, and norms, residuals, RoPE, attention and the KV cache stay fp32. On CPUs with AVX512_BF16 the
+    weights are packed once for engine/csrc/bf16_gemm.cpp (VDPBF16PS); elsewhere engine/csrc/small_gemm.cpp widens
+    them as they stream in."""
 
     def __init__(self, model: nn.Module, num_slots: int, capacity: int, dtype: torch.dtype | None = None,
                  cache_dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> None:
