@@ -177,8 +177,11 @@ def test_autoscaler_holds_steady_while_speculation_switches_off_and_on(ray_clust
     counts = []
 
     def load():
+        # long requests, so each thread's sequence holds its lease for most of the time: between requests (HTTP,
+        # tokenizing, admission) a thread holds none, and with 60-token requests on these fast tiny models those gaps
+        # left ~2 sequences live on average; one clean-clone CI then never saw a second replica
         while time.time() < stop:
-            complete(base, [5, 6, 7], n=60)
+            complete(base, [5, 6, 7], n=120)
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(load) for _ in range(4)]
