@@ -300,7 +300,8 @@ def test_prefill_groups_take_neighbouring_slots_within_the_token_and_padding_lim
     assert prefill_groups([0, 1, 2, 3, 4], [16] * 5, 64) == [[0, 1, 2, 3], [4]]  # at most 64 padded tokens
     assert prefill_groups([0, 1], [16, 2], 64) == [[0], [1]]  # 32 padded tokens for 18 real
     assert prefill_groups([0, 1, 2], [16, 2, 2], 64) == [[0], [1, 2]]
-    assert prefill_groups([0, 1], [16, 9], 64) == [[0, 1]]
+    assert prefill_groups([0, 1], [16, 9], 64) == [[0], [1]]  # 32 for 25: past PREFILL_MAX_PADDING
+    assert prefill_groups([0, 1, 2], [16, 15, 14], 64) == [[0, 1, 2]]  # 48 for 45
 
 
 def test_no_host_sync_inside_a_step():
