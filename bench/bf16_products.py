@@ -1,0 +1,80 @@
+"""bf16 products on CPU: specserve's VDPBF16PS kernel against the widening kernel and oneDNN (issue 16, session 17).
+Not a timed test; needs a CPU with AVX512_BF16.
+
+    python -m bench.bf16_products matrix     # one 576 x 1536 product at 1..256 rows, weights in cache (ms, GMAC/s)
+    python -m bench.bf16_products steps [N]  # SmolLM2-135M bf16 steps and prefills, both kernels, N rounds
+
+`matrix`: bf16_gemm (packed weights), small_gemm (bf16 weights widened in registers) and ATen's bf16 F.linear
+(oneDNN, bf16 activations), each the mean of 50 calls, 2 threads. `steps`: the same bf16 target built twice in one
+process, once with bf16_gemm and once with it hidden (the widening kernel), alternating per shape; median step ms
+and the batch's 100-token prompts prefilled in one call (`bench.dtype_steps.step_ms`).
+"""
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_extension
+from engine.cpu_kernels import pack_bf16
+
+
+def mean_ms(fn, calls: int = 50) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def matrix() -> None:
+    gemm, widening = cpu_extension.bf16_gemm(), cpu_extension.small_gemm()
+    if gemm is None:
+        sys.exit("bf16_gemm unavailable here (no AVX512_BF16, or the operators did not build)")
+    in_features, out_features = 576, 1536
+    weight = torch.randn(out_features, in_features).bfloat16()
+    packed = pack_bf16(weight)
+    print("rows  bf16_gemm ms (GMAC/s)  widening ms  oneDNN ms")
+    for rows in (1, 4, 8, 32, 100, 256):
+        x = torch.randn(rows, in_features)
+        new = mean_ms(lambda: gemm(x, packed, out_features, None))
+        old = mean_ms(lambda: widening(x, weight, None))
+        onednn = mean_ms(lambda: F.linear(x.bfloat16(), weight))
+        print(f"{rows:4d}  {new:.3f} ({rows * in_features * out_features / new / 1e6:.0f})  {old:.3f}  {onednn:.3f}")
+
+
+def steps(rounds: int) -> None:
+    from bench.dtype_steps import SHAPES, step_ms
+    from engine.factory import EngineConfig, build_target
+
+    config = EngineConfig(target="smollm2", target_dtype="bfloat16", max_model_len=2048)
+    packed = build_target(config)[0]
+    real = cpu_extension.bf16_gemm
+    cpu_extension.bf16_gemm = lambda: None  # projections built now keep [out, in] bf16 weights: the widening kernel
+    try:
+        widening = build_target(config)[0]
+    finally:
+        cpu_extension.bf16_gemm = real
+    rng = random.Random(0)
+    print("round batch width bf16_gemm:(step ms, prefill ms) widening:(step ms, prefill ms)")
+    for r in range(rounds):
+        for batch, width in SHAPES + [(16, 4)]:
+            order = [("new", packed), ("old", widening)] if r % 2 == 0 else [("old", widening), ("new", packed)]
+            got = {name: step_ms(runner, batch, width, rng) for name, runner in order}
+            print(r, batch, width, got["new"], got["old"], flush=True)
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    mode = sys.argv[1] if len(sys.argv) > 1 else "matrix"
+    if mode == "matrix":
+        matrix()
+    elif mode == "steps":
+        steps(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+    else:
+        sys.exit(f"unknown mode {mode!r}: matrix or steps")
+
+
+if __name__ == "__main__":
+    main()
