@@ -28,8 +28,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
+
+#include "simd.h"
 
 namespace {
 
@@ -60,20 +61,15 @@ void to_bf16_pairs(const float* x, int64_t m, int64_t k, int64_t pairs, uint32_t
       const __m512i kept = _mm512_mask_mov_epi32(rounded, nan, _mm512_srli_epi32(bits, 16));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm512_cvtepi32_epi16(kept));
     }
-    for (; j < k; ++j) {
-      uint32_t bits;
-      std::memcpy(&bits, row + j, sizeof(bits));
-      dst[j] = (bits & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>(bits >> 16)
-                                                   : static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-    }
+    for (; j < k; ++j) dst[j] = specserve::bf16_bits(row[j]);  // the vector loop's rounding, one value at a time
     if (k < 2 * pairs) dst[k] = 0;
   }
 }
 
 // rows x cols tile: rows of x (bf16 pairs, stride `pairs`) times `cols` 16-column vectors of the packed weight
 template <int64_t rows, int64_t cols>
-inline void tile(const uint32_t* x, const uint32_t* w, int64_t pairs, float* y, int64_t y_stride, int64_t n0,
-                 int64_t n_size, const float* bias) {
+inline void tile(const uint32_t* x, const uint32_t* w, int64_t pairs, float* y, int64_t n0, int64_t n_size,
+                 const float* bias) {
   __m512 acc[rows][cols];
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -94,7 +90,7 @@ inline void tile(const uint32_t* x, const uint32_t* w, int64_t pairs, float* y, 
     const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
     for (int64_t i = 0; i < rows; ++i) {
       const __m512 value = bias != nullptr ? _mm512_add_ps(acc[i][j], b) : acc[i][j];
-      _mm512_mask_storeu_ps(y + i * y_stride + n, mask, value);
+      _mm512_mask_storeu_ps(y + i * n_size + n, mask, value);
     }
   }
 }
@@ -103,14 +99,14 @@ template <int64_t cols>
 inline void tile_rows(const uint32_t* x, const uint32_t* w, int64_t pairs, float* y, int64_t n_size, int64_t n0,
                       int64_t rows, const float* bias) {
   switch (rows) {
-    case 1: tile<1, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
-    case 2: tile<2, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
-    case 3: tile<3, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
-    case 4: tile<4, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
-    case 5: tile<5, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
-    case 6: tile<6, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
-    case 7: tile<7, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
-    default: tile<8, cols>(x, w, pairs, y, n_size, n0, n_size, bias); break;
+    case 1: tile<1, cols>(x, w, pairs, y, n0, n_size, bias); break;
+    case 2: tile<2, cols>(x, w, pairs, y, n0, n_size, bias); break;
+    case 3: tile<3, cols>(x, w, pairs, y, n0, n_size, bias); break;
+    case 4: tile<4, cols>(x, w, pairs, y, n0, n_size, bias); break;
+    case 5: tile<5, cols>(x, w, pairs, y, n0, n_size, bias); break;
+    case 6: tile<6, cols>(x, w, pairs, y, n0, n_size, bias); break;
+    case 7: tile<7, cols>(x, w, pairs, y, n0, n_size, bias); break;
+    default: tile<8, cols>(x, w, pairs, y, n0, n_size, bias); break;
   }
 }
 

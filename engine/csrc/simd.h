@@ -4,6 +4,8 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 namespace specserve {
 
@@ -13,6 +15,14 @@ inline float lane_sum(__m256 v) {
   s = _mm_hadd_ps(s, s);
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(s);
+}
+
+// the bits of the nearest bf16 value (ties to even; NaN stays NaN): what torch's .bfloat16() gives
+inline uint16_t bf16_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>(bits >> 16);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 // e^x for 8 lanes: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial for e^r, then 2^n from the

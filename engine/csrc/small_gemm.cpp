@@ -38,10 +38,7 @@ using specserve::lane_sum;
 
 // the nearest bf16 value (ties to even; NaN stays NaN), as an fp32: what torch's .bfloat16().float() gives
 inline float round_to_bf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return value;
-  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  const uint32_t bits = static_cast<uint32_t>(specserve::bf16_bits(value)) << 16;
   std::memcpy(&value, &bits, sizeof(bits));
   return value;
 }

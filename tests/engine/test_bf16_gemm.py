@@ -10,6 +10,7 @@ import torch
 
 from engine import cpu_extension
 from engine.cpu_kernels import pack_bf16
+from tests.engine.bf16_reference import dpbf16_reference
 
 
 def _cpu_flags() -> set[str]:
@@ -29,22 +30,6 @@ def gemm():
     op = cpu_extension.bf16_gemm()
     assert op is not None, f"bf16_gemm unavailable on an AVX512_BF16 CPU: {cpu_extension.why_unavailable()}"
     return op
-
-
-def dpbf16_reference(
-    x: torch.Tensor,  # [M, K] float32
-    weight: torch.Tensor,  # [N, K] bfloat16
-    bias: torch.Tensor | None,  # [N]
-) -> torch.Tensor:  # [M, N]
-    """VDPBF16PS's arithmetic (Intel SDM): x rounded to bf16, exact products added to fp32 accumulators a pair of k at
-    a time, the odd k first, each addition rounded to nearest even; then the bias."""
-    xs, ws = x.bfloat16().float(), weight.float()
-    acc = torch.zeros(x.shape[0], weight.shape[0])
-    for k in range(0, x.shape[1], 2):
-        for j in (k + 1, k):
-            if j < x.shape[1]:
-                acc = acc + xs[:, j, None] * ws[None, :, j]
-    return acc if bias is None else acc + bias
 
 
 def test_pack_puts_16_columns_by_a_pair_of_inputs_in_each_vector():

@@ -14,6 +14,7 @@ from engine.runner import KVCacheFull, resolve_dtype
 from engine.static_llama import UnsupportedModel, why_unsupported
 from engine.static_runner import KVBudget, StaticRunner, forbid_host_sync, plan_num_slots, prefill_groups
 from tests.conftest import make_tiny_model
+from tests.engine.bf16_reference import dpbf16_reference
 
 SLOTS = KVBudget(gib=1.0, max_num_seqs=4)
 
@@ -128,15 +129,10 @@ def dpbf16_linears(model):
     """`model` (fp32, bf16-valued weights) whose nn.Linear layers compute as engine/csrc/bf16_gemm.cpp does: inputs
     rounded to bf16, exact products summed into fp32 a pair of k at a time, the odd k first, one rounding per
     addition (VDPBF16PS as Intel's SDM specifies it, and as this project's AVX512_BF16 machines compute it), then
-    the bias."""
+    the bias (tests/engine/bf16_reference.py)."""
     def forward(module, x):
-        x = x.bfloat16().float()
-        acc = torch.zeros(*x.shape[:-1], module.weight.shape[0])
-        for k in range(0, module.weight.shape[1], 2):
-            for j in (k + 1, k):
-                if j < module.weight.shape[1]:
-                    acc = acc + x[..., j, None] * module.weight[:, j]
-        return acc if module.bias is None else acc + module.bias
+        rows = dpbf16_reference(x.reshape(-1, x.shape[-1]), module.weight, module.bias)
+        return rows.reshape(*x.shape[:-1], -1)
 
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):

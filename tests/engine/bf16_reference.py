@@ -1,0 +1,19 @@
+"""The arithmetic of engine/csrc/bf16_gemm.cpp in torch, for tests: what its products must equal bit for bit."""
+
+import torch
+
+
+def dpbf16_reference(
+    x: torch.Tensor,  # [M, K] float32
+    weight: torch.Tensor,  # [N, K] bf16 values (bfloat16, or float32 holding them)
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [M, N] float32
+    """VDPBF16PS's arithmetic (Intel SDM): x rounded to bf16, exact products added to fp32 accumulators a pair of k at
+    a time, the odd k first, each addition rounded to nearest even; then the bias."""
+    xs, ws = x.bfloat16().float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for k in range(0, x.shape[1], 2):
+        for j in (k + 1, k):
+            if j < x.shape[1]:
+                acc = acc + xs[:, j, None] * ws[None, :, j]
+    return acc if bias is None else acc + bias
