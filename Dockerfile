@@ -36,3 +36,7 @@ RUN set -eux; \
 # never download weights at run time; the dequantized-GGUF cache goes to a writable volume (emptyDir in k8s/)
 ENV HF_HUB_OFFLINE=1 \
     SPECSERVE_CACHE=/cache/specserve
+# Ray Serve's throughput mode behind HAProxy, read by Ray when it starts (deployments/ray_env.py; k8s/manifests.py
+# sets the same on every pod)
+ENV RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
+    RAY_SERVE_ENABLE_HA_PROXY=1

@@ -34,8 +34,9 @@ test-deps:
 	command -v g++ >/dev/null || { $(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends g++; }
 
+# Ray Serve's throughput mode behind HAProxy (deployments/ray_env.py): Ray reads it from the environment it starts in
 run: install
-	$(BIN)/serve run serve_config.yaml
+	env $$($(BIN)/python -m deployments.ray_env) $(BIN)/serve run serve_config.yaml
 
 # Modules that drive a Ray cluster run in their own pytest processes, so Ray's driver threads never share a
 # process with the rest of the suite.

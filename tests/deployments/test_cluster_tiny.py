@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from tests.deployments.conftest import tiny_config, write_profile
+from tests.deployments.serve_cluster import serve_env
 
 pytestmark = pytest.mark.ray
 PORT = 8123
@@ -18,11 +19,13 @@ def ray_cluster():
     from ray import serve
 
     # "local": always a new cluster, never one named by a stale /tmp/ray/ray_current_cluster of an earlier run
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="specserve-tests")
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    yield
-    serve.shutdown()
-    ray.shutdown()
+    with serve_env():  # Serve as `make run` starts it: HAProxy in front of the routers' own HTTP servers
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+                 namespace="specserve-tests")
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        yield
+        serve.shutdown()
+        ray.shutdown()
 
 
 def deploy(config, name):

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.deployments.conftest import tiny_config
+from tests.deployments.serve_cluster import serve_env
 
 pytestmark = pytest.mark.ray
 PORT = 8125
@@ -46,25 +47,27 @@ def app(tiny_model_dirs):
 
     # the state API (ray.util.state) needs the dashboard; its port is free-ish and never the default 8265, so
     # another local cluster does not collide with this one
-    ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_port=8298, log_to_driver=False,
-             namespace="specserve-tests")
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    config = tiny_config(tiny_model_dirs, model={"draft": "ngram"}, tp_size=TP, limits={"max_tokens": 250},
-                         target={"num_cpus": 0.5, "torch_threads": 1},
-                         router={"min_replicas": 2, "max_replicas": 2, "num_cpus": 0.25,
-                                 "max_ongoing_requests": 64, "max_queued_requests": 64})
-    serve.run(build_app(config.model_dump()), name=APP, route_prefix=f"/{APP}", blocking=False)
-    base = f"http://127.0.0.1:{PORT}/{APP}"
+    with serve_env():  # Serve as `make run` starts it: HAProxy in front of the routers' own HTTP servers
+        ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_port=8298, log_to_driver=False,
+                 namespace="specserve-tests")
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        config = tiny_config(tiny_model_dirs, model={"draft": "ngram"}, tp_size=TP, limits={"max_tokens": 250},
+                             target={"num_cpus": 0.5, "torch_threads": 1},
+                             router={"min_replicas": 2, "max_replicas": 2, "num_cpus": 0.25,
+                                     "max_ongoing_requests": 64, "max_queued_requests": 64})
+        serve.run(build_app(config.model_dump()), name=APP, route_prefix=f"/{APP}", blocking=False)
+        base = f"http://127.0.0.1:{PORT}/{APP}"
 
-    def up():
-        try:
-            return httpx.get(f"{base}/v1/models", timeout=2).status_code == 200 and running("Router") == 2
-        except httpx.HTTPError:
-            return False
+        def up():
+            try:
+                return httpx.get(f"{base}/v1/models", timeout=2).status_code == 200 and running("Router") == 2
+            except httpx.HTTPError:
+                return False
 
-    wait_for(up, 240, "the application to come up")
-    yield base
-    ray.shutdown()  # this process's own cluster: its replicas and workers go with it (Serve's graceful path is slow)
+        wait_for(up, 240, "the application to come up")
+        yield base
+        # this process's own cluster: its replicas and workers go with it (Serve's graceful path is slow)
+        ray.shutdown()
 
 
 def running(deployment: str) -> int:
