@@ -41,9 +41,10 @@ def warn_if_missing(logger: logging.Logger) -> list[str]:
     """Log once, at a replica's start, that Ray runs without the settings specserve is measured with."""
     absent = missing()
     if absent:
-        logger.warning("Ray Serve runs without %s: requests go through Serve's Python proxy, measured to serve 8-25%% "
-                       "fewer tokens/s here (deployments/ray_env.py); set them in the environment of `ray start` / "
-                       "`serve run` (`make run` does)", " ".join(absent))
+        logger.warning("Ray Serve runs without %s, the settings specserve is measured with (HAProxy in front of the "
+                       "router's own HTTP server, Serve's throughput mode; Serve's Python proxy without both served "
+                       "8-25%% fewer tokens/s here: deployments/ray_env.py); set them in the environment of "
+                       "`ray start` / `serve run` (`make run` does)", " ".join(absent))
     return absent
 
 

@@ -70,3 +70,18 @@ def test_reap_kills_an_orphaned_haproxy_process(tmp_path, monkeypatch):
     finally:
         if sleeper.poll() is None:
             os.kill(sleeper.pid, signal.SIGKILL)
+
+
+def test_a_replica_started_without_them_warns_naming_each(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
+    monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+    log = logging.getLogger("specserve.test_ray_env")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        assert ray_env.warn_if_missing(log) == ["RAY_SERVE_ENABLE_HA_PROXY=1"]
+    assert "RAY_SERVE_ENABLE_HA_PROXY=1" in caplog.text
+    for key, value in SERVE_ENV.items():
+        monkeypatch.setenv(key, value)
+    caplog.clear()
+    assert ray_env.warn_if_missing(log) == [] and caplog.text == ""
