@@ -335,7 +335,7 @@ def build_router_server():
             from .metrics import ServingMetrics
             from .ray_env import warn_if_missing
 
-            warn_if_missing(logger)  # Serve's Python proxy instead of HAProxy and direct ingress
+            warn_if_missing(logger)  # Ray started without the Serve settings specserve is measured with
             cfg = SpecServeConfig.model_validate(config)
             self.router = Router(cfg, RayLeaseBroker(draft_handle, target_handle),
                                  metrics=ServingMetrics(cfg.model.served_model_name))

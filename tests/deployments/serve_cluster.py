@@ -76,21 +76,18 @@ def served_target(config: Path = ROOT / "serve_config.yaml"):
 
 @contextlib.contextmanager
 def serve_env():
-    """This process's environment with the Ray Serve settings specserve ships (deployments/ray_env.py; a short drain:
-    TEST_SERVE_ENV), for a
-    `ray.init` that starts a cluster: Ray's processes read them when they start. Restored on exit (after the
-    cluster's shutdown), and any HAProxy the shutdown left holding its port is killed."""
-    saved = {k: os.environ.get(k) for k in TEST_SERVE_ENV}
-    os.environ.update(TEST_SERVE_ENV)
-    try:
-        yield
-    finally:
-        reap_orphaned_haproxy()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """This process's environment with the Ray Serve settings specserve ships (deployments/ray_env.py, with a short
+    drain: TEST_SERVE_ENV), for a `ray.init` that starts a cluster: Ray's processes read them when they start.
+    Restored on exit (after the cluster's shutdown), and any HAProxy the shutdown left holding its port is killed."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in TEST_SERVE_ENV.items():
+            patch.setenv(key, value)
+        try:
+            yield
+        finally:
+            reap_orphaned_haproxy()
 
 
 def free_port() -> int:
