@@ -96,6 +96,13 @@ class RunnerSection(StrictModel):
     max_num_seqs: int = Field(32, ge=1, description="KV-cache slots at most per worker (sequences held at once)")
     prefill_chunk: int = Field(256, ge=16, description="prompt tokens per round: a longer prompt is prefilled over "
                                                        "several rounds, so running streams wait at most one chunk")
+    prefix_caching: Literal["auto", "on", "off"] = Field(
+        "auto", description="keep finished sequences' keys/values in free KV-cache slots and copy them for new "
+                            "sequences that start with the same tokens (a chat template's system prompt, a "
+                            "conversation's earlier turns, a repeated prompt), as vLLM's automatic prefix caching "
+                            "does. 'auto': on where a hit gives exactly the bits a computed prefix gives (the static "
+                            "runner's eager bf16 forward on a CPU with AVX512_BF16), off elsewhere; 'on': an error "
+                            "where it would not be exact; 'off'")
 
 
 class SamplingDefaults(StrictModel):
@@ -206,5 +213,6 @@ class SpecServeConfig(StrictModel):
             max_model_len=m.max_model_len, device=m.device, trust_remote_code=m.trust_remote_code,
             runner=self.runner.kind, compile=self.runner.compile, kv_cache_gib=self.runner.kv_cache_gib,
             kv_cache_fraction=self.runner.kv_cache_fraction, max_num_seqs=self.runner.max_num_seqs,
-            prefill_chunk=self.runner.prefill_chunk, cost_cache=s.cost_cache,
+            prefill_chunk=self.runner.prefill_chunk, prefix_caching=self.runner.prefix_caching,
+            cost_cache=s.cost_cache,
         )

@@ -257,7 +257,9 @@ class ModelWorker:
                 "kv_capacity": getattr(runner, "capacity", None) if runner else None, "pid": os.getpid(),
                 "runner": type(runner).__name__ if runner else None,
                 "torch_threads": self.torch_threads, "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
-                "niceness": self.niceness}
+                "niceness": self.niceness,
+                # hits of the runner's prefix cache (engine/prefix_cache.py); None where it is off or not built in
+                "prefix_cache": runner.prefix_cache_stats() if hasattr(runner, "prefix_cache_stats") else None}
 
     def ping(self) -> float:
         """Seconds the current model call has been running (0: idle); served on the "control" thread."""

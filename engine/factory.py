@@ -61,6 +61,9 @@ class EngineConfig:
     kv_cache_fraction: float = 0.2
     max_num_seqs: int = 32  # KV-cache slots at most (sequences a worker holds at once)
     prefill_chunk: int = 256  # prompt tokens per forward; the scheduler sends a long prompt this much per round
+    # keep finished sequences' keys/values in free slots for new ones that start the same way (engine/prefix_cache.py):
+    # "auto" (where hits are exact), "on" (an error where they would not be), "off"
+    prefix_caching: str = "auto"
     cost_cache: str | None = None  # where workers keep their start-up cost measurements (engine/cost_cache.py)
 
     @property
@@ -83,7 +86,7 @@ def make_runner(model: torch.nn.Module, config: EngineConfig, vocab_size: int | 
     dtype, weight_dtype = cpu_step_dtypes(model, config.compile)
     return StaticRunner(model, max_model_len=config.max_model_len, vocab_size=vocab_size, budget=config.budget(),
                         compile=config.compile, prefill_chunk=config.prefill_chunk, dtype=dtype,
-                        weight_dtype=weight_dtype)
+                        weight_dtype=weight_dtype, prefix_caching=config.prefix_caching)
 
 
 def cpu_step_dtypes(model: torch.nn.Module, compile: bool) -> tuple[torch.dtype | None, torch.dtype | None]:

@@ -35,8 +35,8 @@ from .static_tp import Shard, embed, gather_vocab, reduce_sum, row_parallel_bias
 FAMILIES = ("llama", "mistral", "qwen2", "gemma")
 # ATen's int8 weight-only kernel is built for decode (a few rows); a prompt chunk dequantizes for one dense product
 INT8_KERNEL_MAX_ROWS = 32
-# steps of at most this many tokens per row (decode, verify) run attention through `cache_attention` on CPU
-CACHE_ATTENTION_MAX_WIDTH = 8
+# forwards of at most this many tokens per row are steps (decode, verify): their fp32 products take the CPU kernel
+STEP_MAX_WIDTH = 8
 _STATIC_ROPE = {None, "default", "linear", "llama3", "yarn", "longrope"}
 
 
@@ -243,12 +243,13 @@ class _LayerOps:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor) -> torch.Tensor:  # q [B, H, W, D] -> [B, H, W, D]
-        """Causal GQA attention over each row's cached keys: steps of at most CACHE_ATTENTION_MAX_WIDTH tokens per row
-        by `cache_attention` where the fused operators run (each row reads only its own keys, nothing is
-        materialized); else one SDPA call (`use_fused_attention`) or `grouped_attention`."""
+        """Causal GQA attention over each row's cached keys: by `cache_attention` where the fused operators run (each
+        row reads only its own keys, nothing is materialized, and a query's result does not depend on the step's
+        width or on the chunk it falls in: `layout_invariant`); else one SDPA call (`use_fused_attention`) or
+        `grouped_attention`."""
         m, (batch, _, width, _) = self.model, q.shape
         first, kv_len = self.first_slot, self.kv_len
-        if self.fused is not None and width <= CACHE_ATTENTION_MAX_WIDTH and m.head_dim % 8 == 0:
+        if self.fused is not None and m.head_dim % 8 == 0:
             return self.fused["cache_attention"](q.contiguous(), k_cache, v_cache, first, self.positions, kv_len,
                                                  m.scale)
         keys = k_cache[first : first + batch, :, :kv_len].to(q.dtype)
@@ -378,7 +379,7 @@ class StaticLlama(nn.Module):
         # decode/verify steps run every product on the CPU kernel, whatever the batch, so a row's step is computed
         # the same in any batch; fp32 prompt chunks (compute-bound) take MKL (bf16 ones stay on the kernel too:
         # cpu_kernels.linear)
-        step = width <= CACHE_ATTENTION_MAX_WIDTH
+        step = width <= STEP_MAX_WIDTH
         x = ops.norm(hidden, self.layers[0].input_norm)
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = getattr(self, f"k_cache_{index}"), getattr(self, f"v_cache_{index}")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .prefix_cache import SlotPrefixCache, why_layout_variant
 from .runner import ContextWindowError, SlotTable, SlotTableAccess, SeqSlot, config_context_window
 from .static_llama import StaticLlama
 from .static_tp import agree_num_slots, shard_of
@@ -129,7 +130,8 @@ class StaticRunner(SlotTableAccess):
 
     def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, vocab_size: int | None = None,
                  budget: KVBudget = KVBudget(), compile: bool = True, prefill_chunk: int = 256,
-                 dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
+                 prefix_caching: str = "auto") -> None:
         config = model.config
         window = config_context_window(config)
         self.max_model_len = min(window, max_model_len) if max_model_len else window
@@ -166,8 +168,23 @@ class StaticRunner(SlotTableAccess):
         # likewise captures graphs for decode batches only); on CPU the dynamic graph serves them too
         self._prefill = self.model.forward if self.device.type == "cuda" else self._step
         self._seqs = SlotTable(self.max_model_len, num_slots, self.model.move_slot)
+        self.prefix_cache = self._prefix_cache(prefix_caching)
         self.forward_calls = 0
         self.forward_rows = 0
+
+    def _prefix_cache(self, mode: str) -> SlotPrefixCache | None:
+        """`auto`: on where the forward is layout-invariant (exact hits); `on`: on, or an error; `off`."""
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"prefix_caching must be auto, on or off, got {mode!r}")
+        if mode == "off":
+            return None
+        why = "compiled steps choose kernels by shape" if self.compiled else why_layout_variant(self.model)
+        if why is None:
+            return SlotPrefixCache(self.model.num_slots, self.model.move_slot)
+        if mode == "on":
+            raise ValueError(f"prefix_caching: on needs a layout-invariant forward (hits must give the bits a "
+                             f"computed prefix gives) and this one is not: {why}; use auto or off")
+        return None
 
     # ---- sequence table -------------------------------------------------------------------------------------
     @property
@@ -175,13 +192,20 @@ class StaticRunner(SlotTableAccess):
         return self.model.num_slots
 
     def add(self, seq_id: str) -> None:
+        if self.prefix_cache is not None and seq_id not in self._seqs:
+            self.prefix_cache.vacate(len(self._seqs), len(self._seqs))  # the new sequence's slot
         self._seqs.add(seq_id)  # KVCacheFull when every slot is taken
 
     def release(self, seq_id: str) -> None:
-        """Free a sequence's slot now; the last slot moves into the hole so slots stay compact."""
+        """Free a sequence's slot now; the last slot moves into the hole so slots stay compact. With the prefix
+        cache, the sequence's keys and values stay in a free slot first (engine/prefix_cache.py)."""
+        if self.prefix_cache is not None and seq_id in self._seqs:
+            self.prefix_cache.keep(self._seqs[seq_id], len(self._seqs))
         self._seqs.release(seq_id)
 
-    # ---- forward --------------------------------------------------------------------------------------------
+    def prefix_cache_stats(self) -> dict | None:
+        return None if self.prefix_cache is None else self.prefix_cache.index.stats.as_dict()
+
     @torch.inference_mode()
     def forward(self, seq_ids: Sequence[str], new_tokens: Sequence[Sequence[int]],
                 num_logits: Sequence[int]) -> torch.Tensor:  # [B, max(num_logits), V] float32
@@ -193,6 +217,9 @@ class StaticRunner(SlotTableAccess):
             if len(state.tokens) + len(toks) > self.max_model_len:
                 raise ContextWindowError(
                     f"sequence would reach {len(state.tokens) + len(toks)} tokens > {self.max_model_len}")
+        new_tokens = [list(toks) for toks in new_tokens]
+        if self.prefix_cache is not None:
+            self.prefix_cache.reuse(states, new_tokens, num_logits)
         # long rows: everything but their last num_logits tokens is prefilled first, in chunks; the rest joins the
         # batch
         heads, tails = [], []

@@ -6,7 +6,7 @@
 //   add_rms_norm(h, d, w, eps)        h += d (in place), then rms_norm(h, w, eps)      (residual + next norm)
 //   silu_mul(gate_up)                 silu(gate) * up, gate_up = [gate | up]           (the SwiGLU MLP; e^x: simd.h)
 //   cache_attention(q, k_cache, v_cache, first_slot, positions, kv_len, scale)
-//       causal GQA attention of a few queries per row over its cached keys, read in place (below)
+//       causal GQA attention of each row's queries over its cached keys, read in place (below)
 //   rope_to_cache(qkv, cos, sin, positions, k_cache, v_cache, first_slot, heads, kv_heads)
 //       q [B, H, W, D] RoPE'd (rotate-half form, `_rope` in engine/llama_fast.py); k RoPE'd and v written into the
 //       caches at (first_slot + b, :, positions[b, w]), what the Python step does with index assignments
@@ -190,12 +190,82 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
 
 namespace {
 
+using specserve::exp8;
 using specserve::lane_sum;
 
 // attention of a few queries per row (decode, verify) over the rows' own cached keys, read in place:
 // out[b, h, w] = softmax_t<=positions[b, w](scale * q[b, h, w] . k[slot_b, g, t]) . v[slot_b, g, t], g = h / (H / KVH),
 // t < kv_len too (a padding row's position lies past every real key). Unlike `visible_keys` + SDPA, a row reads only
 // its own keys, and nothing is materialized.
+// Queries of one row and head handed to one task (a unit of at::parallel_for). Each query's arithmetic is fixed by
+// its own length alone, not by its task or the step's width, so its result never depends on how a sequence's tokens
+// were split into steps or chunks: the keys and values a prompt writes are the same bits whether it was fed whole,
+// in chunks, or after a prefix another sequence computed (engine/prefix_cache.py relies on it).
+constexpr int64_t QUERY_BLOCK = 8;
+
+// scores[t] = (q . k_t) * s for t < length: per key, 8-lane FMAs over the head dimension in ascending order, then
+// lane_sum; eight keys at a time (independent accumulators keep the FMA units busy), the rest one at a time, with
+// the same per-key sequence
+inline void key_scores(const float* qv, const float* keys, int64_t dim, int64_t length, float s, float* scores) {
+  int64_t t = 0;
+  for (; t + 8 <= length; t += 8) {
+    __m256 a[8];
+    for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) {
+      const __m256 x = _mm256_loadu_ps(qv + d);
+      for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(x, _mm256_loadu_ps(keys + (t + k) * dim + d), a[k]);
+    }
+    for (int k = 0; k < 8; ++k) scores[t + k] = lane_sum(a[k]) * s;
+  }
+  for (; t < length; ++t) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(keys + t * dim + d), a);
+    scores[t] = lane_sum(a) * s;
+  }
+}
+
+// scores [0, length) -> softmax weights in place: e^(score - max) on 8 lanes (simd.h exp8), their sum in order,
+// each divided by it
+inline void softmax_in_place(float* scores, int64_t length) {
+  float top = -INFINITY;
+  for (int64_t i = 0; i < length; ++i) top = std::max(top, scores[i]);
+  const __m256 shift = _mm256_set1_ps(top);
+  int64_t i = 0;
+  for (; i + 8 <= length; i += 8)
+    _mm256_storeu_ps(scores + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), shift)));
+  if (i < length) {  // the tail through the same routine (lanes are independent), the padding lanes dropped
+    float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::copy(scores + i, scores + length, tail);
+    _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), shift)));
+    std::copy(tail, tail + (length - i), scores + i);
+  }
+  float total = 0.0f;
+  for (int64_t t = 0; t < length; ++t) total += scores[t];
+  for (int64_t t = 0; t < length; ++t) scores[t] /= total;
+}
+
+// out[d] = sum over t < length of weights[t] * values[t][d], t ascending (one FMA chain per lane): 64 dimensions at a
+// time in 8 registers, a remainder of fewer than 64 one 8-lane block at a time
+inline void weighted_values(const float* weights, const float* values, int64_t dim, int64_t length, float* out) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= dim; d0 += 64) {
+    __m256 acc[8];
+    for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < length; ++t) {
+      const __m256 p = _mm256_set1_ps(weights[t]);
+      const float* v = values + t * dim + d0;
+      for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * k), acc[k]);
+    }
+    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(out + d0 + 8 * k, acc[k]);
+  }
+  for (; d0 < dim; d0 += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t t = 0; t < length; ++t)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(weights[t]), _mm256_loadu_ps(values + t * dim + d0), acc);
+    _mm256_storeu_ps(out + d0, acc);
+  }
+}
+
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            int64_t first_slot, const at::Tensor& positions, int64_t kv_len, double scale) {
   check_float(q, "q");
@@ -210,55 +280,24 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(kv_len >= 1 && kv_len <= capacity, "kv_len ", kv_len, " out of range");
   const int64_t* pos = checked_positions(positions, batch, width, first_slot, k_cache, capacity);
   const int64_t group = heads / kv_heads;
+  const int64_t blocks = (width + QUERY_BLOCK - 1) / QUERY_BLOCK;
   at::Tensor out = at::empty_like(q);
   const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
-  at::parallel_for(0, batch * heads, 1, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, batch * heads * blocks, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores(capacity);
     for (int64_t task = first; task < last; ++task) {
-      const int64_t b = task / heads, h = task % heads, g = h / group;
+      const int64_t b = task / (heads * blocks), h = (task / blocks) % heads, w0 = (task % blocks) * QUERY_BLOCK;
+      const int64_t g = h / group;
       const float* keys = kp + ((first_slot + b) * kv_heads + g) * capacity * dim;
       const float* values = vp + ((first_slot + b) * kv_heads + g) * capacity * dim;
-      for (int64_t w = 0; w < width; ++w) {
-        const float* qv = qp + ((b * heads + h) * width + w) * dim;
+      for (int64_t w = w0; w < std::min(width, w0 + QUERY_BLOCK); ++w) {
         const int64_t length = std::min(pos[b * width + w] + 1, kv_len);  // padding rows: at most kv_len keys
-        float top = -INFINITY;
-        int64_t t = 0;
-        for (; t + 4 <= length; t += 4) {  // four keys at a time: independent accumulators keep the FMAs busy
-          const float* k0 = keys + t * dim;
-          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-          for (int64_t d = 0; d < dim; d += 8) {
-            const __m256 x = _mm256_loadu_ps(qv + d);
-            a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + d), a0);
-            a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + dim + d), a1);
-            a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + 2 * dim + d), a2);
-            a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + 3 * dim + d), a3);
-          }
-          scores[t] = lane_sum(a0) * s;
-          scores[t + 1] = lane_sum(a1) * s;
-          scores[t + 2] = lane_sum(a2) * s;
-          scores[t + 3] = lane_sum(a3) * s;
-        }
-        for (; t < length; ++t) {
-          __m256 a = _mm256_setzero_ps();
-          for (int64_t d = 0; d < dim; d += 8)
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(keys + t * dim + d), a);
-          scores[t] = lane_sum(a) * s;
-        }
-        for (int64_t i = 0; i < length; ++i) top = std::max(top, scores[i]);
-        float total = 0.0f;
-        for (int64_t i = 0; i < length; ++i) {
-          scores[i] = std::exp(scores[i] - top);
-          total += scores[i];
-        }
-        float* o = op + ((b * heads + h) * width + w) * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = 0.0f;
-        for (int64_t i = 0; i < length; ++i) {
-          const float p = scores[i] / total;
-          const float* vv = values + i * dim;
-          for (int64_t d = 0; d < dim; ++d) o[d] += p * vv[d];
-        }
+        const int64_t at = ((b * heads + h) * width + w) * dim;
+        key_scores(qp + at, keys, dim, length, s, scores.data());
+        softmax_in_place(scores.data(), length);
+        weighted_values(scores.data(), values, dim, length, op + at);
       }
     }
   });

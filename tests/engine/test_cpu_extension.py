@@ -211,7 +211,7 @@ def test_rope_to_cache_refuses_positions_past_the_cache(ops):
 
 
 @needs_kernel
-@pytest.mark.parametrize(("heads", "kv_heads", "width"), [(9, 3, 1), (4, 4, 4), (8, 2, 3)])
+@pytest.mark.parametrize(("heads", "kv_heads", "width"), [(9, 3, 1), (4, 4, 4), (8, 2, 3), (4, 2, 13)])
 def test_cache_attention_equals_masked_attention_over_each_rows_own_keys(ops, heads, kv_heads, width):
     from engine.static_llama import grouped_attention, visible_keys
 
@@ -228,3 +228,26 @@ def test_cache_attention_equals_masked_attention_over_each_rows_own_keys(ops, he
     alone = ops.cache_attention(q[2:].contiguous(), k_cache, v_cache, first_slot + 2, positions[2:].contiguous(),
                                 kv_len, dim ** -0.5)
     assert torch.equal(alone[0], got[2]), "a row's attention does not depend on the rows beside it"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [64, 16, 136])
+def test_a_querys_attention_is_the_same_bits_in_any_step_width(ops, dim):
+    """A query's result depends on its own position and keys only, not on how many queries share the call or where
+    it falls among them: a prompt fed whole, in chunks or token by token writes the same keys and values, which
+    exact prefix caching relies on (engine/prefix_cache.py). Head sizes of 64 (whole 64-lane blocks of values), 16
+    and 136 (a remainder)."""
+    heads, kv_heads, capacity, width, start = 6, 2, 128, 37, 20
+    k_cache, v_cache = torch.randn(1, kv_heads, capacity, dim), torch.randn(1, kv_heads, capacity, dim)
+    q = torch.randn(1, heads, width, dim)
+    positions = start + torch.arange(width)[None]
+    kv_len = start + width
+    whole = ops.cache_attention(q, k_cache, v_cache, 0, positions, kv_len, dim ** -0.5)
+    for cut in (1, 5, 8, 30):
+        for lo, hi in ((0, cut), (cut, width)):
+            part = ops.cache_attention(q[:, :, lo:hi].contiguous(), k_cache, v_cache, 0,
+                                       positions[:, lo:hi].contiguous(), kv_len, dim ** -0.5)
+            assert torch.equal(part, whole[:, :, lo:hi]), (cut, lo, hi)
+    one = ops.cache_attention(q[:, :, -1:].contiguous(), k_cache, v_cache, 0, positions[:, -1:].contiguous(),
+                              kv_len + 40, dim ** -0.5)  # a longer key range: the extra keys are past the query
+    assert torch.equal(one, whole[:, :, -1:])

@@ -86,3 +86,31 @@ def test_bf16_prompts_prefilled_together_give_the_bits_each_gives_alone():
         runner.add("alone")
         assert torch.equal(runner.forward(["alone"], [prompt], [1])[0], together[i]), i
         runner.release("alone")
+
+
+def test_a_bf16_prompts_logits_do_not_depend_on_how_it_was_split_into_forwards():
+    """The layout invariance exact prefix caching relies on (engine/prefix_cache.py), on the real model, where a
+    last-bit difference in attention reaches the logits (prompt chunks through SDPA gave logits up to 0.3 apart when
+    the prompt was cut): fed whole, or as a prefix and then the rest (a chunk, a verify-width step, a decode step),
+    the last token's logits are the same bits."""
+    import random
+
+    import torch
+
+    runner, _ = build_target(EngineConfig(target_dtype="bfloat16", kv_cache_gib=0.5, max_num_seqs=2,
+                                          prefix_caching="off"))
+    from engine.prefix_cache import why_layout_variant
+
+    if why_layout_variant(runner.model) is not None:
+        pytest.skip(why_layout_variant(runner.model))
+    rng = random.Random(2)
+    prompt = [rng.randrange(100, 40000) for _ in range(150)]
+    runner.add("whole")
+    want = runner.forward(["whole"], [prompt], [1])
+    runner.release("whole")
+    for cut in (20, 77, 140, 146, 149):
+        runner.add("split")
+        runner.forward(["split"], [prompt[:cut]], [1])
+        got = runner.forward(["split"], [prompt[cut:]], [1])
+        runner.release("split")
+        assert torch.equal(got, want), cut
