@@ -168,13 +168,14 @@ def peer_dtype(ours: str) -> str:
 def table(runs: dict[str, dict[int, dict]], targets: list[dict]) -> str:
     f = lambda v, spec=".0f": "-" if v is None else format(v, spec)  # noqa: E731
     head = (f"{'server':13s} {'conc':>4s} {'done':>5s} {'fail':>4s} {'tok/s':>7s} {'TTFT p50':>9s} {'TPOT p50':>9s}"
-            f" {'ITL p50':>8s} {'accept':>6s}")
-    lines = [head + "   (ms)", "-" * len(head)]
+            f" {'ITL p50':>8s} {'accept':>6s} {'cached':>6s}")
+    lines = [head + "   (ms; cached: share of prompt tokens read from the prefix cache)", "-" * len(head)]
     for server, by_c in runs.items():
         for c, r in sorted(by_c.items()):
             lines.append(f"{server:13s} {c:4d} {r['completed']:5d} {r['failed']:4d} {f(r['tok_s'], '.1f'):>7s} "
                          f"{f(r['ttft_p50_ms']):>9s} {f(r.get('tpot_p50_ms'), '.1f'):>9s} {f(r.get('itl_p50_ms'), '.1f'):>8s} "
-                         f"{f(r.get('spec_acceptance_rate'), '.2f'):>6s}")
+                         f"{f(r.get('spec_acceptance_rate'), '.2f'):>6s} "
+                         f"{f((r.get('prefix_cache') or {}).get('hit_rate'), '.0%'):>6s}")
     lines += ["", "targets (issue 16):"]
     for t in targets:
         ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}x"
@@ -233,6 +234,7 @@ def _measure_one(server: ManagedServer, args, c: int, dataset: Path, tokenizer_d
     n = args.num_prompts or default_num_prompts(c)
     name = f"{server.name}_c{c}.json"
     stats0 = _ours_stats(server) if server.name.startswith("ours") else None
+    cache0 = prefix_cache_counts(server)
     argv = client_argv(server.base_url, server.model_name, tokenizer_dir, dataset, c, n, args.max_tokens,
                        c if args.warmups is None else args.warmups, runs_dir, name, args.seed, args.backend,
                        args.temperature)
@@ -244,6 +246,7 @@ def _measure_one(server: ManagedServer, args, c: int, dataset: Path, tokenizer_d
         raise RuntimeError(f"vllm bench serve failed ({proc.returncode}); see {log.name}")
     raw = json.loads((runs_dir / name).read_text())
     row = summarize(raw, args.max_tokens)
+    row["prefix_cache"] = prefix_cache_delta(cache0, prefix_cache_counts(server))
     texts[(server.name, c)] = raw.get("generated_texts", [])
     if stats0 is not None:  # our acceptance, from the router's /stats (one router replica's view)
         stats1 = _ours_stats(server)
@@ -272,6 +275,40 @@ def round_timings(before: dict, after: dict) -> dict:
         for key in ROUND_TIMINGS:
             out[key] = round((total(after, key) - total(before, key)) / (n1 - n0), 2)
     return out
+
+
+def prefix_cache_counts(server: ManagedServer) -> tuple[float, float] | None:
+    """(prompt tokens looked up, tokens read from the prefix cache) since the server started: ours from /stats
+    (the router's count of its requests' prompt tokens and of the hits the Target workers reported), vLLM's from its
+    /metrics counters `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits`; None if unavailable. Warm-up requests
+    are counted too (they are part of each run's client call)."""
+    import httpx
+
+    try:
+        if server.name.startswith("ours"):
+            cache = httpx.get(f"{server.base_url}/stats", timeout=10).json().get("prefix_cache") or {}
+            return float(cache["prompt_tokens"]), float(cache["cached_prompt_tokens"])
+        text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    return prometheus_total(text, "vllm:prefix_cache_queries_total"), prometheus_total(text, "vllm:prefix_cache_hits_total")
+
+
+def prometheus_total(text: str, name: str) -> float:
+    """The sum of a metric's samples (every label set) in Prometheus' text format."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def prefix_cache_delta(before: tuple[float, float] | None, after: tuple[float, float] | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    queried, hits = after[0] - before[0], after[1] - before[1]
+    return {"queried_tokens": int(queried), "hit_tokens": int(hits),
+            "hit_rate": round(hits / queried, 4) if queried else None}
 
 
 def _ours_stats(server: ManagedServer) -> dict:

@@ -116,11 +116,12 @@ class CompletionLogprobs:
                 "text_offset": self.text_offset}
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int, stats: SpecStats | None) -> dict:
+def usage_json(prompt_tokens: int, completion_tokens: int, stats: SpecStats | None, cached_tokens: int = 0) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},  # read from the prefix cache (OpenAI's field)
         "speculative": stats.as_dict() if stats is not None else None,
     }
 
@@ -133,7 +134,8 @@ def merged_usage(finals: Sequence[RequestOutput], prompts: int) -> dict:
         stats.merge(out.stats)
     per_prompt = len(finals) // prompts
     prompt_tokens = sum(out.num_prompt_tokens for out in finals[::per_prompt])
-    return usage_json(prompt_tokens, sum(out.num_output_tokens for out in finals), stats)
+    cached = sum(out.num_cached_tokens for out in finals[::per_prompt])
+    return usage_json(prompt_tokens, sum(out.num_output_tokens for out in finals), stats, cached)
 
 
 async def interleave(streams: Sequence[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -268,6 +268,7 @@ class GroupRound:
         for b, run in verified.prompt_logprobs.items():
             if b not in failed:
                 rows[b].seq.add_prompt_logprobs(run)
+        self.stats.note_cached(rows, verified.cached_tokens)
         outputs: list[RequestOutput | RequestFailed] = []
         accepted = []
         for b, live in enumerate(rows):

@@ -173,23 +173,26 @@ class VerifyResult:
     # by call index: the prompt logprobs the call's prompt tokens were scored with (rows that asked, while prefilling)
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
     failed: dict[int, RowFailure] = field(default_factory=dict)  # rows that failed on the target, by call index
+    # by call index: tokens of the call's feed whose keys/values came from the prefix cache (engine/prefix_cache.py)
+    cached_tokens: dict[int, int] = field(default_factory=dict)
 
     def wire(self) -> tuple:
         rows = [None if v is None else
                 (v.tokens, v.num_accepted, None if v.logprobs is None else [tuple(lp) for lp in v.logprobs])
                 for v in self.verdicts]
         return (rows, self.seconds, None if self.draft is None else self.draft.wire(),
-                {b: run.wire() for b, run in self.prompt_logprobs.items()}, failures_to_wire(self.failed))
+                {b: run.wire() for b, run in self.prompt_logprobs.items()}, failures_to_wire(self.failed),
+                self.cached_tokens)
 
     @staticmethod
     def from_wire(wire: tuple) -> "VerifyResult":
-        rows, seconds, draft, prompt, failed = wire
+        rows, seconds, draft, prompt, failed, cached = wire
         verdicts = [None if row is None else
                     Verdict(row[0], row[1], None if row[2] is None else [TokenLogprob(*lp) for lp in row[2]])
                     for row in rows]
         return VerifyResult(verdicts, seconds, None if draft is None else DraftResult.from_wire(draft),
                             {b: PromptLogprobs.from_wire(run) for b, run in prompt.items()},
-                            failures_from_wire(failed))
+                            failures_from_wire(failed), cached)
 
 
 @dataclass(frozen=True)

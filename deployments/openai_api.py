@@ -234,6 +234,7 @@ def create_app(router) -> FastAPI:
                 "cost_profiles": router.scheduler.cost_profiles(),
                 "orchestration_ms_per_round": ms_per_round(st.orchestration_seconds),
                 "prefill_chunks": st.prefill_chunks, "draft_prefill_chunks": st.draft_prefill_chunks,
+                "prefix_cache": {"prompt_tokens": st.prompt_tokens, "cached_prompt_tokens": st.cached_prompt_tokens},
                 "draft_lease_ms_per_round": ms_per_round(st.draft_lease_seconds),
                 "draft_ms_per_round": ms_per_round(st.timings.draft_seconds),
                 "verify_ms_per_round": ms_per_round(st.timings.verify_seconds),

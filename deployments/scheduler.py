@@ -78,6 +78,15 @@ class SchedulerStats:
     ahead_used: int = 0  # of those, rows whose guess was right and whose next round used the draft
     ahead_cancelled: int = 0  # ahead draft calls stopped early because no row could use them
     chained_rounds: int = 0  # round groups whose draft worker handed its drafts straight to the target worker
+    prompt_tokens: int = 0  # of admitted requests
+    cached_prompt_tokens: int = 0  # of those, the ones the target workers read from their prefix caches
+
+    def note_cached(self, rows: list[LiveRequest], cached: dict[int, int]) -> None:
+        """A verify call's prefix-cache hits (VerifyResult.cached_tokens) to its rows' requests and the totals."""
+        for b, count in cached.items():
+            before = rows[b].seq.num_cached_tokens
+            rows[b].seq.add_cached_tokens(count)
+            self.cached_prompt_tokens += rows[b].seq.num_cached_tokens - before
 
 
 class Scheduler:
@@ -144,6 +153,7 @@ class Scheduler:
         # ever serves it, after a failover too, draws its random numbers from it (engine/randomness.py)
         seq = SequenceState.create(request_id, prompt_ids, params, k, self.config.max_model_len,
                                    self.config.eos_token_ids, self.tokenizer)
+        self.stats.prompt_tokens += len(seq.prompt_ids)
         self.admission.waiting += 1
         try:
             live = await self._open(seq)
@@ -262,6 +272,7 @@ class Scheduler:
         except ReplicaGone:
             await self.recovery.replace_target(lives)
             return
+        self.stats.note_cached(lives, result.cached_tokens)
         ended_now = []
         for b, (live, end) in enumerate(zip(lives, ends)):
             if b in result.prompt_logprobs:

@@ -288,8 +288,8 @@ class TargetWorkerCore(ModelWorker):
         result = DraftResult.from_wire(draft)
         for i, b in enumerate(members):
             calls[b] = (calls[b][0], result.drafts[i], result.proposals.get(i))
-        rows, seconds, _, prompt, failed = self.verify(calls)
-        return rows, seconds, result.without_proposals().wire(), prompt, failed
+        rows, seconds, _, prompt, failed, cached = self.verify(calls)
+        return rows, seconds, result.without_proposals().wire(), prompt, failed, cached
 
     def _timed_verify(self, calls: list[tuple]) -> tuple | None:
         with self.busy:
@@ -314,6 +314,7 @@ class TargetWorkerCore(ModelWorker):
             feeds.append(feed + list(call.draft))
             widths.append(len(call.draft) + 1)
         logits = runner.forward(seq_ids, feeds, widths)  # [B, K+1, V]; every rank runs it (collectives)
+        cached = dict(getattr(runner, "last_prefix_hits", {}))  # row -> tokens read from the prefix cache
         self._counted(len(calls))
         if self.rank != 0:
             return None
@@ -346,7 +347,8 @@ class TargetWorkerCore(ModelWorker):
                         self.grammars.matcher(calls[b].seq.seq_id, self._known.tokens[calls[b].seq.seq_id]
                                               + verdict.tokens)
         return VerifyResult(verdicts, time.perf_counter() - start, failed=failed,
-                            prompt_logprobs={b: run for b, run in prompt.items() if run is not None})
+                            prompt_logprobs={b: run for b, run in prompt.items() if run is not None},
+                            cached_tokens=cached)
 
     def _grammar_masks(self, call: VerifyCall):  # [K+1, V] bool, or None: the row has no grammar
         """The row's grammar masks at each verify position (engine/grammar.py): its matcher, made from the grammar

@@ -174,9 +174,12 @@ class SlotPrefixCache:
         self._move(state.slot, target, len(state.tokens))
         self.index.put(target, state.tokens)
 
-    def reuse(self, states: Sequence[SeqSlot], new_tokens: list[list[int]], num_logits: Sequence[int]) -> None:
+    def reuse(self, states: Sequence[SeqSlot], new_tokens: list[list[int]],
+              num_logits: Sequence[int]) -> dict[int, int]:
         """New sequences (nothing cached yet) whose first tokens an entry holds copy those keys and values and feed
-        only the rest (`new_tokens` is changed in place); at least their last `num_logits` tokens are computed."""
+        only the rest (`new_tokens` is changed in place); at least their last `num_logits` tokens are computed.
+        Returns the rows that did: tokens copied."""
+        hits: dict[int, int] = {}
         for b, (state, toks, k) in enumerate(zip(states, new_tokens, num_logits)):
             if state.tokens or len(toks) <= self.index.min_tokens:
                 continue
@@ -187,6 +190,8 @@ class SlotPrefixCache:
             self._move(src, state.slot, length)
             state.tokens.extend(toks[:length])
             new_tokens[b] = toks[length:]
+            hits[b] = length
+        return hits
 
 
 def why_layout_variant(model: StaticLlama) -> str | None:

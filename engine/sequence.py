@@ -41,6 +41,7 @@ class RequestOutput:
     # on a request's first output, when it asked for prompt logprobs: None (the first prompt token has none), then
     # per prompt token a prompt_logprobs.PromptLogprob
     prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0  # SequenceState.num_cached_tokens
 
     @cached_property
     def new_text(self) -> str:
@@ -79,6 +80,12 @@ class SequenceState:
     # scores the prompt (chunk by chunk: add_prompt_logprobs), delivered with the first output
     prompt_logprobs: list | None = None
     prompt_unscored: int = 0  # prompt tokens not scored yet
+    # prompt tokens the target read from its prefix cache instead of computing them (OpenAI's usage
+    # `prompt_tokens_details.cached_tokens`); at most the prompt's length, a re-prefill after a failover included
+    num_cached_tokens: int = 0
+
+    def add_cached_tokens(self, count: int) -> None:
+        self.num_cached_tokens = min(len(self.prompt_ids), self.num_cached_tokens + count)
 
     @classmethod
     def create(cls, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, k: int,
@@ -172,6 +179,7 @@ class SequenceState:
             num_prompt_tokens=len(self.prompt_ids),
             num_output_tokens=len(self.text.token_ids),
             stats=self.stats,
+            num_cached_tokens=self.num_cached_tokens,
             logprobs=None if logprobs is None else list(logprobs[: len(kept)]),
             prompt_logprobs=list(self.prompt_logprobs) if first and self.prompt_logprobs is not None else None,
         )

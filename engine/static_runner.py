@@ -169,6 +169,7 @@ class StaticRunner(SlotTableAccess):
         self._prefill = self.model.forward if self.device.type == "cuda" else self._step
         self._seqs = SlotTable(self.max_model_len, num_slots, self.model.move_slot)
         self.prefix_cache = self._prefix_cache(prefix_caching)
+        self.last_prefix_hits: dict[int, int] = {}  # the last forward's rows that read a prefix from the cache: tokens
         self.forward_calls = 0
         self.forward_rows = 0
 
@@ -219,7 +220,7 @@ class StaticRunner(SlotTableAccess):
                     f"sequence would reach {len(state.tokens) + len(toks)} tokens > {self.max_model_len}")
         new_tokens = [list(toks) for toks in new_tokens]
         if self.prefix_cache is not None:
-            self.prefix_cache.reuse(states, new_tokens, num_logits)
+            self.last_prefix_hits = self.prefix_cache.reuse(states, new_tokens, num_logits)
         # long rows: everything but their last num_logits tokens is prefilled first, in chunks; the rest joins the
         # batch
         heads, tails = [], []

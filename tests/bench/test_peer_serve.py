@@ -153,3 +153,19 @@ def test_round_timings_cover_only_the_rounds_between_two_stats():
     assert got["verify_ms_per_round"] == 25.0 and got["verify_compute_ms_per_round"] == 17.0
     assert got["draft_ms_per_round"] == 0.0
     assert peer_serve.round_timings(after, after) == {"rounds": 0}
+
+
+def test_prefix_cache_counts_from_vllms_metrics_and_the_delta_between_two_reads():
+    from bench.peer_serve import prefix_cache_delta, prometheus_total
+
+    text = ('# HELP vllm:prefix_cache_queries_total Prefix cache queries\n'
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 120.0\n'
+            'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 30.0\n'
+            'vllm:prefix_cache_queries_created{engine="0"} 1.7e9\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 48.0\n')
+    assert prometheus_total(text, "vllm:prefix_cache_queries_total") == 150.0
+    assert prometheus_total(text, "vllm:prefix_cache_hits_total") == 48.0
+    assert prefix_cache_delta((100.0, 10.0), (300.0, 60.0)) == {"queried_tokens": 200, "hit_tokens": 50,
+                                                                "hit_rate": 0.25}
+    assert prefix_cache_delta(None, (1.0, 1.0)) is None
+    assert prefix_cache_delta((5.0, 1.0), (5.0, 1.0))["hit_rate"] is None

@@ -415,3 +415,31 @@ def test_a_request_waiting_for_a_new_target_replica_does_not_hold_up_the_others(
     assert a == plain_reference(tiny_model_dirs, PROMPT_IDS, 30)
     assert b == plain_reference(tiny_model_dirs, [9, 8, 7, 6], 12)
     assert broker.open_leases == {"draft": 0, "target": 0}
+
+
+def test_a_repeated_prompt_reads_its_prefix_from_the_cache_and_usage_says_how_much(tiny_model_dirs):
+    """bf16 weights on a CPU with AVX512_BF16 (layout-invariant: the prefix cache is on): the second request with
+    the same prompt copies all but its last token from the cache, the text is the first one's, and its usage reports
+    the copied tokens in OpenAI's `prompt_tokens_details.cached_tokens`; /stats counts them."""
+    from engine.prefix_cache import why_layout_variant
+
+    config = tiny_config(tiny_model_dirs, model={"target_dtype": "bfloat16"})
+    broker = LocalBroker(config)
+    runner = broker.cores["target"].runner
+    if getattr(runner, "prefix_cache", None) is None:
+        pytest.skip(f"no layout-invariant forward here: {why_layout_variant(runner.model)}")
+    router = Router(config, broker)
+    prompt = [5 + (i * 7) % 40 for i in range(30)]
+
+    async def go():
+        async with client(router) as c:
+            first = await complete(c, prompt=prompt)
+            second = await complete(c, prompt=prompt)
+            stats = (await c.get("/stats")).json()
+            return first.json(), second.json(), stats
+
+    first, second, stats = asyncio.run(go())
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": len(prompt) - 1}
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert stats["prefix_cache"] == {"prompt_tokens": 2 * len(prompt), "cached_prompt_tokens": len(prompt) - 1}
