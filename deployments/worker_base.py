@@ -34,7 +34,6 @@ from .messages import SeqDelta
 RELEASES_REMEMBERED = 4096  # sequences whose release times a worker keeps (`released_ago`)
 
 log = logging.getLogger(__name__)
-PREFIX_CACHE_LOG_S = 10.0
 
 
 class UnknownSequenceError(KeyError):
@@ -221,20 +220,6 @@ class ModelWorker:
             self._released_at.move_to_end(seq_id)
         while len(self._released_at) > RELEASES_REMEMBERED:
             self._released_at.popitem(last=False)
-        self._log_prefix_cache(now)
-
-    def _log_prefix_cache(self, now: float) -> None:
-        """The prefix cache's hits in the log, at most every PREFIX_CACHE_LOG_S and only when they changed (as
-        vLLM's engine logs its "Prefix cache hit rate")."""
-        runner = self.model_runner()
-        stats = runner.prefix_cache_stats() if hasattr(runner, "prefix_cache_stats") else None
-        if stats is None or now - getattr(self, "_prefix_logged_at", 0.0) < PREFIX_CACHE_LOG_S:
-            return
-        if stats["queried_tokens"] != getattr(self, "_prefix_logged", None):
-            self._prefix_logged_at, self._prefix_logged = now, stats["queried_tokens"]
-            log.info("prefix cache: %d of %d new sequences' tokens read from the cache (%.1f%%), %d entries kept, "
-                     "%d evicted", stats["hit_tokens"], stats["queried_tokens"], 100 * stats["hit_rate"],
-                     stats["stored"], stats["evicted"])
 
     def released_ago(self, seq_ids: list[str]) -> dict[str, float]:
         """Seconds since each of `seq_ids` was last released here, for those released among the last
