@@ -346,6 +346,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ray-serve-proxy", action="store_true",
                     help="start ours in Ray Serve's default mode (its Python proxy), without deployments/ray_env.py's "
                          "HAProxy and throughput settings that `make run` uses")
+    ap.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                    help="an extra `vllm serve` argument for both vLLM servers (repeat; e.g. --vllm-arg=--block-size "
+                         "--vllm-arg=32: vLLM's CPU backend caches prefixes in blocks of 128 tokens by default)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE unless set")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
@@ -410,7 +413,8 @@ def main(argv: list[str] | None = None) -> None:
                 info = {"kind": "ours", "config": cfg["applications"][0]["args"],
                         "source": args.ours_root or "installed", "ray_serve_env": ray_env}
             else:
-                cmd = vllm_serve_argv(model_dir, dtype, served, args.port, max_model_len, VLLM_SPECULATIVE[name])
+                cmd = vllm_serve_argv(model_dir, dtype, served, args.port, max_model_len, VLLM_SPECULATIVE[name],
+                                      args.vllm_arg)
                 server = ManagedServer(name, cmd, base_url, served, runs_dir / f"{name}.log",
                                        env=vllm_env(args.kv_cache_gib))
                 info = {"kind": "vllm", "speculative_config": VLLM_SPECULATIVE[name]}

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,13 +72,13 @@ def derive_ours_config(base: dict, overrides: dict[str, Any], port: int) -> dict
 
 
 def vllm_serve_argv(model_dir: str, dtype: str, served_name: str, port: int, max_model_len: int,
-                    speculative_config: dict | None) -> list[str]:
+                    speculative_config: dict | None, extra: Sequence[str] = ()) -> list[str]:
     argv = [str(VLLM_PYTHON), str(VLLM_CLI), "serve", model_dir, "--dtype", dtype,
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", str(max_model_len), "--seed", "0"]
     if speculative_config is not None:
         argv += ["--speculative-config", json.dumps(speculative_config)]
-    return argv
+    return argv + list(extra)
 
 
 def vllm_env(kv_cache_gib: float) -> dict[str, str]:

@@ -104,6 +104,12 @@ class RunnerSection(StrictModel):
                             "runner's eager bf16 forward on a CPU with AVX512_BF16), off elsewhere; 'on': an error "
                             "where it would not be exact; 'off'")
 
+    @field_validator("prefix_caching", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value):
+        """YAML 1.1 (PyYAML, `serve run`) reads a bare `on` / `off` as a boolean: take it as the word."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
 
 class SamplingDefaults(StrictModel):
     temperature: float = Field(1.0, ge=0.0, description="default when a request gives none (OpenAI's default)")

@@ -125,6 +125,8 @@ def test_vllm_serve_argv():
     ngram = peer_servers.vllm_serve_argv("/m", "float32", "name", 8001, 2048, peer_servers.NGRAM_CONFIG)
     assert json.loads(ngram[ngram.index("--speculative-config") + 1]) == {
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    extra = peer_servers.vllm_serve_argv("/m", "float32", "name", 8001, 2048, None, ["--block-size", "32"])
+    assert extra[-2:] == ["--block-size", "32"] and extra[:-2] == plain
 
 
 def test_log_notes_keep_vllm_core_and_thread_lines():

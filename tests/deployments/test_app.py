@@ -93,3 +93,14 @@ def test_a_thread_s_niceness_is_its_own_and_a_refusal_is_a_warning(monkeypatch, 
     monkeypatch.setattr(worker_base.os, "setpriority", refuse)
     assert in_thread(worker_base.set_thread_niceness, -5) == mine
     assert "cannot set niceness -5" in caplog.text and "CAP_SYS_NICE" in caplog.text
+
+
+def test_prefix_caching_takes_yaml_on_and_off_and_reaches_the_engine_config():
+    import yaml
+
+    for text, want in (("on", "on"), ("off", "off"), ("auto", "auto")):
+        runner = yaml.safe_load(f"prefix_caching: {text}")  # PyYAML reads bare on/off as booleans
+        cfg = SpecServeConfig.model_validate({"runner": runner})
+        assert cfg.runner.prefix_caching == want and cfg.engine_config().prefix_caching == want
+    with pytest.raises(pydantic.ValidationError, match="prefix_caching"):
+        SpecServeConfig.model_validate({"runner": {"prefix_caching": "sometimes"}})
