@@ -96,6 +96,8 @@ def test_a_thread_s_niceness_is_its_own_and_a_refusal_is_a_warning(monkeypatch, 
 
 
 def test_prefix_caching_takes_yaml_on_and_off_and_reaches_the_engine_config():
+    import pydantic
+    import pytest
     import yaml
 
     for text, want in (("on", "on"), ("off", "off"), ("auto", "auto")):
