@@ -56,6 +56,10 @@ def panels() -> list[dict]:
                  f"/ ignoring(position) group_left {drafts}", "position {{position}}")], "percentunit"),
         _panel("Tokens/s", [(_rate("generation_tokens_total"), "output"), (_rate("prompt_tokens_total"), "prompt")],
                "short"),
+        _panel("Prefix cache hits", [(f"({_rate('prompt_tokens_cached_total')} or vector(0)) / "
+                                      f"{_rate('prompt_tokens_total')}", "prompt tokens read from the cache")],
+               "percentunit", "Prompt tokens the Target workers copied from their prefix cache instead of computing, "
+                              "over all prompt tokens (0 where the cache is off: runner.prefix_caching)."),
         _panel("Time to first token", [(_quantile(0.5, "time_to_first_token_seconds"), "p50"),
                                        (_quantile(0.99, "time_to_first_token_seconds"), "p99")], "s"),
         _panel("Inter-token latency", [(_quantile(0.5, "inter_token_latency_seconds"), "p50"),

@@ -78,6 +78,9 @@ class ServingMetrics:
                                         ("model_name", "position"))
         # requests and tokens
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.prompt_tokens_cached = counter("prompt_tokens_cached",
+                                            "Prompt tokens the Target workers read from their prefix cache instead "
+                                            "of computing them (usage.prompt_tokens_details.cached_tokens).")
         self.generation_tokens = counter("generation_tokens", "Generated (output) tokens.")
         self.request_success = counter("request_success", "Finished requests by finish reason.",
                                        ("model_name", "finished_reason"))
@@ -133,9 +136,12 @@ class ServingMetrics:
         if num_tokens > 0:
             self.itl.observe(gap_s / num_tokens)
 
-    def finished(self, prompt_tokens: int, output_tokens: int, reason: str | None, e2e_s: float) -> None:
+    def finished(self, prompt_tokens: int, output_tokens: int, reason: str | None, e2e_s: float,
+                 cached_tokens: int = 0) -> None:
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
+        if cached_tokens:
+            self.prompt_tokens_cached.inc(cached_tokens)
         if output_tokens:
             self.generation_tokens.inc(output_tokens)
         self.request_success.inc(1, {"finished_reason": reason or "abort"})

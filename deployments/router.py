@@ -306,7 +306,7 @@ class Router:
                 last = out
                 if out.finished:
                     observe(self.metrics.finished, out.num_prompt_tokens, out.num_output_tokens,
-                            out.finish_reason, now - prepared.arrival)
+                            out.finish_reason, now - prepared.arrival, out.num_cached_tokens)
                 yield out
         except Overloaded as exc:
             raise overloaded_error(exc) from exc
@@ -319,7 +319,7 @@ class Router:
         finally:
             if last is not None and not last.finished:  # client gone or error: counted as aborted
                 observe(self.metrics.finished, last.num_prompt_tokens, last.num_output_tokens, "abort",
-                        time.perf_counter() - prepared.arrival)
+                        time.perf_counter() - prepared.arrival, last.num_cached_tokens)
             await stream.aclose()
 
 

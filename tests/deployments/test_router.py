@@ -423,12 +423,16 @@ def test_a_repeated_prompt_reads_its_prefix_from_the_cache_and_usage_says_how_mu
     the copied tokens in OpenAI's `prompt_tokens_details.cached_tokens`; /stats counts them."""
     from engine.prefix_cache import why_layout_variant
 
+    from deployments.metrics import ServingMetrics
+    from tests.deployments.test_metrics import RecordingBackend
+
     config = tiny_config(tiny_model_dirs, model={"target_dtype": "bfloat16"})
     broker = LocalBroker(config)
     runner = broker.cores["target"].runner
     if getattr(runner, "prefix_cache", None) is None:
         pytest.skip(f"no layout-invariant forward here: {why_layout_variant(runner.model)}")
-    router = Router(config, broker)
+    backend = RecordingBackend()
+    router = Router(config, broker, metrics=ServingMetrics("tiny", backend))
     prompt = [5 + (i * 7) % 40 for i in range(30)]
 
     async def go():
@@ -443,3 +447,4 @@ def test_a_repeated_prompt_reads_its_prefix_from_the_cache_and_usage_says_how_mu
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": len(prompt) - 1}
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     assert stats["prefix_cache"] == {"prompt_tokens": 2 * len(prompt), "cached_prompt_tokens": len(prompt) - 1}
+    assert backend.total("counters", "specserve_prompt_tokens_cached") == len(prompt) - 1
