@@ -10,7 +10,7 @@ empty slot if there is one, else the entry is dropped; when every free slot hold
 one makes room for the next.
 
 A hit is exact only where the forward is *layout-invariant*: a token's keys and values are the same bits whether its
-sequence was fed whole, in chunks or after a copied prefix (`StaticLlama.layout_invariant`). The runner turns the
+sequence was fed whole, in chunks or after a copied prefix (`why_layout_variant`). The runner turns the
 cache on only there, so a greedy text with the cache is the text without it.
 """
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import cpu_extension
-from .runner import SeqSlot
-from .static_llama import StaticLlama
+from .runner import SeqSlot, common_prefix
+from .static_llama import FUSED_OPS, StaticLlama
 
 MIN_PREFIX_TOKENS = 16  # shorter matches are not copied (vLLM's default block size)
 
@@ -54,7 +54,6 @@ class _Entry:
 class PrefixCache:
     """Which free slots hold which token prefixes (the bookkeeping only; the runner copies the keys and values)."""
 
-    num_slots: int
     min_tokens: int = MIN_PREFIX_TOKENS
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     _entries: dict[int, _Entry] = field(default_factory=dict)  # by slot
@@ -125,6 +124,7 @@ class PrefixCache:
             return None
         return min(self._entries, key=lambda s: self._entries[s].last_used)
 
+
 class SlotPrefixCache:
     """The static runner's side: entries in the KV cache's free slots (slots `live`.. past the live sequences, which
     stay compact in 0..live-1), copied with the model's `move_slot(src, dst, length)`."""
@@ -132,7 +132,7 @@ class SlotPrefixCache:
     def __init__(self, num_slots: int, move_slot: Callable[[int, int, int], None],
                  min_tokens: int = MIN_PREFIX_TOKENS) -> None:
         self.num_slots = num_slots
-        self.index = PrefixCache(num_slots, min_tokens)
+        self.index = PrefixCache(min_tokens)
         self._move = move_slot
 
     def __len__(self) -> int:
@@ -205,8 +205,7 @@ def why_layout_variant(model: StaticLlama) -> str | None:
         return "tensor-parallel shards are not checked for it"
     if model.dtype != torch.float32 or model.k_cache_0.dtype != torch.float32:
         return f"activations/cache in {model.dtype}: specserve's fused CPU operators run fp32 only"
-    if not all(cpu_extension.op(name) for name in ("rms_norm", "add_rms_norm", "silu_mul", "rope_to_cache",
-                                                    "cache_attention")):
+    if not all(cpu_extension.op(name) for name in FUSED_OPS):
         return "specserve's fused CPU operators are not built here"
     if model.head_dim % 8:
         return f"head_dim {model.head_dim} is not a multiple of 8 (cache_attention)"
@@ -217,11 +216,3 @@ def why_layout_variant(model: StaticLlama) -> str | None:
                 f"weights on a CPU with AVX512_BF16 run every product on one kernel)")
     return None
 
-
-def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """How many leading tokens `a` and `b` share, at most `limit`."""
-    n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

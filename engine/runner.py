@@ -50,6 +50,15 @@ class SeqSlot:
     tokens: list[int]  # token ids whose keys/values are in the cache, in order
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """How many leading tokens `a` and `b` share, at most `limit`."""
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 class SlotTable:
     """The live sequences of a runner: each one's cache slot and the token ids its cache holds.
 
@@ -108,10 +117,7 @@ class SlotTable:
             raise ContextWindowError(
                 f"sequence of {len(committed)} tokens exceeds the context window of {self.max_model_len}")
         cached = self._seqs[seq_id].tokens
-        limit = min(len(cached), len(committed) - 1)
-        common = 0
-        while common < limit and cached[common] == committed[common]:
-            common += 1
+        common = common_prefix(cached, committed, len(committed) - 1)
         del cached[common:]
         return list(committed[common:])
 

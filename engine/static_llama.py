@@ -37,6 +37,8 @@ FAMILIES = ("llama", "mistral", "qwen2", "gemma")
 INT8_KERNEL_MAX_ROWS = 32
 # forwards of at most this many tokens per row are steps (decode, verify): their fp32 products take the CPU kernel
 STEP_MAX_WIDTH = 8
+# the fused fp32 layer operators of engine/csrc/layer_ops.cpp an eager CPU step runs (`_LayerOps`)
+FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_mul", "rope_to_cache", "cache_attention")
 _STATIC_ROPE = {None, "default", "linear", "llama3", "yarn", "longrope"}
 
 
@@ -213,8 +215,7 @@ class _LayerOps:
         fused = None
         if (positions.device.type == "cpu" and model.dtype == torch.float32 and model.k_cache_0.dtype == torch.float32
                 and not torch.compiler.is_compiling()):
-            fused = {name: cpu_extension.op(name) for name in ("rms_norm", "add_rms_norm", "silu_mul",
-                                                                "rope_to_cache", "cache_attention")}
+            fused = {name: cpu_extension.op(name) for name in FUSED_OPS}
             fused = fused if all(fused.values()) else None
         return cls(model, fused, positions, first_slot, kv_len)
 

@@ -13,7 +13,7 @@ from tests.conftest import make_tiny_model
 
 # ---- bookkeeping --------------------------------------------------------------------------------------------------
 def test_match_takes_the_longest_shared_prefix_within_the_limit_and_counts_it():
-    cache = PrefixCache(num_slots=8, min_tokens=4)
+    cache = PrefixCache(min_tokens=4)
     cache.put(5, list(range(10)))
     cache.put(6, list(range(6)) + [99, 98])
     assert cache.match(list(range(8)) + [7, 7], limit=9) == (5, 8)
@@ -23,7 +23,7 @@ def test_match_takes_the_longest_shared_prefix_within_the_limit_and_counts_it():
 
 
 def test_an_entry_that_a_new_one_extends_is_dropped_and_a_covered_sequence_is_not_kept():
-    cache = PrefixCache(num_slots=8, min_tokens=2)
+    cache = PrefixCache(min_tokens=2)
     cache.put(3, [1, 2, 3])
     assert cache.put(4, [1, 2, 3, 4, 5]) == [3]  # slot 3 is empty now
     assert cache.slots() == [4]
@@ -33,7 +33,7 @@ def test_an_entry_that_a_new_one_extends_is_dropped_and_a_covered_sequence_is_no
 
 
 def test_least_recently_used_is_the_entry_matched_or_stored_longest_ago():
-    cache = PrefixCache(num_slots=8, min_tokens=2)
+    cache = PrefixCache(min_tokens=2)
     cache.put(1, [1, 1, 1])
     cache.put(2, [2, 2, 2])
     cache.match([1, 1, 1, 7], limit=3)
