@@ -8,6 +8,12 @@
 - `rms_norm`, `add_rms_norm`, `silu_mul`, `rope_to_cache`, `cache_attention` (layer_ops.cpp): fused fp32 operators
   for the static runner's eager layer, each replacing several ATen calls whose dispatch cost dominates at decode sizes.
 
+All of them split their work over torch's thread count with `specserve::parallel_for` (pool.h), not OpenMP's
+at::parallel_for: the calling thread claims chunks along with helper threads and waits only for chunks a helper has
+claimed, so a helper that another process displaced from its core does not hold the step up (served at 1 / 8 / 16
+streams on this project's 2-core machine: 1.06-1.17x the tokens/s of at::parallel_for, bench/RESULTS.md, session
+20). `SPECSERVE_POOL=openmp` chooses at::parallel_for (A/B measurements); the results are the same bits.
+
 Decode and verify steps multiply a few rows (1..16) by every weight matrix. MKL's sgemm is slow at these shapes on
 this project's 2-core AVX2 machine (torch 2.13, SmolLM2-135M's 30 layers' projections, weights in cache, 2
 threads): 8 rows took 33 ms, 44 GFLOP/s where the same MKL reaches 176 GFLOP/s at 1,024 rows. The kernel here

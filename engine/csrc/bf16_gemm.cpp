@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "pool.h"
 #include "simd.h"
 
 namespace {
@@ -118,7 +119,7 @@ void gemm(const uint32_t* x, const uint32_t* w, const float* bias, float* y, int
   // costs more than it saves
   const int64_t tile_bytes = kCols * pairs * kLanes * 4 * std::min<int64_t>(m_size, kRows);
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, tile_bytes));
-  at::parallel_for(0, panels * row_blocks, grain, [&](int64_t first, int64_t last) {
+  specserve::parallel_for(0, panels * row_blocks, grain, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const int64_t panel = t / row_blocks, block = t % row_blocks;
       const int64_t v0 = panel * kCols, m0 = block * kRows;

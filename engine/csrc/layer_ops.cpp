@@ -25,6 +25,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "pool.h"
 #include "simd.h"
 
 namespace {
@@ -67,7 +68,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor out = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t first, int64_t last) {
+  specserve::parallel_for(0, rows, 64, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) norm_row(xp + r * size, wp, static_cast<float>(eps), size, op + r * size);
   });
   return out;
@@ -83,7 +84,7 @@ at::Tensor add_rms_norm(at::Tensor hidden, const at::Tensor& delta, const at::Te
   float* hp = hidden.data_ptr<float>();
   const float *dp = delta.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t first, int64_t last) {
+  specserve::parallel_for(0, rows, 64, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       float* h = hp + r * size;
       const float* d = dp + r * size;
@@ -109,7 +110,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty(shape, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+  specserve::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const float* g = gp + r * width;
       const float* u = g + half;
@@ -156,7 +157,7 @@ at::Tensor rope_to_cache(const at::Tensor& qkv, const at::Tensor& cos, const at:
   const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   const int64_t row = (num_heads + 2 * num_kv_heads) * dim;
-  at::parallel_for(0, batch * width, 8, [&](int64_t first, int64_t last) {
+  specserve::parallel_for(0, batch * width, 8, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const int64_t b = t / width, w = t % width, p = pos[t];
       const float* x = xp + t * row;
@@ -197,7 +198,7 @@ using specserve::lane_sum;
 // out[b, h, w] = softmax_t<=positions[b, w](scale * q[b, h, w] . k[slot_b, g, t]) . v[slot_b, g, t], g = h / (H / KVH),
 // t < kv_len too (a padding row's position lies past every real key). Unlike `visible_keys` + SDPA, a row reads only
 // its own keys, and nothing is materialized.
-// Queries of one row and head handed to one task (a unit of at::parallel_for). Each query's arithmetic is fixed by
+// Queries of one row and head handed to one task (a unit of specserve::parallel_for, pool.h). Each query's arithmetic is fixed by
 // its own length alone, not by its task or the step's width, so its result never depends on how a sequence's tokens
 // were split into steps or chunks: the keys and values a prompt writes are the same bits whether it was fed whole,
 // in chunks, or after a prefix another sequence computed (engine/prefix_cache.py relies on it).
@@ -285,7 +286,7 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
-  at::parallel_for(0, batch * heads * blocks, 1, [&](int64_t first, int64_t last) {
+  specserve::parallel_for(0, batch * heads * blocks, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores(capacity);
     for (int64_t task = first; task < last; ++task) {
       const int64_t b = task / (heads * blocks), h = (task / blocks) % heads, w0 = (task % blocks) * QUERY_BLOCK;

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <vector>
 
+#include "pool.h"
 #include "simd.h"
 
 namespace {
@@ -95,7 +96,7 @@ void gemm(const float* xp, const W* wp, const float* scales, const float* b, flo
   const int64_t panels = (n_size + kCols - 1) / kCols;
   // a thread's share should stream at least ~64 KiB of weights, else the split costs more than it saves
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kCols * k_size * static_cast<int64_t>(sizeof(W))));
-  at::parallel_for(0, panels, grain, [&](int64_t first, int64_t last) {
+  specserve::parallel_for(0, panels, grain, [&](int64_t first, int64_t last) {
     float out[kRows * kCols];
     for (int64_t p = first; p < last; ++p) {
       const int64_t n0 = p * kCols;
