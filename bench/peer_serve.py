@@ -431,6 +431,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"== {name}: ready after {server.timings['ready_s']} s", flush=True)
                 info["client_errors"] = {}
                 runs[name] = measure(server, args, dataset, model_dir, runs_dir, texts, info["client_errors"])
+                if info["kind"] == "ours":  # the costs its K policy decided by (start-up measurement, corrections)
+                    info["cost_profiles"] = _ours_stats(server).get("cost_profiles")
             except Exception as exc:  # one server failing must not lose the others' figures
                 info["error"] = f"{type(exc).__name__}: {exc}"[:4000]
                 print(f"!! {name}: {info['error'].splitlines()[0][:300]} (log: {server.log_path})", flush=True)
