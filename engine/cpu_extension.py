@@ -10,9 +10,11 @@
 
 All of them split their work over torch's thread count with `specserve::parallel_for` (pool.h), not OpenMP's
 at::parallel_for: the calling thread claims chunks along with helper threads and waits only for chunks a helper has
-claimed, so a helper that another process displaced from its core does not hold the step up (served at 1 / 8 / 16
-streams on this project's 2-core machine: 1.06-1.17x the tokens/s of at::parallel_for, bench/RESULTS.md, session
-20). `SPECSERVE_POOL=openmp` chooses at::parallel_for (A/B measurements); the results are the same bits.
+claimed, so a helper that another process displaced from its core does not hold the step up (served on this
+project's 2-core machine, alternating server runs: 1.03-1.27x the tokens/s of at::parallel_for at 8 streams,
+0.81-1.41x at 16, median 1.19x; bench/RESULTS.md, session 20). `SPECSERVE_POOL=openmp` chooses at::parallel_for
+(A/B measurements), `SPECSERVE_POOL_SPIN_US` how long idle helpers spin (default 200); the results are the same
+bits.
 
 Decode and verify steps multiply a few rows (1..16) by every weight matrix. MKL's sgemm is slow at these shapes on
 this project's 2-core AVX2 machine (torch 2.13, SmolLM2-135M's 30 layers' projections, weights in cache, 2

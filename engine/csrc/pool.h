@@ -15,7 +15,7 @@
 //
 // Helpers: torch's thread count minus one (at::get_num_threads(), so torch.set_num_threads governs both), started
 // on first use by the thread that calls (so they inherit its scheduling niceness: deployments/worker_base.py), re-made
-// after a fork. After a region they spin for up to kSpin, then sleep on a futex; the caller wakes them only when one
+// after a fork. After a region they spin for up to spin(), then sleep on a futex; the caller wakes them only when one
 // sleeps. A chunk must not throw (the operators check their arguments before they split the work). One region at a time per process: a second caller while one runs computes its range
 // on its own thread. SPECSERVE_POOL=openmp runs at::parallel_for instead (A/B measurements).
 #pragma once
@@ -124,7 +124,7 @@ class Pool {
     uint32_t seen = epoch_.load(std::memory_order_acquire);
     for (;;) {
       uint32_t now = epoch_.load(std::memory_order_acquire);
-      const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+      const auto spin_until = std::chrono::steady_clock::now() + spin();
       for (int spins = 1; now == seen; ++spins) {
         _mm_pause();
         now = epoch_.load(std::memory_order_acquire);
@@ -141,10 +141,18 @@ class Pool {
     }
   }
 
-  // a helper spins this long after a region before it sleeps: longer than the gaps between one step's regions
-  // (tens of microseconds of Python), shorter than a round's turn-around, so an idle worker frees its cores (a draft
-  // model on the same cores computes while the target waits, and the other way round)
-  static constexpr std::chrono::microseconds kSpin{200};
+  // how long a helper spins after a region before it sleeps (SPECSERVE_POOL_SPIN_US, default kSpinUs): longer than
+  // the gaps between one step's regions (tens of microseconds of Python, more when other processes hold the cores),
+  // short enough that an idle worker frees its cores soon after a round (a draft model on the same cores computes
+  // while the target waits, and the other way round)
+  static std::chrono::microseconds spin() {
+    static const std::chrono::microseconds us{[] {
+      const char* v = std::getenv("SPECSERVE_POOL_SPIN_US");
+      return v != nullptr ? std::max(0L, std::strtol(v, nullptr, 10)) : kSpinUs;
+    }()};
+    return us;
+  }
+  static constexpr long kSpinUs = 200;
   static constexpr uint64_t kClosed = 0xffffffffu;  // a ticket's index once its region has ended
 
   static inline thread_local bool inside = false;  // in a chunk: work it splits again is computed on this thread

@@ -1,7 +1,8 @@
 """engine/csrc/pool.h (specserve::parallel_for, under every CPU operator): however many threads share a call, and
 whichever of them computes a chunk, the result is the same bits as on one thread and no chunk is left out (outputs
 start as uninitialised memory); callers on several Python threads at once each get their own results; a forked
-child computes with helpers of its own; SPECSERVE_POOL=openmp (at::parallel_for) gives the same bits."""
+child computes with helpers of its own; SPECSERVE_POOL=openmp (at::parallel_for), and helpers that sleep at once
+(SPECSERVE_POOL_SPIN_US=0), give the same bits."""
 
 import multiprocessing
 import os
@@ -108,13 +109,14 @@ def test_a_forked_child_computes_with_helpers_of_its_own(ops):
 
 
 @needs_kernel
-def test_openmp_switch_gives_the_same_bits(ops, tmp_path):
+@pytest.mark.parametrize("env", [{"SPECSERVE_POOL": "openmp"}, {"SPECSERVE_POOL_SPIN_US": "0"}])
+def test_openmp_switch_and_a_helper_that_never_spins_give_the_same_bits(ops, tmp_path, env):
     mine = {name: on_threads(2, fn) for name, fn in calls(ops)}
     out = tmp_path / "openmp.pt"
     script = ("import torch, sys; from engine import cpu_extension; cpu_extension.op('cache_attention'); "
               "from tests.engine.test_cpu_pool import calls, on_threads; "
               f"torch.save({{n: on_threads(2, f) for n, f in calls(torch.ops.specserve)}}, {str(out)!r})")
-    env = {**os.environ, "SPECSERVE_POOL": "openmp"}
+    env = {**os.environ, **env}
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300,
                    cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     theirs = torch.load(out)
