@@ -50,8 +50,8 @@ import yaml
 
 from bench.load_bench import load_prompts
 from bench.peer_servers import (NGRAM_CONFIG, ROOT, VLLM_CLI, VLLM_PYTHON, ManagedServer, derive_ours_config,
-                                log_notes, machine_params, parse_overrides, port_free, vllm_env, vllm_serve_argv,
-                                vllm_version)
+                                log_notes, machine_params, parse_overrides, port_free, serve_run_argv, vllm_env,
+                                vllm_serve_argv, vllm_version)
 from deployments.ray_env import SERVE_ENV, reap_orphaned_haproxy
 
 SERVERS = ("ours-plain", "ours-default", "vllm-plain", "vllm-ngram")
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
                 SpecServeConfig.model_validate(cfg["applications"][0]["args"])  # fail here, not in a replica
                 cfg_path = runs_dir / f"{name}.yaml"
                 cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-                cmd = [str(Path(sys.executable).parent / "serve"), "run", str(cfg_path), "--address", "local"]
+                cmd = serve_run_argv(cfg_path)
                 ray_env = {} if args.ray_serve_proxy else SERVE_ENV  # as `make run` starts it, unless asked
                 env = {**os.environ, **ray_env}
                 if args.ours_root is not None:

@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -69,6 +70,11 @@ def derive_ours_config(base: dict, overrides: dict[str, Any], port: int) -> dict
     for dotted, value in overrides.items():
         set_dotted(args, dotted, value)
     return cfg
+
+
+def serve_run_argv(config: str | Path) -> list[str]:
+    """`serve run` of a serve config file on a new local Ray cluster, from this environment's Ray."""
+    return [str(Path(sys.executable).parent / "serve"), "run", str(config), "--address", "local"]
 
 
 def vllm_serve_argv(model_dir: str, dtype: str, served_name: str, port: int, max_model_len: int,

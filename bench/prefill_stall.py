@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +25,8 @@ import httpx
 import numpy as np
 import yaml
 
-from bench.peer_servers import ROOT, ManagedServer, derive_ours_config, machine_params, parse_overrides, port_free
+from bench.peer_servers import (ROOT, ManagedServer, derive_ours_config, machine_params, parse_overrides, port_free,
+                                serve_run_argv)
 
 
 def long_prompt(tokenizer, n_tokens: int) -> str:
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         if not port_free(args.port):
             raise SystemExit(f"port {args.port} is busy")
-        argv = [str(Path(sys.executable).parent / "serve"), "run", str(cfg_path), "--address", "local"]
+        argv = serve_run_argv(cfg_path)
         server = ManagedServer(name, argv, f"http://127.0.0.1:{args.port}", model_args["served_model_name"],
                                runs_dir / f"{name}.log")
         server.start()

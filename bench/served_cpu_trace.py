@@ -33,7 +33,8 @@ import yaml
 
 from bench.load_bench import load_prompts
 from bench.peer_serve import round_timings
-from bench.peer_servers import ManagedServer
+from bench.peer_servers import ManagedServer, serve_run_argv
+from bench.prefill_stall import stream
 from deployments.ray_env import SERVE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,14 +59,9 @@ def cpu_seconds() -> dict[int, tuple[float, str]]:
 
 
 async def stream_one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
+    """(when it was sent, when each chunk with text arrived) of one greedy streaming completion."""
     start, arrivals = time.perf_counter(), []
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data:") and "[DONE]" not in line:
-                arrivals.append(time.perf_counter())
+    await stream(client, model, prompt, max_tokens, arrivals)
     return start, arrivals
 
 
@@ -103,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, **SERVE_ENV, **dict(item.split("=", 1) for item in args.env)}
     base_url = f"http://127.0.0.1:{args.port}"
     log = Path(f"/tmp/served_cpu_trace_{args.tag}.log")
-    server = ManagedServer(args.tag, [str(Path(sys.executable).parent / "serve"), "run", args.config, "--address",
-                                      "local"], base_url, model, log, env=env)
+    server = ManagedServer(args.tag, serve_run_argv(args.config), base_url, model, log, env=env)
     server.start()
     try:
         server.wait_ready(900)

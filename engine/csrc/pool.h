@@ -35,7 +35,6 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
-#include <vector>
 
 namespace specserve {
 
@@ -115,10 +114,7 @@ class Pool {
   }
 
   void ensure_helpers(int64_t count) {
-    while (static_cast<int64_t>(helpers_.size()) < count) {
-      helpers_.emplace_back([this] { helper(); });
-      helpers_.back().detach();
-    }
+    for (; helpers_ < count; ++helpers_) std::thread([this] { helper(); }).detach();
   }
 
   void helper() {
@@ -159,7 +155,7 @@ class Pool {
   static inline thread_local bool inside = false;  // in a chunk: work it splits again is computed on this thread
   const pid_t pid_;
   std::mutex running_;
-  std::vector<std::thread> helpers_;
+  int64_t helpers_ = 0;  // helper threads started (detached: they live as long as the process)
   std::atomic<uint32_t> epoch_{0};
   std::atomic<int32_t> sleeping_{0};
   std::atomic<uint64_t> ticket_{0};  // (epoch << 32) | next chunk index

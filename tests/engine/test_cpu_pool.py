@@ -71,17 +71,15 @@ def test_callers_on_several_threads_each_get_their_own_results(ops):
             if not torch.equal(ops.small_gemm(x[i], weight, None), want[i]):
                 wrong.append(i)
 
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    def run_callers() -> list[threading.Thread]:
         threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
-        assert not any(t.is_alive() for t in threads), "a caller never came back"
-    finally:
-        torch.set_num_threads(saved)
+        return threads
+
+    assert not any(t.is_alive() for t in on_threads(2, run_callers)), "a caller never came back"
     assert not wrong, f"callers {sorted(set(wrong))} got another caller's or an unfinished result"
 
 
