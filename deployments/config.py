@@ -96,6 +96,11 @@ class RunnerSection(StrictModel):
     max_num_seqs: int = Field(32, ge=1, description="KV-cache slots at most per worker (sequences held at once)")
     prefill_chunk: int = Field(256, ge=16, description="prompt tokens per round: a longer prompt is prefilled over "
                                                        "several rounds, so running streams wait at most one chunk")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="dtype of the keys and values the KV cache holds; 'auto': the model's weight dtype "
+                            "(bfloat16 for a bf16 target or draft, whose CPU steps compute in float32), as vLLM's "
+                            "kv_cache_dtype auto; half the bytes of float32 for attention to read, twice the tokens "
+                            "per GiB")
     prefix_caching: Literal["auto", "on", "off"] = Field(
         "auto", description="keep finished sequences' keys/values in free KV-cache slots and copy them for new "
                             "sequences that start with the same tokens (a chat template's system prompt, a "
@@ -220,5 +225,5 @@ class SpecServeConfig(StrictModel):
             runner=self.runner.kind, compile=self.runner.compile, kv_cache_gib=self.runner.kv_cache_gib,
             kv_cache_fraction=self.runner.kv_cache_fraction, max_num_seqs=self.runner.max_num_seqs,
             prefill_chunk=self.runner.prefill_chunk, prefix_caching=self.runner.prefix_caching,
-            cost_cache=s.cost_cache,
+            kv_cache_dtype=self.runner.kv_cache_dtype, cost_cache=s.cost_cache,
         )

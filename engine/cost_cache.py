@@ -51,7 +51,8 @@ def costs_key(role: str, model_dir: str | os.PathLike, dtype_setting: str, runne
     """The key of a worker's start-up costs: its role, model, dtype setting, runner and the runner's settings that
     change a step's cost, and the hardware."""
     return {"role": role, "model": model_key(model_dir), "dtype": dtype_setting, "runner": type(runner).__name__,
-            "compute_dtype": str(runner.dtype), "compiled": bool(getattr(runner, "compiled", False)),
+            "compute_dtype": str(runner.dtype), "kv_cache_dtype": str(getattr(runner, "kv_cache_dtype", runner.dtype)),
+            "compiled": bool(getattr(runner, "compiled", False)),
             "capacity": runner.capacity, "max_model_len": runner.max_model_len, **settings,
             "hardware": hardware_key(runner.device)}
 

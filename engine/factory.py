@@ -64,6 +64,9 @@ class EngineConfig:
     # keep finished sequences' keys/values in free slots for new ones that start the same way (engine/prefix_cache.py):
     # "auto" (where hits are exact), "on" (an error where they would not be), "off"
     prefix_caching: str = "auto"
+    # the KV cache's dtype (kv_cache_dtype_for): "auto" (the model's weight dtype: bf16 for a bf16 model, whose
+    # steps compute in fp32 on CPU), "float32", "bfloat16"
+    kv_cache_dtype: str = "auto"
     cost_cache: str | None = None  # where workers keep their start-up cost measurements (engine/cost_cache.py)
 
     @property
@@ -86,7 +89,28 @@ def make_runner(model: torch.nn.Module, config: EngineConfig, vocab_size: int | 
     dtype, weight_dtype = cpu_step_dtypes(model, config.compile)
     return StaticRunner(model, max_model_len=config.max_model_len, vocab_size=vocab_size, budget=config.budget(),
                         compile=config.compile, prefill_chunk=config.prefill_chunk, dtype=dtype,
-                        weight_dtype=weight_dtype, prefix_caching=config.prefix_caching)
+                        weight_dtype=weight_dtype, prefix_caching=config.prefix_caching,
+                        cache_dtype=kv_cache_dtype_for(model, config.kv_cache_dtype))
+
+
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def kv_cache_dtype_for(model: torch.nn.Module, setting: str) -> torch.dtype | None:
+    """The static runner's KV-cache dtype for `setting`; None: its activation dtype.
+
+    "auto" is the model's weight dtype, as in vLLM (`--kv-cache-dtype auto`) and transformers: a bf16 model keeps
+    bf16 keys and values even where its steps compute in fp32 (on CPU: `cpu_step_dtypes`). Attention reads the whole
+    cache every step and is memory-bound at long contexts: bf16 halves the bytes (SmolLM2-135M, 16 rows of 600
+    tokens, 2 threads: 29-35 ms a step's attention in fp32 against 15-21 ms; bench/RESULTS.md, session 21), and a
+    budget holds twice the tokens. Keys are rounded to bf16 after RoPE, values as computed; attention computes in
+    fp32 over the widened values. Greedy exactness holds against plain decoding with the same cache dtype."""
+    if setting == "auto":
+        param = next(model.parameters())
+        return param.dtype if param.dtype in KV_CACHE_DTYPES.values() else None
+    if setting not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {setting!r}")
+    return KV_CACHE_DTYPES[setting]
 
 
 def cpu_step_dtypes(model: torch.nn.Module, compile: bool) -> tuple[torch.dtype | None, torch.dtype | None]:

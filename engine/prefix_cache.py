@@ -203,8 +203,10 @@ def why_layout_variant(model: StaticLlama) -> str | None:
         return f"on {model.device.type} the products and attention kernels depend on the batch shape"
     if model.shard is not None:
         return "tensor-parallel shards are not checked for it"
-    if model.dtype != torch.float32 or model.k_cache_0.dtype != torch.float32:
-        return f"activations/cache in {model.dtype}: specserve's fused CPU operators run fp32 only"
+    if model.dtype != torch.float32:
+        return f"activations in {model.dtype}: specserve's fused CPU operators run fp32 only"
+    if model.k_cache_0.dtype not in (torch.float32, torch.bfloat16):
+        return f"a {model.k_cache_0.dtype} KV cache: specserve's fused CPU operators read fp32 or bf16 ones"
     if not all(cpu_extension.op(name) for name in FUSED_OPS):
         return "specserve's fused CPU operators are not built here"
     if model.head_dim % 8:

@@ -213,8 +213,8 @@ class _LayerOps:
     @classmethod
     def for_step(cls, model: "StaticLlama", positions: torch.Tensor, first_slot: int, kv_len: int) -> "_LayerOps":
         fused = None
-        if (positions.device.type == "cpu" and model.dtype == torch.float32 and model.k_cache_0.dtype == torch.float32
-                and not torch.compiler.is_compiling()):
+        if (positions.device.type == "cpu" and model.dtype == torch.float32
+                and model.k_cache_0.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()):
             fused = {name: cpu_extension.op(name) for name in FUSED_OPS}
             fused = fused if all(fused.values()) else None
         return cls(model, fused, positions, first_slot, kv_len)

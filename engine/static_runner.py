@@ -131,7 +131,7 @@ class StaticRunner(SlotTableAccess):
     def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, vocab_size: int | None = None,
                  budget: KVBudget = KVBudget(), compile: bool = True, prefill_chunk: int = 256,
                  dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
-                 prefix_caching: str = "auto") -> None:
+                 prefix_caching: str = "auto", cache_dtype: torch.dtype | None = None) -> None:
         config = model.config
         window = config_context_window(config)
         self.max_model_len = min(window, max_model_len) if max_model_len else window
@@ -146,13 +146,14 @@ class StaticRunner(SlotTableAccess):
                 f"runner.compile is not supported for tensor-parallel targets (tp_size {shard.world}): collectives "
                 f"inside compiled graphs and CUDA graphs are not built or tested; set compile: false (the static "
                 f"runner then runs its steps eagerly) or use the transformers runner")
-        slot_bytes = StaticLlama.slot_bytes(config, capacity, self.dtype, shard.world if shard else 1)
+        self.kv_cache_dtype = cache_dtype or self.dtype
+        slot_bytes = StaticLlama.slot_bytes(config, capacity, self.kv_cache_dtype, shard.world if shard else 1)
         num_slots = plan_num_slots(slot_bytes, budget.bytes_for(self.device), budget.max_num_seqs,
                                    f" of {self.max_model_len} tokens")
         if shard is not None:
             num_slots = agree_num_slots(num_slots, shard, self.device)
         self.model = StaticLlama(model, num_slots=num_slots, capacity=capacity, dtype=self.dtype,
-                                 weight_dtype=weight_dtype)
+                                 cache_dtype=self.kv_cache_dtype, weight_dtype=weight_dtype)
         self.vocab_size = vocab_size or self.model.vocab_size
         self.batch_buckets = buckets_up_to(num_slots)
         self.width_buckets = buckets_up_to(MAX_WIDTH)

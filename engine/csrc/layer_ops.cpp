@@ -15,6 +15,7 @@
 // elementwise operators do; reductions may sum in another order (fp32 tolerance).
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include <immintrin.h>
@@ -34,6 +35,32 @@ void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous(), name,
               " must be a contiguous float32 CPU tensor");
 }
+
+// a KV cache: float32 or bfloat16 (held as its bits), contiguous on the CPU; both caches of one call alike
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  for (const at::Tensor* t : {&k_cache, &v_cache})
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16) && t->device().is_cpu() &&
+                    t->is_contiguous(),
+                "KV caches must be contiguous float32 or bfloat16 CPU tensors");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must have the same dtype");
+}
+
+// a cache's elements as stored: float, or bf16 bits (uint16_t)
+template <typename T>
+T* cache_data(const at::Tensor& cache) {
+  return reinterpret_cast<T*>(cache.data_ptr());
+}
+
+// 8 cached values as floats (bf16 widens exactly: its bits are a float's upper half)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// a float as a cache stores it: itself, or its nearest bf16 (ties to even: torch's .bfloat16())
+inline void store(float value, float* out) { *out = value; }
+inline void store(float value, uint16_t* out) { *out = specserve::bf16_bits(value); }
 
 // positions [B, W] of rows first_slot .. first_slot + B - 1 of `cache` ([slots, KVH, capacity, D]): a contiguous
 // int64 tensor whose every entry is in [0, limit)
@@ -130,32 +157,17 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-inline void rope_row(const float* x, const float* cos, const float* sin, int64_t dim, float* out) {
+template <typename T>
+inline void rope_row(const float* x, const float* cos, const float* sin, int64_t dim, T* out) {
   const int64_t half = dim / 2;
-  for (int64_t d = 0; d < half; ++d) out[d] = x[d] * cos[d] + (-x[d + half]) * sin[d];
-  for (int64_t d = half; d < dim; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
+  for (int64_t d = 0; d < half; ++d) store(x[d] * cos[d] + (-x[d + half]) * sin[d], out + d);
+  for (int64_t d = half; d < dim; ++d) store(x[d] * cos[d] + x[d - half] * sin[d], out + d);
 }
 
-at::Tensor rope_to_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                         const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache, int64_t first_slot,
-                         int64_t num_heads, int64_t num_kv_heads) {
-  check_float(qkv, "qkv");
-  check_float(cos, "cos");
-  check_float(sin, "sin");
-  check_float(k_cache, "k_cache");
-  check_float(v_cache, "v_cache");
-  TORCH_CHECK(qkv.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "qkv [B, W, (H + 2 KVH) D], caches [slots, KVH, capacity, D]");
-  const int64_t batch = qkv.size(0), width = qkv.size(1), dim = k_cache.size(3);
-  const int64_t capacity = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(1) == num_kv_heads && qkv.size(2) == (num_heads + 2 * num_kv_heads) * dim,
-              "qkv's width does not match the heads");
-  TORCH_CHECK(cos.size(1) == dim && sin.sizes() == cos.sizes() && dim % 2 == 0, "cos/sin [capacity, D], D even");
-  const int64_t* pos = checked_positions(positions, batch, width, first_slot, k_cache,
-                                         std::min(capacity, cos.size(0)));
-  at::Tensor q = at::empty({batch, num_heads, width, dim}, qkv.options());
-  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+template <typename T>
+void rope_rows(const float* xp, const float* cp, const float* sp, const int64_t* pos, int64_t batch, int64_t width,
+               int64_t num_heads, int64_t num_kv_heads, int64_t dim, int64_t capacity, int64_t first_slot, float* qp,
+               T* kp, T* vp) {
   const int64_t row = (num_heads + 2 * num_kv_heads) * dim;
   specserve::parallel_for(0, batch * width, 8, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
@@ -168,10 +180,37 @@ at::Tensor rope_to_cache(const at::Tensor& qkv, const at::Tensor& cos, const at:
         const int64_t at_cache = (((first_slot + b) * num_kv_heads + g) * capacity + p) * dim;
         rope_row(x + (num_heads + g) * dim, c, s, dim, kp + at_cache);
         const float* v = x + (num_heads + num_kv_heads + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) vp[at_cache + d] = v[d];
+        for (int64_t d = 0; d < dim; ++d) store(v[d], vp + at_cache + d);
       }
     }
   });
+}
+
+at::Tensor rope_to_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache, int64_t first_slot,
+                         int64_t num_heads, int64_t num_kv_heads) {
+  check_float(qkv, "qkv");
+  check_float(cos, "cos");
+  check_float(sin, "sin");
+  check_caches(k_cache, v_cache);
+  TORCH_CHECK(qkv.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "qkv [B, W, (H + 2 KVH) D], caches [slots, KVH, capacity, D]");
+  const int64_t batch = qkv.size(0), width = qkv.size(1), dim = k_cache.size(3);
+  const int64_t capacity = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(1) == num_kv_heads && qkv.size(2) == (num_heads + 2 * num_kv_heads) * dim,
+              "qkv's width does not match the heads");
+  TORCH_CHECK(cos.size(1) == dim && sin.sizes() == cos.sizes() && dim % 2 == 0, "cos/sin [capacity, D], D even");
+  const int64_t* pos = checked_positions(positions, batch, width, first_slot, k_cache,
+                                         std::min(capacity, cos.size(0)));
+  at::Tensor q = at::empty({batch, num_heads, width, dim}, qkv.options());
+  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  if (k_cache.scalar_type() == at::kBFloat16)
+    rope_rows(xp, cp, sp, pos, batch, width, num_heads, num_kv_heads, dim, capacity, first_slot, qp,
+              cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache));
+  else
+    rope_rows(xp, cp, sp, pos, batch, width, num_heads, num_kv_heads, dim, capacity, first_slot, qp,
+              cache_data<float>(k_cache), cache_data<float>(v_cache));
   return q;
 }
 
@@ -198,61 +237,108 @@ using specserve::lane_sum;
 // out[b, h, w] = softmax_t<=positions[b, w](scale * q[b, h, w] . k[slot_b, g, t]) . v[slot_b, g, t], g = h / (H / KVH),
 // t < kv_len too (a padding row's position lies past every real key). Unlike `visible_keys` + SDPA, a row reads only
 // its own keys, and nothing is materialized.
-// Queries of one row and head handed to one task (a unit of specserve::parallel_for, pool.h). Each query's arithmetic is fixed by
-// its own length alone, not by its task or the step's width, so its result never depends on how a sequence's tokens
-// were split into steps or chunks: the keys and values a prompt writes are the same bits whether it was fed whole,
-// in chunks, or after a prefix another sequence computed (engine/prefix_cache.py relies on it).
+// The caches are float32 or bfloat16 (rope_to_cache rounds what it writes; loads widen exactly). Each query's
+// arithmetic is fixed by its own length alone, not by its task or the step's width, so its result never depends on
+// how a sequence's tokens were split into steps or chunks: the keys and values a prompt writes are the same bits
+// whether it was fed whole, in chunks, or after a prefix another sequence computed (engine/prefix_cache.py relies
+// on it).
 constexpr int64_t QUERY_BLOCK = 8;
 
-// scores[t] = (q . k_t) * s for t < length: per key, 8-lane FMAs over the head dimension in ascending order, then
-// lane_sum; eight keys at a time (independent accumulators keep the FMA units busy), the rest one at a time, with
-// the same per-key sequence
-inline void key_scores(const float* qv, const float* keys, int64_t dim, int64_t length, float s, float* scores) {
-  int64_t t = 0;
-  for (; t + 8 <= length; t += 8) {
-    __m256 a[8];
-    for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
+// A task computes the queries of one row, a block of up to QUERY_BLOCK step positions and `heads_per_task` heads
+// that share a key/value head (all of the group where there are enough tasks to go round, else one): it reads each
+// key and value once for all of them, bf16 ones widened once into a float block. Each query's arithmetic is the same
+// fixed sequence in every layout (below), so its result does not depend on its task or the step's width, and it is
+// the same bits for a float cache and for a bf16 cache holding the same values.
+constexpr int64_t KEY_BLOCK = 8;  // keys scored together (eight accumulators)
+constexpr int64_t VALUE_BLOCK = 16;  // values widened at a time
+
+// asks for `bytes` from `p` on into the cache ahead of their use (the step's keys and values come from DRAM)
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
+}
+constexpr int64_t PREFETCH_KEYS = 32;  // how far ahead, in keys (or values)
+
+// keys [n, D] as floats: in place for a float cache, else widened into `buffer`
+inline const float* as_floats(const float* keys, int64_t, int64_t, float*) { return keys; }
+inline const float* as_floats(const uint16_t* keys, int64_t n, int64_t dim, float* buffer) {
+  for (int64_t i = 0; i < n * dim; i += 8) _mm256_storeu_ps(buffer + i, load8(keys + i));
+  return buffer;
+}
+
+// a vector's 8 lanes summed as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)): the order `sums8` gives each
+inline float pairwise_sum(__m256 v) {
+  const __m256 quads = _mm256_hadd_ps(_mm256_hadd_ps(v, v), _mm256_setzero_ps());
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
+}
+
+// the 8 vectors' sums (lane k: a[k]'s lanes added as pairwise_sum adds them), by six horizontal adds
+inline __m256 sums8(const __m256* a) {
+  const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // [a0 a1 a2 a3 | ...]
+  const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // low 128 bits hold each vector's lanes 0-3, high its lanes 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+// scores[k] = (q . keys[k]) * s for k < n (n <= KEY_BLOCK): per key, 8-lane FMAs over the head dimension in ascending
+// order, then its lanes summed pairwise, whether the keys are scored eight together or one by one
+inline void key_scores(const float* qv, const float* keys, int64_t dim, int64_t n, float s, float* scores) {
+  if (n == KEY_BLOCK) {
+    __m256 a[KEY_BLOCK];
+    for (int k = 0; k < KEY_BLOCK; ++k) a[k] = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; d += 8) {
       const __m256 x = _mm256_loadu_ps(qv + d);
-      for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(x, _mm256_loadu_ps(keys + (t + k) * dim + d), a[k]);
+      for (int k = 0; k < KEY_BLOCK; ++k) a[k] = _mm256_fmadd_ps(x, _mm256_loadu_ps(keys + k * dim + d), a[k]);
     }
-    for (int k = 0; k < 8; ++k) scores[t + k] = lane_sum(a[k]) * s;
+    _mm256_storeu_ps(scores, _mm256_mul_ps(sums8(a), _mm256_set1_ps(s)));
+    return;
   }
-  for (; t < length; ++t) {
+  for (int64_t k = 0; k < n; ++k) {
     __m256 a = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(keys + t * dim + d), a);
-    scores[t] = lane_sum(a) * s;
+    for (int64_t d = 0; d < dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(keys + k * dim + d), a);
+    scores[k] = pairwise_sum(a) * s;
   }
 }
 
-// scores [0, length) -> softmax weights in place: e^(score - max) on 8 lanes (simd.h exp8), their sum in order,
-// each divided by it
+// scores [0, length) -> softmax weights in place: the max over 8 lanes, e^(score - max) on 8 lanes (simd.h exp8)
+// summed per lane over whole blocks then across lanes (lane_sum), the last partial block's values added in order,
+// each weight divided by the sum: a fixed sequence for each length
 inline void softmax_in_place(float* scores, int64_t length) {
-  float top = -INFINITY;
-  for (int64_t i = 0; i < length; ++i) top = std::max(top, scores[i]);
-  const __m256 shift = _mm256_set1_ps(top);
+  __m256 top8 = _mm256_set1_ps(-INFINITY);
   int64_t i = 0;
-  for (; i + 8 <= length; i += 8)
-    _mm256_storeu_ps(scores + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), shift)));
+  for (; i + 8 <= length; i += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(scores + i));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, top8);
+  float top = -INFINITY;
+  for (float lane : lanes) top = std::max(top, lane);
+  for (int64_t j = i; j < length; ++j) top = std::max(top, scores[j]);
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= length; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), shift));
+    _mm256_storeu_ps(scores + i, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float total = lane_sum(sum8);
   if (i < length) {  // the tail through the same routine (lanes are independent), the padding lanes dropped
     float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     std::copy(scores + i, scores + length, tail);
     _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), shift)));
     std::copy(tail, tail + (length - i), scores + i);
+    for (int64_t j = i; j < length; ++j) total += scores[j];
   }
-  float total = 0.0f;
-  for (int64_t t = 0; t < length; ++t) total += scores[t];
-  for (int64_t t = 0; t < length; ++t) scores[t] /= total;
+  const __m256 divisor = _mm256_set1_ps(total);
+  for (i = 0; i + 8 <= length; i += 8) _mm256_storeu_ps(scores + i, _mm256_div_ps(_mm256_loadu_ps(scores + i), divisor));
+  for (; i < length; ++i) scores[i] /= total;
 }
 
-// out[d] = sum over t < length of weights[t] * values[t][d], t ascending (one FMA chain per lane): 64 dimensions at a
-// time in 8 registers, a remainder of fewer than 64 one 8-lane block at a time
-inline void weighted_values(const float* weights, const float* values, int64_t dim, int64_t length, float* out) {
+// out[d] += sum over k < n of weights[k] * values[k][d], k ascending (one FMA chain per lane, carried in `out` from
+// one block of values to the next): 64 dimensions at a time in 8 registers, a remainder one 8-lane block at a time
+inline void add_weighted_values(const float* weights, const float* values, int64_t dim, int64_t n, float* out) {
   int64_t d0 = 0;
   for (; d0 + 64 <= dim; d0 += 64) {
     __m256 acc[8];
-    for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < length; ++t) {
+    for (int k = 0; k < 8; ++k) acc[k] = _mm256_loadu_ps(out + d0 + 8 * k);
+    for (int64_t t = 0; t < n; ++t) {
       const __m256 p = _mm256_set1_ps(weights[t]);
       const float* v = values + t * dim + d0;
       for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * k), acc[k]);
@@ -260,18 +346,71 @@ inline void weighted_values(const float* weights, const float* values, int64_t d
     for (int k = 0; k < 8; ++k) _mm256_storeu_ps(out + d0 + 8 * k, acc[k]);
   }
   for (; d0 < dim; d0 += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t t = 0; t < length; ++t)
+    __m256 acc = _mm256_loadu_ps(out + d0);
+    for (int64_t t = 0; t < n; ++t)
       acc = _mm256_fmadd_ps(_mm256_set1_ps(weights[t]), _mm256_loadu_ps(values + t * dim + d0), acc);
     _mm256_storeu_ps(out + d0, acc);
   }
 }
 
+template <typename T>
+void attend(const float* qp, const T* kp, const T* vp, const int64_t* pos, int64_t batch, int64_t heads,
+            int64_t kv_heads, int64_t width, int64_t dim, int64_t capacity, int64_t first_slot, int64_t kv_len,
+            float s, float* op) {
+  const int64_t group = heads / kv_heads;
+  const int64_t blocks = (width + QUERY_BLOCK - 1) / QUERY_BLOCK;
+  // whole groups per task where that leaves about four tasks per thread, else a head per task
+  const int64_t heads_per_task = batch * kv_heads * blocks >= 4 * at::get_num_threads() ? group : 1;
+  const int64_t tasks_per_row = heads / heads_per_task * blocks;
+  specserve::parallel_for(0, batch * tasks_per_row, 1, [&](int64_t first, int64_t last) {
+    const int64_t most = heads_per_task * QUERY_BLOCK;
+    std::unique_ptr<float[]> scores(new float[most * kv_len]), buffer(new float[VALUE_BLOCK * dim]);  // uninitialized
+    std::vector<int64_t> lengths(most), at(most);
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t b = task / tasks_per_row, h0 = (task % tasks_per_row) / blocks * heads_per_task;
+      const int64_t w0 = (task % blocks) * QUERY_BLOCK, w1 = std::min(width, w0 + QUERY_BLOCK);
+      const int64_t g = h0 / group;
+      const T* keys = kp + ((first_slot + b) * kv_heads + g) * capacity * dim;
+      const T* values = vp + ((first_slot + b) * kv_heads + g) * capacity * dim;
+      int64_t queries = 0, longest = 0;
+      for (int64_t h = h0; h < h0 + heads_per_task; ++h)
+        for (int64_t w = w0; w < w1; ++w, ++queries) {
+          lengths[queries] = std::min(pos[b * width + w] + 1, kv_len);  // padding rows: at most kv_len keys
+          at[queries] = ((b * heads + h) * width + w) * dim;
+          longest = std::max(longest, lengths[queries]);
+        }
+      for (int64_t t = 0; t < longest; t += KEY_BLOCK) {
+        const int64_t n = std::min(KEY_BLOCK, longest - t);
+        if (t + PREFETCH_KEYS < longest)
+          prefetch(keys + (t + PREFETCH_KEYS) * dim, std::min(KEY_BLOCK, longest - t - PREFETCH_KEYS) * dim * sizeof(T));
+        else if (t + PREFETCH_KEYS < longest + KEY_BLOCK)  // the values' first keys
+          prefetch(values, std::min(PREFETCH_KEYS, longest) * dim * sizeof(T));
+        const float* block = as_floats(keys + t * dim, n, dim, buffer.get());
+        for (int64_t j = 0; j < queries; ++j)
+          if (t < lengths[j])
+            key_scores(qp + at[j], block, dim, std::min(n, lengths[j] - t), s, scores.get() + j * kv_len + t);
+      }
+      for (int64_t j = 0; j < queries; ++j) {
+        softmax_in_place(scores.get() + j * kv_len, lengths[j]);
+        std::fill(op + at[j], op + at[j] + dim, 0.0f);
+      }
+      for (int64_t t = 0; t < longest; t += VALUE_BLOCK) {
+        const int64_t n = std::min(VALUE_BLOCK, longest - t);
+        if (t + PREFETCH_KEYS < longest)
+          prefetch(values + (t + PREFETCH_KEYS) * dim, std::min(VALUE_BLOCK, longest - t - PREFETCH_KEYS) * dim * sizeof(T));
+        const float* block = as_floats(values + t * dim, n, dim, buffer.get());
+        for (int64_t j = 0; j < queries; ++j)
+          if (t < lengths[j])
+            add_weighted_values(scores.get() + j * kv_len + t, block, dim, std::min(n, lengths[j] - t), op + at[j]);
+      }
+    }
+  });
+}
+
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            int64_t first_slot, const at::Tensor& positions, int64_t kv_len, double scale) {
   check_float(q, "q");
-  check_float(k_cache, "k_cache");
-  check_float(v_cache, "v_cache");
+  check_caches(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "q [B, H, W, D], caches [slots, KVH, capacity, D]");
   const int64_t batch = q.size(0), heads = q.size(1), width = q.size(2), dim = q.size(3);
@@ -280,28 +419,14 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(dim % 8 == 0, "cache_attention: head_dim must be a multiple of 8, got ", dim);
   TORCH_CHECK(kv_len >= 1 && kv_len <= capacity, "kv_len ", kv_len, " out of range");
   const int64_t* pos = checked_positions(positions, batch, width, first_slot, k_cache, capacity);
-  const int64_t group = heads / kv_heads;
-  const int64_t blocks = (width + QUERY_BLOCK - 1) / QUERY_BLOCK;
   at::Tensor out = at::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
-  specserve::parallel_for(0, batch * heads * blocks, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(capacity);
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t b = task / (heads * blocks), h = (task / blocks) % heads, w0 = (task % blocks) * QUERY_BLOCK;
-      const int64_t g = h / group;
-      const float* keys = kp + ((first_slot + b) * kv_heads + g) * capacity * dim;
-      const float* values = vp + ((first_slot + b) * kv_heads + g) * capacity * dim;
-      for (int64_t w = w0; w < std::min(width, w0 + QUERY_BLOCK); ++w) {
-        const int64_t length = std::min(pos[b * width + w] + 1, kv_len);  // padding rows: at most kv_len keys
-        const int64_t at = ((b * heads + h) * width + w) * dim;
-        key_scores(qp + at, keys, dim, length, s, scores.data());
-        softmax_in_place(scores.data(), length);
-        weighted_values(scores.data(), values, dim, length, op + at);
-      }
-    }
-  });
+  if (k_cache.scalar_type() == at::kBFloat16)
+    attend(q.data_ptr<float>(), cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), pos, batch, heads,
+           kv_heads, width, dim, capacity, first_slot, kv_len, s, out.data_ptr<float>());
+  else
+    attend(q.data_ptr<float>(), cache_data<float>(k_cache), cache_data<float>(v_cache), pos, batch, heads, kv_heads,
+           width, dim, capacity, first_slot, kv_len, s, out.data_ptr<float>());
   return out;
 }
 

@@ -251,3 +251,50 @@ def test_a_querys_attention_is_the_same_bits_in_any_step_width(ops, dim):
     one = ops.cache_attention(q[:, :, -1:].contiguous(), k_cache, v_cache, 0, positions[:, -1:].contiguous(),
                               kv_len + 40, dim ** -0.5)  # a longer key range: the extra keys are past the query
     assert torch.equal(one, whole[:, :, -1:])
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "width"), [(9, 3, 1), (4, 2, 4), (8, 2, 13)])
+def test_a_bf16_cache_is_written_rounded_and_read_exactly(ops, heads, kv_heads, width):
+    """rope_to_cache into a bf16 cache stores the bf16 rounding (torch's .bfloat16()) of what it stores in an fp32
+    one, and cache_attention over it gives the bits it gives over an fp32 cache holding those same values: the
+    loads widen exactly and the arithmetic is the fp32 one. Also with one head per task and a whole group per task
+    (the kernel chooses by the number of tasks)."""
+    batch, dim, slots, capacity, first_slot = 3, 64, 5, 72, 1
+    qkv = torch.randn(batch, width, (heads + 2 * kv_heads) * dim)
+    angles = torch.rand(capacity, dim // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    positions = torch.tensor([[7], [0], [50]]) + torch.arange(width)
+    k32, v32 = torch.randn(slots, kv_heads, capacity, dim), torch.randn(slots, kv_heads, capacity, dim)
+    k16, v16 = k32.bfloat16(), v32.bfloat16()
+    q32 = ops.rope_to_cache(qkv, cos, sin, positions, k32, v32, first_slot, heads, kv_heads)
+    q16 = ops.rope_to_cache(qkv, cos, sin, positions, k16, v16, first_slot, heads, kv_heads)
+    assert torch.equal(q16, q32)  # queries stay fp32
+    assert torch.equal(k16, k32.bfloat16()) and torch.equal(v16, v32.bfloat16())
+    kv_len = int(positions.max()) + 1
+    for threads in (1, 2):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            got = ops.cache_attention(q32, k16, v16, first_slot, positions, kv_len, dim ** -0.5)
+            want = ops.cache_attention(q32, k16.float(), v16.float(), first_slot, positions, kv_len, dim ** -0.5)
+            for b in range(batch):  # one row alone: few tasks, a head per task
+                alone = ops.cache_attention(q32[b : b + 1].contiguous(), k16, v16, first_slot + b,
+                                            positions[b : b + 1].contiguous(), kv_len, dim ** -0.5)
+                assert torch.equal(alone[0], got[b]), (threads, b)
+        finally:
+            torch.set_num_threads(saved)
+        assert torch.equal(got, want), threads
+
+
+@needs_kernel
+def test_caches_of_other_or_mixed_dtypes_are_refused(ops):
+    q, positions = torch.randn(1, 2, 1, 8), torch.tensor([[3]])
+    cache = torch.zeros(1, 1, 8, 8)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        ops.cache_attention(q, cache, cache.bfloat16(), 0, positions, 4, 0.3)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.cache_attention(q, cache.half(), cache.half(), 0, positions, 4, 0.3)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.rope_to_cache(torch.randn(1, 1, 4 * 8), torch.ones(8, 8), torch.ones(8, 8), positions, cache.double(),
+                          cache.double(), 0, 2, 1)

@@ -53,3 +53,33 @@ def test_bf16_models_on_cpu_run_bf16_weights_with_fp32_activations_where_the_ope
     assert factory.cpu_step_dtypes(bf16, compile=False) == (None, None)  # native bf16 without the operators
     monkeypatch.setattr(factory, "cpu_computes_bf16", lambda: False)
     assert factory.cpu_step_dtypes(bf16, compile=False) == (torch.float32, None)  # emulated bf16: fp32 steps
+
+
+def test_the_kv_cache_holds_the_models_weight_dtype_unless_configured():
+    import pytest
+    import torch
+
+    from engine import factory
+    from engine.static_llama import StaticLlama
+    from tests.conftest import make_tiny_model
+
+    bf16, fp32 = make_tiny_model(seed=0).to(torch.bfloat16), make_tiny_model(seed=0)
+    assert factory.kv_cache_dtype_for(bf16, "auto") == torch.bfloat16
+    assert factory.kv_cache_dtype_for(fp32, "auto") == torch.float32
+    assert factory.kv_cache_dtype_for(bf16, "float32") == torch.float32
+    assert factory.kv_cache_dtype_for(fp32, "bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        factory.kv_cache_dtype_for(fp32, "float16")
+    logits = {}
+    for setting, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        runner = factory.make_runner(bf16, factory.EngineConfig(runner="static", max_model_len=64, kv_cache_gib=0.01,
+                                                                kv_cache_dtype=setting))
+        assert runner.kv_cache_dtype == want and runner.model.k_cache_0.dtype == want
+        assert runner.model.cache_bytes() == runner.capacity * StaticLlama.slot_bytes(
+            bf16.config, runner.model.k_cache_0.shape[2], want)
+        runner.add("s")
+        runner.forward(["s"], [list(range(3, 40))], [1])
+        logits[setting] = runner.forward(["s"], [[7]], [1])
+    # keys and values rounded to bf16: the logits move by about bf16's precision, not more
+    torch.testing.assert_close(logits["auto"], logits["float32"], atol=0.05, rtol=0.02)
+    assert not torch.equal(logits["auto"], logits["float32"])

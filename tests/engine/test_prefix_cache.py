@@ -51,10 +51,12 @@ def test_common_prefix():
 
 
 # ---- the runner ---------------------------------------------------------------------------------------------------
-def bf16_runner(prefix_caching="auto", slots=6, seed=4, layers=2):
+def bf16_runner(prefix_caching="auto", slots=6, seed=4, layers=2, cache_dtype=torch.float32):
     model = make_tiny_model("llama", seed=seed, layers=layers).to(torch.bfloat16)
     runner = StaticRunner(model, budget=KVBudget(gib=1.0, max_num_seqs=slots), compile=False, prefill_chunk=32,
-                          dtype=torch.float32, weight_dtype=torch.bfloat16, prefix_caching=prefix_caching)
+                          dtype=torch.float32, weight_dtype=torch.bfloat16, prefix_caching=prefix_caching,
+                          cache_dtype=cache_dtype)
+    assert runner.model.k_cache_0.dtype == cache_dtype
     why = why_layout_variant(runner.model)
     if why is not None:
         pytest.skip(f"no layout-invariant forward here: {why}")
@@ -83,10 +85,11 @@ def greedy(runner, seq_ids, feeds, steps=6):
     return first, texts
 
 
-def test_a_rows_logits_do_not_depend_on_how_its_tokens_were_split_into_forwards():
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_logits_do_not_depend_on_how_its_tokens_were_split_into_forwards(cache_dtype):
     """The layout invariance exact prefix caching needs: a prompt fed whole, or as any prefix then the rest (the
     rest a prompt chunk, a verify-width step or a decode step), gives the same bits."""
-    runner = bf16_runner(prefix_caching="off", layers=6)  # deep enough that a last-bit change reaches the logits
+    runner = bf16_runner(prefix_caching="off", layers=6, cache_dtype=cache_dtype)  # deep enough that a last-bit change reaches the logits
     prompt = prompts(1, seed=3)[0] + list(range(2, 40)) * 3
     runner.add("whole")
     want = runner.forward(["whole"], [prompt], [1])
@@ -99,8 +102,9 @@ def test_a_rows_logits_do_not_depend_on_how_its_tokens_were_split_into_forwards(
         assert torch.equal(got, want), cut
 
 
-def test_hits_give_the_logits_and_texts_of_computing_the_prompt():
-    cached, plain = bf16_runner(), bf16_runner(prefix_caching="off")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_hits_give_the_logits_and_texts_of_computing_the_prompt(cache_dtype):
+    cached, plain = bf16_runner(cache_dtype=cache_dtype), bf16_runner(prefix_caching="off", cache_dtype=cache_dtype)
     assert cached.prefix_cache is not None and plain.prefix_cache is None
     waves = [prompts(3, seed=1), prompts(3, seed=1)[::-1], [p + [7, 8, 9] for p in prompts(3, seed=1)],
              prompts(3, seed=2)]
