@@ -7,7 +7,7 @@ rounds (issue 16; not a timed test).
 Starts `serve run` of --config as `make run` does (deployments/ray_env.py's HAProxy settings) with any --env
 variables added to the server's environment (the Ray workers inherit them), readies it with a completion, then
 per concurrency C: one warm-up wave of C requests, then --reps measured runs of max(2C, 8) requests (the prompts
-of bench/prompts.jsonl rendered by the model's chat template, 64 greedy tokens, `ignore_eos`, streamed) from C
+of bench/prompts.jsonl, or --prompts, rendered by the model's chat template, 64 greedy tokens, `ignore_eos`, streamed) from C
 concurrent httpx streams. Prints per run: tokens/s over the run's wall time, TTFT and inter-token gaps, the
 router's rounds (/stats: count, mean batch, draft/verify/compute/orchestration ms per round, and how much of the
 wall time rounds filled), and the CPU seconds of the ten busiest processes on the machine (/proc) against the
@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompts", default=str(ROOT / "bench/prompts.jsonl"),
+                    help="chat prompts, one {\"messages\": [...]} per line (bench/prompts_long.jsonl: ~900 tokens each)")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="added to the server's env")
     ap.add_argument("--tag", default="ours")
     ap.add_argument("--port", type=int, default=8000)
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loading import resolve
     tok = AutoTokenizer.from_pretrained(str(resolve(target).directory))
     prompts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-               for m in load_prompts(str(ROOT / "bench/prompts.jsonl"))]
+               for m in load_prompts(args.prompts)]
     env = {**os.environ, **SERVE_ENV, **dict(item.split("=", 1) for item in args.env)}
     base_url = f"http://127.0.0.1:{args.port}"
     log = Path(f"/tmp/served_cpu_trace_{args.tag}.log")

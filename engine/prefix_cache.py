@@ -30,7 +30,7 @@ MIN_PREFIX_TOKENS = 16  # shorter matches are not copied (vLLM's default block s
 
 @dataclass
 class PrefixCacheStats:
-    queried_tokens: int = 0  # tokens of new sequences' first feeds that were looked up
+    queried_tokens: int = 0  # prompt tokens that were looked up (a new sequence's first feed, and its later chunks)
     hit_tokens: int = 0  # of those, the ones copied from an entry instead of computed
     stored: int = 0  # finished sequences kept as entries
     evicted: int = 0  # entries dropped to make room
@@ -74,18 +74,19 @@ class PrefixCache:
         return self._clock
 
     # ---- lookup ---------------------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], limit: int) -> tuple[int, int] | None:
+    def match(self, tokens: Sequence[int], limit: int, have: int = 0) -> tuple[int, int] | None:
         """(slot, length) of the entry sharing the longest prefix with `tokens`, at most `limit` tokens, if at least
-        `min_tokens`; counts the lookup in the stats (the caller copies `length` positions from `slot`)."""
-        self.stats.queried_tokens += len(tokens)
+        `min_tokens` and more than the `have` tokens the sequence holds already; counts the lookup of the tokens past
+        `have` in the stats (the caller copies positions `have`..`length` from `slot`)."""
+        self.stats.queried_tokens += len(tokens) - have
         best: tuple[int, int] | None = None
         for slot, entry in self._entries.items():
             length = common_prefix(entry.tokens, tokens, limit)
-            if length >= self.min_tokens and (best is None or length > best[1]):
+            if length >= self.min_tokens and length > have and (best is None or length > best[1]):
                 best = (slot, length)
         if best is not None:
             self._entries[best[0]].last_used = self._tick()
-            self.stats.hit_tokens += best[1]
+            self.stats.hit_tokens += best[1] - have
         return best
 
     # ---- entries --------------------------------------------------------------------------------------------
@@ -127,13 +128,12 @@ class PrefixCache:
 
 class SlotPrefixCache:
     """The static runner's side: entries in the KV cache's free slots (slots `live`.. past the live sequences, which
-    stay compact in 0..live-1), copied with the model's `move_slot(src, dst, length)`."""
+    stay compact in 0..live-1), copied with the model's `move_slot(src, dst, length[, start])`."""
 
-    def __init__(self, num_slots: int, move_slot: Callable[[int, int, int], None],
-                 min_tokens: int = MIN_PREFIX_TOKENS) -> None:
+    def __init__(self, num_slots: int, move_slot: Callable[..., None], min_tokens: int = MIN_PREFIX_TOKENS) -> None:
         self.num_slots = num_slots
         self.index = PrefixCache(min_tokens)
-        self._move = move_slot
+        self._move = move_slot  # (src, dst, length, start=0): positions [start, length) of src into dst
 
     def __len__(self) -> int:
         return len(self.index)
@@ -176,21 +176,25 @@ class SlotPrefixCache:
 
     def reuse(self, states: Sequence[SeqSlot], new_tokens: list[list[int]],
               num_logits: Sequence[int]) -> dict[int, int]:
-        """New sequences (nothing cached yet) whose first tokens an entry holds copy those keys and values and feed
-        only the rest (`new_tokens` is changed in place); at least their last `num_logits` tokens are computed.
-        Returns the rows that did: tokens copied."""
+        """Rows feeding a prompt (a new sequence's first tokens, or a later chunk of its prompt: the router sends a
+        long prompt `prefill_chunk` tokens a round) whose tokens so far an entry holds further copy those keys and
+        values and feed only the rest (`new_tokens` is changed in place); at least their last `num_logits` tokens
+        are computed. Any entry that shares the prefix will do, not only the one an earlier chunk copied from: with
+        a layout-invariant forward every copy of a prefix holds the same bits. Returns the rows that copied: tokens
+        copied."""
         hits: dict[int, int] = {}
         for b, (state, toks, k) in enumerate(zip(states, new_tokens, num_logits)):
-            if state.tokens or len(toks) <= self.index.min_tokens:
-                continue
-            hit = self.index.match(toks, len(toks) - max(k, 1))
+            have = len(state.tokens)
+            if len(toks) - max(k, 1) <= 0 or have + len(toks) <= self.index.min_tokens:
+                continue  # decode and verify rows: every token they feed is computed
+            hit = self.index.match([*state.tokens, *toks], have + len(toks) - max(k, 1), have)
             if hit is None:
                 continue
             src, length = hit
-            self._move(src, state.slot, length)
-            state.tokens.extend(toks[:length])
-            new_tokens[b] = toks[length:]
-            hits[b] = length
+            self._move(src, state.slot, length, have)
+            state.tokens.extend(toks[: length - have])
+            new_tokens[b] = toks[length - have :]
+            hits[b] = length - have
         return hits
 
 

@@ -406,10 +406,11 @@ class StaticLlama(nn.Module):
         return out if bias is None else out + bias
 
     @torch.no_grad()
-    def move_slot(self, src: int, dst: int, length: int) -> None:
+    def move_slot(self, src: int, dst: int, length: int, start: int = 0) -> None:
+        """Copy positions [start, length) of slot `src`'s keys and values into slot `dst`."""
         for k_cache, v_cache in zip(self.k_cache, self.v_cache):
-            k_cache[dst, :, :length] = k_cache[src, :, :length]
-            v_cache[dst, :, :length] = v_cache[src, :, :length]
+            k_cache[dst, :, start:length] = k_cache[src, :, start:length]
+            v_cache[dst, :, start:length] = v_cache[src, :, start:length]
 
 
 @torch.no_grad()

@@ -118,6 +118,37 @@ def test_hits_give_the_logits_and_texts_of_computing_the_prompt(cache_dtype):
     assert plain.forward_rows == cached.forward_rows  # same calls; the hits only fed fewer tokens
 
 
+def chunked_greedy(runner, seq_id, prompt, chunk, steps=4):
+    """As the router feeds a long prompt: `chunk` tokens a round (one logit each), then greedy decode steps."""
+    runner.add(seq_id)
+    for lo in range(0, len(prompt), chunk):
+        logits = runner.forward([seq_id], [prompt[lo : lo + chunk]], [1])
+    text = []
+    for _ in range(steps):
+        text.append(int(logits[0, 0].argmax()))
+        logits = runner.forward([seq_id], [[text[-1]]], [1])
+    runner.release(seq_id)
+    return text, logits
+
+
+def test_a_prompt_fed_in_chunks_copies_past_its_first_chunk():
+    """The router sends a long prompt a chunk a round: every chunk that an entry holds is copied, not only the
+    first (a hit was capped at the first chunk before), and the text and logits are those of computing it."""
+    cached, plain = bf16_runner(layers=3), bf16_runner(prefix_caching="off", layers=3)
+    rng = random.Random(5)
+    prompt = [rng.randrange(2, 60) for _ in range(150)]
+    for runner in (cached, plain):
+        chunked_greedy(runner, "first", prompt, chunk=40)
+    before = cached.prefix_cache_stats()["hit_tokens"]
+    for other in (prompt, prompt[:97] + [3, 4, 5] + prompt[100:]):  # the same prompt; one that parts at token 97
+        got, want = chunked_greedy(cached, "again", other, chunk=40), chunked_greedy(plain, "again", other, chunk=40)
+        assert got[0] == want[0] and torch.equal(got[1], want[1])
+    stats = cached.prefix_cache_stats()
+    # chunks [0, 40) [40, 80) [80, 120) [120, 150): each copies all but its last token, which computes its logit;
+    # the second prompt copies up to where it parts from the first
+    assert stats["hit_tokens"] - before == (39 + 39 + 39 + 29) + (39 + 39 + 17)
+
+
 def test_entries_never_take_a_slot_a_live_sequence_needs():
     runner, plain = bf16_runner(slots=4), bf16_runner(slots=4, prefix_caching="off")
     first = prompts(2, seed=5)
