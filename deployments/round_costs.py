@@ -92,6 +92,7 @@ class RoundCosts:
                     "draft_step_ms": [round(1000 * t, 2) for t in profile.draft_step_seconds],
                     "observed_over_profile": None if correction is None else {
                         "draft": round(correction.draft, 3), "verify": round(correction.verify, 3),
+                        "verify_wide": round(correction.verify_wide, 3),
                         "round_overhead_ms": round(1000 * correction.overhead, 2)}}
         if self.calibration is not None:
             return {"calibration file": show(self.calibration, None)}

@@ -89,9 +89,14 @@ class CostProfile:
     def draft(self, batch: int, k: int) -> float:
         return k * self._at_batch(list(self.draft_step_seconds), batch)
 
-    def scaled(self, draft: float, verify: float, overhead: float = 0.0) -> "CostProfile":
-        return CostProfile(self.batch_sizes, tuple(tuple(t * verify for t in row) for row in self.verify_seconds),
-                           tuple(t * draft for t in self.draft_step_seconds),
+    def scaled(self, draft: float, verify: float, overhead: float = 0.0,
+               verify_wide: float | None = None) -> "CostProfile":
+        """Costs times the given ratios: draft steps by `draft`, one-token verify passes by `verify`, wider ones by
+        `verify_wide` (default `verify`), never below the one-token pass of the same batch."""
+        wide = verify if verify_wide is None else verify_wide
+        rows = tuple((row[0] * verify, *(max(t * wide, row[0] * verify) for t in row[1:]))
+                     for row in self.verify_seconds)
+        return CostProfile(self.batch_sizes, rows, tuple(t * draft for t in self.draft_step_seconds),
                            self.draft_prefill_seconds_per_token * draft, overhead)
 
     def round_seconds(self, batch: int, k: int, drafting: int | None = None) -> float:
@@ -151,12 +156,30 @@ class CostCorrection:
     the draft computes alongside the verify): each round's own draft and verify seconds, reported by the
     workers, pull the profile's draft and verify costs toward reality. The first few observations count as a
     plain mean, later ones with weight `CORRECTION_WEIGHT`.
+
+    One-token passes (plain rounds) and wider ones (verifying drafts) have a ratio each once both are observed
+    (until then the one observed stands for both): the start-up profile is measured at short contexts, and a
+    verify pass's attention grows with its width times the context, so at long contexts verifying costs more
+    against a decode step than the profile says (950-token prompts, 8 streams: 48 ms a drafting round against
+    37 ms a plain one, where the profile had a 2-token verify at 1.02-1.07x a decode; bench/RESULTS.md, session 21).
     """
 
     def __init__(self) -> None:
-        self.draft, self.verify = 1.0, 1.0
+        self.draft = 1.0
+        self._verify: dict[bool, float] = {}  # by "wider than one token": observed/profile ratio
         self.overhead = 0.0  # seconds per round outside the workers' compute
-        self._draft_n, self._verify_n, self._overhead_n = 0, 0, 0
+        self._draft_n, self._overhead_n = 0, 0
+        self._verify_n: dict[bool, int] = {False: 0, True: 0}
+
+    @property
+    def verify(self) -> float:
+        """The ratio for one-token (plain) verify passes; the wide passes' until those are observed."""
+        return self._verify.get(False, self._verify.get(True, 1.0))
+
+    @property
+    def verify_wide(self) -> float:
+        """The ratio for verify passes over drafts; the plain passes' until those are observed."""
+        return self._verify.get(True, self._verify.get(False, 1.0))
 
     @staticmethod
     def _update(current: float, n: int, ratio: float) -> float:
@@ -173,8 +196,9 @@ class CostCorrection:
     def observe_verify(self, profile: CostProfile, batch: int, k: int, seconds: float) -> None:
         predicted = profile.verify(batch, k)
         if predicted > 0 and seconds > 0:
-            self.verify = self._update(self.verify, self._verify_n, seconds / predicted)
-            self._verify_n += 1
+            wide = k > 0
+            self._verify[wide] = self._update(self._verify.get(wide, 1.0), self._verify_n[wide], seconds / predicted)
+            self._verify_n[wide] += 1
 
     def observe_overhead(self, seconds: float) -> None:
         weight = max(1.0 / (self._overhead_n + 1), CORRECTION_WEIGHT)
@@ -182,7 +206,7 @@ class CostCorrection:
         self._overhead_n += 1
 
     def apply(self, profile: CostProfile) -> CostProfile:
-        return profile.scaled(self.draft, self.verify, self.overhead)
+        return profile.scaled(self.draft, self.verify, self.overhead, verify_wide=self.verify_wide)
 
 
 class AcceptanceTracker:

@@ -32,7 +32,8 @@ def test_measured_costs_are_corrected_by_steady_rounds_only():
     assert after.draft(1, 1) == pytest.approx(3 * before.draft(1, 1))
     assert after.round_overhead_seconds == pytest.approx(0.004)
     shown = costs.shown()["d1 / t1"]
-    assert shown["observed_over_profile"] == {"draft": 3.0, "verify": 2.0, "round_overhead_ms": 4.0}
+    # only a drafting round's verify was seen: its ratio stands for plain passes too
+    assert shown["observed_over_profile"] == {"draft": 3.0, "verify": 2.0, "verify_wide": 2.0, "round_overhead_ms": 4.0}
     other = SimpleNamespace(key="t2", costs=TARGET.costs)  # another pairing keeps its own correction
     assert costs.policy_profile(DRAFT, other) == before and pair_key(DRAFT, other) == ("d1", "t2")
 

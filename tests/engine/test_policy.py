@@ -128,6 +128,31 @@ def test_observed_round_costs_correct_a_profile_that_was_measured_too_slow():
     assert choose_k(correction.apply(measured), 1, 0.9, 4) == choose_k(true, 1, 0.9, 4) > 0
 
 
+def test_plain_and_drafting_passes_are_corrected_apart_once_both_are_seen():
+    """At long contexts a verify pass over drafts costs more against a decode step than the start-up profile
+    (short contexts) says: each kind of pass gets its own ratio, and drafting stops where it no longer pays."""
+    base = cpu_like_profile()
+    profile = CostProfile(base.batch_sizes, base.verify_seconds, (0.0,) * 5)  # n-gram drafts: no draft model
+    batch, acceptance = 1, 0.5
+    assert choose_k(profile, batch, acceptance, 4) > 0
+    correction = CostCorrection()
+    correction.observe_verify(profile, batch, 1, 2.5 * profile.verify(batch, 1))
+    assert correction.verify == correction.verify_wide == pytest.approx(2.5)  # one kind seen: it stands for both
+    assert choose_k(correction.apply(profile), batch, acceptance, 4) > 0  # everything dearer alike: still drafts
+    for _ in range(20):
+        correction.observe_verify(profile, batch, 0, 1.0 * profile.verify(batch, 0))
+        correction.observe_verify(profile, batch, 1, 2.5 * profile.verify(batch, 1))
+    assert correction.verify == pytest.approx(1.0) and correction.verify_wide == pytest.approx(2.5)
+    corrected = correction.apply(profile)
+    assert corrected.verify(batch, 0) == pytest.approx(profile.verify(batch, 0))
+    assert corrected.verify(batch, 2) == pytest.approx(2.5 * profile.verify(batch, 2))
+    assert choose_k(corrected, batch, acceptance, 4) == 0
+    cheap = CostCorrection()  # wide passes observed cheaper than plain ones never cost less than a plain pass
+    cheap.observe_verify(profile, batch, 0, 2.0 * profile.verify(batch, 0))
+    cheap.observe_verify(profile, batch, 1, 0.1 * profile.verify(batch, 1))
+    assert cheap.apply(profile).verify(batch, 1) >= cheap.apply(profile).verify(batch, 0)
+
+
 def test_a_request_starts_drafting_only_if_the_rest_of_it_repays_the_draft_prefill():
     base = cpu_like_profile()
     profile = CostProfile(base.batch_sizes, base.verify_seconds, base.draft_step_seconds,
