@@ -288,7 +288,8 @@ class GroupRound:
         # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
         orchestration = (result.draft_seconds + result.verify_seconds) - result.draft_compute - result.verify_compute
         self.stats.orchestration_seconds += orchestration
-        self.costs.observe_overhead(self.group_draft(rows), rows[0].target, orchestration)
+        self.costs.observe_overhead(self.group_draft(rows), rows[0].target, orchestration,
+                                    drafted=any(len(d) for d in result.drafts))
         observe(self.metrics.round, [len(d) for d in result.drafts], result.accepted, result.draft_seconds,
                 result.verify_seconds, orchestration)
         self.stats.draft_compute_seconds += result.draft_compute

@@ -76,10 +76,11 @@ class RoundCosts:
             observe = correction.observe_draft if seen.kind == "draft" else correction.observe_verify
             observe(profile, len(seen.calls), seen.k, seen.seconds)
 
-    def observe_overhead(self, draft, target, seconds: float) -> None:
-        """A round's time outside the workers' own compute (RPC, serialization, event-loop hops)."""
+    def observe_overhead(self, draft, target, seconds: float, drafted: bool = False) -> None:
+        """A round's time outside the workers' own compute (RPC, serialization, event-loop hops, the router's n-gram
+        lookups); `drafted`: whether any row of it drafted."""
         if self.corrects:
-            self._correction(draft, target).observe_overhead(seconds)
+            self._correction(draft, target).observe_overhead(seconds, drafted)
 
     def shown(self) -> dict[str, dict | None]:
         """The costs K is chosen by (for /stats), in milliseconds: the calibration file's, or per pairing the
@@ -93,6 +94,7 @@ class RoundCosts:
                     "observed_over_profile": None if correction is None else {
                         "draft": round(correction.draft, 3), "verify": round(correction.verify, 3),
                         "verify_wide": round(correction.verify_wide, 3),
+                        "draft_overhead_ms": round(1000 * correction.draft_overhead, 2),
                         "round_overhead_ms": round(1000 * correction.overhead, 2)}}
         if self.calibration is not None:
             return {"calibration file": show(self.calibration, None)}

@@ -55,6 +55,8 @@ class CostProfile:
     draft_step_seconds: tuple[float, ...]  # [batch]: one draft model step (0 for a proposer without a model)
     draft_prefill_seconds_per_token: float = 0.0  # the draft reading a prompt it has not seen (0: no model)
     round_overhead_seconds: float = 0.0  # per round outside the models (RPC, serialization); observed online
+    # more per round when it drafts (the router's n-gram lookups, the draft call's hops); observed online
+    draft_overhead_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or not self.batch_sizes:
@@ -89,20 +91,20 @@ class CostProfile:
     def draft(self, batch: int, k: int) -> float:
         return k * self._at_batch(list(self.draft_step_seconds), batch)
 
-    def scaled(self, draft: float, verify: float, overhead: float = 0.0,
-               verify_wide: float | None = None) -> "CostProfile":
+    def scaled(self, draft: float, verify: float, overhead: float = 0.0, verify_wide: float | None = None,
+               draft_overhead: float = 0.0) -> "CostProfile":
         """Costs times the given ratios: draft steps by `draft`, one-token verify passes by `verify`, wider ones by
-        `verify_wide` (default `verify`), never below the one-token pass of the same batch."""
+        `verify_wide` (default `verify`), never below the one-token pass of the same batch; the overheads given."""
         wide = verify if verify_wide is None else verify_wide
         rows = tuple((row[0] * verify, *(max(t * wide, row[0] * verify) for t in row[1:]))
                      for row in self.verify_seconds)
         return CostProfile(self.batch_sizes, rows, tuple(t * draft for t in self.draft_step_seconds),
-                           self.draft_prefill_seconds_per_token * draft, overhead)
+                           self.draft_prefill_seconds_per_token * draft, overhead, draft_overhead)
 
     def round_seconds(self, batch: int, k: int, drafting: int | None = None) -> float:
         """One round of `batch` sequences verified at width k+1, of which `drafting` (default: all) draft k tokens."""
         drafting = batch if drafting is None else drafting
-        draft = self.draft(drafting, k) if drafting and k else 0.0
+        draft = self.draft(drafting, k) + self.draft_overhead_seconds if drafting and k else 0.0
         return draft + self.verify(batch, k) + self.round_overhead_seconds
 
     def knee(self, acceptance: float, k_max: int) -> int:
@@ -161,15 +163,31 @@ class CostCorrection:
     (until then the one observed stands for both): the start-up profile is measured at short contexts, and a
     verify pass's attention grows with its width times the context, so at long contexts verifying costs more
     against a decode step than the profile says (950-token prompts, 8 streams: 48 ms a drafting round against
-    37 ms a plain one, where the profile had a 2-token verify at 1.02-1.07x a decode; bench/RESULTS.md, session 21).
+    37 ms a plain one, where the profile had a 2-token verify at 1.41x a decode; bench/RESULTS.md, session 21).
+    The time outside the workers' compute is likewise kept per kind of round: a round that drafts also pays the
+    router's n-gram lookups and the draft call's hops (0.6-1.3 ms a round here, against 19-20 ms rounds at one
+    stream), which the profile does not hold; the difference is `draft_overhead_seconds`.
     """
 
     def __init__(self) -> None:
         self.draft = 1.0
         self._verify: dict[bool, float] = {}  # by "wider than one token": observed/profile ratio
-        self.overhead = 0.0  # seconds per round outside the workers' compute
-        self._draft_n, self._overhead_n = 0, 0
+        self._overhead: dict[bool, float] = {}  # by "the round drafted": seconds outside the workers' compute
+        self._draft_n = 0
         self._verify_n: dict[bool, int] = {False: 0, True: 0}
+        self._overhead_n: dict[bool, int] = {False: 0, True: 0}
+
+    @property
+    def overhead(self) -> float:
+        """Seconds per round outside the workers' compute: a plain round's (a drafting one's until one is seen)."""
+        return self._overhead.get(False, self._overhead.get(True, 0.0))
+
+    @property
+    def draft_overhead(self) -> float:
+        """How much more a drafting round spends outside the workers' compute (0 until both kinds are seen)."""
+        if len(self._overhead) < 2:
+            return 0.0
+        return max(self._overhead[True] - self._overhead[False], 0.0)
 
     @property
     def verify(self) -> float:
@@ -200,13 +218,15 @@ class CostCorrection:
             self._verify[wide] = self._update(self._verify.get(wide, 1.0), self._verify_n[wide], seconds / predicted)
             self._verify_n[wide] += 1
 
-    def observe_overhead(self, seconds: float) -> None:
-        weight = max(1.0 / (self._overhead_n + 1), CORRECTION_WEIGHT)
-        self.overhead += weight * (max(seconds, 0.0) - self.overhead)
-        self._overhead_n += 1
+    def observe_overhead(self, seconds: float, drafted: bool = False) -> None:
+        weight = max(1.0 / (self._overhead_n[drafted] + 1), CORRECTION_WEIGHT)
+        current = self._overhead.get(drafted, 0.0)
+        self._overhead[drafted] = current + weight * (max(seconds, 0.0) - current)
+        self._overhead_n[drafted] += 1
 
     def apply(self, profile: CostProfile) -> CostProfile:
-        return profile.scaled(self.draft, self.verify, self.overhead, verify_wide=self.verify_wide)
+        return profile.scaled(self.draft, self.verify, self.overhead, verify_wide=self.verify_wide,
+                              draft_overhead=self.draft_overhead)
 
 
 class AcceptanceTracker:

@@ -27,13 +27,16 @@ def test_measured_costs_are_corrected_by_steady_rounds_only():
     costs.observe(CostObservation(DRAFT, TARGET, "verify", [call([5, 6])], 1, 2 * before.verify(1, 1)))
     costs.observe(CostObservation(DRAFT, TARGET, "draft", [call([5, 6])], 1, 3 * before.draft(1, 1)))
     costs.observe_overhead(DRAFT, TARGET, 0.004)
+    costs.observe_overhead(DRAFT, TARGET, 0.007, drafted=True)
     after = costs.policy_profile(DRAFT, TARGET)
     assert after.verify(1, 1) == pytest.approx(2 * before.verify(1, 1))
     assert after.draft(1, 1) == pytest.approx(3 * before.draft(1, 1))
     assert after.round_overhead_seconds == pytest.approx(0.004)
+    assert after.round_seconds(1, 1) == pytest.approx(after.draft(1, 1) + 0.003 + after.verify(1, 1) + 0.004)
     shown = costs.shown()["d1 / t1"]
     # only a drafting round's verify was seen: its ratio stands for plain passes too
-    assert shown["observed_over_profile"] == {"draft": 3.0, "verify": 2.0, "verify_wide": 2.0, "round_overhead_ms": 4.0}
+    assert shown["observed_over_profile"] == {"draft": 3.0, "verify": 2.0, "verify_wide": 2.0,
+                                              "draft_overhead_ms": 3.0, "round_overhead_ms": 4.0}
     other = SimpleNamespace(key="t2", costs=TARGET.costs)  # another pairing keeps its own correction
     assert costs.policy_profile(DRAFT, other) == before and pair_key(DRAFT, other) == ("d1", "t2")
 

@@ -178,6 +178,27 @@ def test_round_overhead_counts_against_plain_decoding_too():
     assert lowest(corrected) < lowest(base)
 
 
+def test_what_a_drafting_round_spends_outside_the_workers_counts_against_drafting():
+    """n-gram drafts cost the models nothing, but the router's lookups and the extra hops do: a round that drafts
+    is priced with the overhead drafting rounds were seen to have over plain ones."""
+    base = cpu_like_profile()
+    profile = CostProfile(base.batch_sizes, base.verify_seconds, (0.0,) * 5)  # n-gram drafts
+    correction = CostCorrection()
+    correction.observe_overhead(0.002, drafted=True)
+    assert correction.overhead == pytest.approx(0.002) and correction.draft_overhead == 0.0  # one kind: no difference
+    for _ in range(20):
+        correction.observe_overhead(0.001)
+        correction.observe_overhead(0.021, drafted=True)
+    assert correction.overhead == pytest.approx(0.001, abs=1e-4)
+    assert correction.draft_overhead == pytest.approx(0.020, abs=1e-3)
+    corrected = correction.apply(profile)
+    assert corrected.round_seconds(1, 0) == pytest.approx(profile.verify(1, 0) + correction.overhead)
+    assert corrected.round_seconds(1, 2) == pytest.approx(profile.verify(1, 2) + correction.overhead
+                                                          + correction.draft_overhead)
+    assert corrected.round_seconds(4, 2, drafting=0) == pytest.approx(profile.verify(4, 2) + correction.overhead)
+    assert choose_k(correction.apply(profile), 1, 0.2, 4) == 0 < choose_k(profile, 1, 0.2, 4)
+
+
 def test_a_round_costs_drafts_only_for_the_rows_that_draft():
     profile = CostProfile(batch_sizes=(1, 4), verify_seconds=((0.010, 0.012), (0.020, 0.024)),
                           draft_step_seconds=(0.003, 0.006), round_overhead_seconds=0.001)
