@@ -173,17 +173,24 @@ def test_silu_mul(ops, half):
     assert ops.silu_mul(torch.tensor([[float("nan"), 1.0]])).isnan().all()
 
 
+def rope_inputs(heads, kv_heads, width, dim, slots, capacity, last_start):
+    """qkv [3, W, (H + 2 KVH) D], cos/sin tables [capacity, D], positions [3, W] (rows starting at 7, 0 and
+    `last_start`), fp32 K/V caches [slots, KVH, capacity, D] of random values."""
+    qkv = torch.randn(3, width, (heads + 2 * kv_heads) * dim)
+    angles = torch.rand(capacity, dim // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    positions = torch.tensor([[7], [0], [last_start]]) + torch.arange(width)
+    caches = torch.randn(slots, kv_heads, capacity, dim), torch.randn(slots, kv_heads, capacity, dim)
+    return qkv, cos, sin, positions, caches
+
+
 @needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "width"), [(9, 3, 1), (4, 4, 3), (8, 2, 5)])
 def test_rope_to_cache_rotates_and_writes_where_the_python_step_does(ops, heads, kv_heads, width):
     from engine.llama_fast import _rope
 
-    batch, dim, slots, capacity, first_slot = 3, 16, 5, 40, 1
-    qkv = torch.randn(batch, width, (heads + 2 * kv_heads) * dim)
-    angles = torch.rand(capacity, dim // 2) * 6
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    positions = torch.tensor([[7], [0], [30]]) + torch.arange(width)
-    k_cache, v_cache = torch.randn(slots, kv_heads, capacity, dim), torch.randn(slots, kv_heads, capacity, dim)
+    batch, dim, first_slot = 3, 16, 1
+    qkv, cos, sin, positions, (k_cache, v_cache) = rope_inputs(heads, kv_heads, width, dim, 5, 40, 30)
     k_want, v_want = k_cache.clone(), v_cache.clone()
 
     q = ops.rope_to_cache(qkv, cos, sin, positions, k_cache, v_cache, first_slot, heads, kv_heads)
@@ -260,12 +267,8 @@ def test_a_bf16_cache_is_written_rounded_and_read_exactly(ops, heads, kv_heads, 
     one, and cache_attention over it gives the bits it gives over an fp32 cache holding those same values: the
     loads widen exactly and the arithmetic is the fp32 one. Also with one head per task and a whole group per task
     (the kernel chooses by the number of tasks)."""
-    batch, dim, slots, capacity, first_slot = 3, 64, 5, 72, 1
-    qkv = torch.randn(batch, width, (heads + 2 * kv_heads) * dim)
-    angles = torch.rand(capacity, dim // 2) * 6
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    positions = torch.tensor([[7], [0], [50]]) + torch.arange(width)
-    k32, v32 = torch.randn(slots, kv_heads, capacity, dim), torch.randn(slots, kv_heads, capacity, dim)
+    batch, dim, first_slot = 3, 64, 1
+    qkv, cos, sin, positions, (k32, v32) = rope_inputs(heads, kv_heads, width, dim, 5, 72, 50)
     k16, v16 = k32.bfloat16(), v32.bfloat16()
     q32 = ops.rope_to_cache(qkv, cos, sin, positions, k32, v32, first_slot, heads, kv_heads)
     q16 = ops.rope_to_cache(qkv, cos, sin, positions, k16, v16, first_slot, heads, kv_heads)
