@@ -6,7 +6,8 @@
 - `bf16_gemm` (bf16_gemm.cpp): the bf16 product of bf16 models on CPUs with AVX512_BF16 (VDPBF16PS over weights
   packed once in its VNNI layout), batch invariant at any row count, prompt chunks included;
 - `rms_norm`, `add_rms_norm`, `silu_mul`, `rope_to_cache`, `cache_attention` (layer_ops.cpp): fused fp32 operators
-  for the static runner's eager layer, each replacing several ATen calls whose dispatch cost dominates at decode sizes.
+  for the static runner's eager layer, each replacing several ATen calls whose dispatch cost dominates at decode sizes
+  (the KV cache they write and read holds fp32 or bf16).
 
 All of them split their work over torch's thread count with `specserve::parallel_for` (pool.h), not OpenMP's
 at::parallel_for: the calling thread claims chunks along with helper threads and waits only for chunks a helper has

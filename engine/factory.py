@@ -118,8 +118,9 @@ def cpu_step_dtypes(model: torch.nn.Module, compile: bool) -> tuple[torch.dtype 
 
     On CPU, a bf16 model (a bf16 target, or an int8 draft's other weights) runs with bf16 weights and fp32
     activations where specserve's CPU operators load: each product is a bf16 product (activations rounded to bf16,
-    fp32 sums; engine/cpu_kernels.linear), while norms, residuals, RoPE, attention and the KV cache stay fp32 on the
-    fused operators, which ATen's bf16 operators do not match at decode sizes. SmolLM2-135M, 2 threads, on this
+    fp32 sums; engine/cpu_kernels.linear), while norms, residuals, RoPE and attention compute in fp32 on the fused
+    operators, which ATen's bf16 operators do not match at decode sizes (the KV cache holds bf16 unless configured:
+    `kv_cache_dtype_for`). SmolLM2-135M, 2 threads, on this
     project's avx512_bf16 machine (bench/RESULTS.md, sessions 16-17): a decode step at batch 1 took 36.5 ms with
     ATen's bf16 operators, 16.5 ms on the widening kernel and 10.6 ms on the VDPBF16PS one (bf16_gemm.cpp), against
     24.6 ms in fp32. An int8 draft's products widen the int8 weights in

@@ -294,7 +294,8 @@ class StaticLlama(nn.Module):
 
     `weight_dtype=bfloat16` with `dtype=float32` is how bf16 models run on CPU (engine/factory.cpu_step_dtypes): each
     product is a bf16 product (activations rounded to bf16, fp32 sums and output), so a step reads half the bytes of
-    an fp32 model, and norms, residuals, RoPE, attention and the KV cache stay fp32. On CPUs with AVX512_BF16 the
+    an fp32 model, and norms, residuals, RoPE and attention compute in fp32 (over a `cache_dtype` KV cache: fp32 or
+    bf16, engine/factory.kv_cache_dtype_for). On CPUs with AVX512_BF16 the
     weights are packed once for engine/csrc/bf16_gemm.cpp (VDPBF16PS); elsewhere engine/csrc/small_gemm.cpp widens
     them as they stream in."""
 

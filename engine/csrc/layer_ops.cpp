@@ -11,6 +11,8 @@
 //       q [B, H, W, D] RoPE'd (rotate-half form, `_rope` in engine/llama_fast.py); k RoPE'd and v written into the
 //       caches at (first_slot + b, :, positions[b, w]), what the Python step does with index assignments
 //
+// The KV caches are fp32 or bf16 (runner.kv_cache_dtype): written rounded to nearest even, widened exactly as read.
+//
 // Compiled with -std=c++17 (ISO: no floating-point contraction), so products and sums round as ATen's separate
 // elementwise operators do; reductions may sum in another order (fp32 tolerance).
 #include <algorithm>
