@@ -151,6 +151,22 @@ def choose_k(profile: CostProfile, batch: int, acceptance: float, k_max: int) ->
     return best_k
 
 
+def _clamped_ratio(seconds: float, predicted: float) -> float:
+    """Observed over predicted, kept within 0.1-10 (one odd round does not swing the plan)."""
+    return min(max(seconds / predicted, 0.1), 10.0)
+
+
+class _RunningMean:
+    """A running mean of observations: the first few count as a plain mean, later ones with `CORRECTION_WEIGHT`."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.n = value, 0
+
+    def add(self, x: float) -> None:
+        self.value += max(1.0 / (self.n + 1), CORRECTION_WEIGHT) * (x - self.value)
+        self.n += 1
+
+
 class CostCorrection:
     """What the rounds really cost against what the profile predicted, as running ratios.
 
@@ -170,59 +186,54 @@ class CostCorrection:
     """
 
     def __init__(self) -> None:
-        self.draft = 1.0
-        self._verify: dict[bool, float] = {}  # by "wider than one token": observed/profile ratio
-        self._overhead: dict[bool, float] = {}  # by "the round drafted": seconds outside the workers' compute
-        self._draft_n = 0
-        self._verify_n: dict[bool, int] = {False: 0, True: 0}
-        self._overhead_n: dict[bool, int] = {False: 0, True: 0}
+        self._draft = _RunningMean(1.0)
+        self._verify: dict[bool, _RunningMean] = {}  # by "wider than one token": observed/profile ratio
+        self._overhead: dict[bool, _RunningMean] = {}  # by "the round drafted": seconds outside the workers' compute
+
+    @staticmethod
+    def _of_kind(means: dict[bool, "_RunningMean"], kind: bool, default: float) -> float:
+        """The mean for `kind`, the other kind's until `kind` is observed, `default` before either."""
+        seen = means.get(kind, means.get(not kind))
+        return default if seen is None else seen.value
+
+    @property
+    def draft(self) -> float:
+        return self._draft.value
+
+    @property
+    def verify(self) -> float:
+        """The ratio for one-token (plain) verify passes; the wide passes' until those are observed."""
+        return self._of_kind(self._verify, False, 1.0)
+
+    @property
+    def verify_wide(self) -> float:
+        """The ratio for verify passes over drafts; the plain passes' until those are observed."""
+        return self._of_kind(self._verify, True, 1.0)
 
     @property
     def overhead(self) -> float:
         """Seconds per round outside the workers' compute: a plain round's (a drafting one's until one is seen)."""
-        return self._overhead.get(False, self._overhead.get(True, 0.0))
+        return self._of_kind(self._overhead, False, 0.0)
 
     @property
     def draft_overhead(self) -> float:
         """How much more a drafting round spends outside the workers' compute (0 until both kinds are seen)."""
         if len(self._overhead) < 2:
             return 0.0
-        return max(self._overhead[True] - self._overhead[False], 0.0)
-
-    @property
-    def verify(self) -> float:
-        """The ratio for one-token (plain) verify passes; the wide passes' until those are observed."""
-        return self._verify.get(False, self._verify.get(True, 1.0))
-
-    @property
-    def verify_wide(self) -> float:
-        """The ratio for verify passes over drafts; the plain passes' until those are observed."""
-        return self._verify.get(True, self._verify.get(False, 1.0))
-
-    @staticmethod
-    def _update(current: float, n: int, ratio: float) -> float:
-        ratio = min(max(ratio, 0.1), 10.0)
-        weight = max(1.0 / (n + 1), CORRECTION_WEIGHT)
-        return current + weight * (ratio - current)
+        return max(self._overhead[True].value - self._overhead[False].value, 0.0)
 
     def observe_draft(self, profile: CostProfile, batch: int, k: int, seconds: float) -> None:
         predicted = profile.draft(batch, k)
         if k > 0 and predicted > 0 and seconds > 0:
-            self.draft = self._update(self.draft, self._draft_n, seconds / predicted)
-            self._draft_n += 1
+            self._draft.add(_clamped_ratio(seconds, predicted))
 
     def observe_verify(self, profile: CostProfile, batch: int, k: int, seconds: float) -> None:
         predicted = profile.verify(batch, k)
         if predicted > 0 and seconds > 0:
-            wide = k > 0
-            self._verify[wide] = self._update(self._verify.get(wide, 1.0), self._verify_n[wide], seconds / predicted)
-            self._verify_n[wide] += 1
+            self._verify.setdefault(k > 0, _RunningMean(1.0)).add(_clamped_ratio(seconds, predicted))
 
     def observe_overhead(self, seconds: float, drafted: bool = False) -> None:
-        weight = max(1.0 / (self._overhead_n[drafted] + 1), CORRECTION_WEIGHT)
-        current = self._overhead.get(drafted, 0.0)
-        self._overhead[drafted] = current + weight * (max(seconds, 0.0) - current)
-        self._overhead_n[drafted] += 1
+        self._overhead.setdefault(drafted, _RunningMean(0.0)).add(max(seconds, 0.0))
 
     def apply(self, profile: CostProfile) -> CostProfile:
         return profile.scaled(self.draft, self.verify, self.overhead, verify_wide=self.verify_wide,

@@ -47,10 +47,13 @@ void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must have the same dtype");
 }
 
-// a cache's elements as stored: float, or bf16 bits (uint16_t)
-template <typename T>
-T* cache_data(const at::Tensor& cache) {
-  return reinterpret_cast<T*>(cache.data_ptr());
+// f(k, v) with the caches' data as stored: float, or bf16 bits (uint16_t)
+template <typename F>
+void with_cache_data(const at::Tensor& k_cache, const at::Tensor& v_cache, F&& f) {
+  if (k_cache.scalar_type() == at::kBFloat16)
+    f(reinterpret_cast<uint16_t*>(k_cache.data_ptr()), reinterpret_cast<uint16_t*>(v_cache.data_ptr()));
+  else
+    f(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
 }
 
 // 8 cached values as floats (bf16 widens exactly: its bits are a float's upper half)
@@ -207,12 +210,9 @@ at::Tensor rope_to_cache(const at::Tensor& qkv, const at::Tensor& cos, const at:
   at::Tensor q = at::empty({batch, num_heads, width, dim}, qkv.options());
   const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* qp = q.data_ptr<float>();
-  if (k_cache.scalar_type() == at::kBFloat16)
-    rope_rows(xp, cp, sp, pos, batch, width, num_heads, num_kv_heads, dim, capacity, first_slot, qp,
-              cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache));
-  else
-    rope_rows(xp, cp, sp, pos, batch, width, num_heads, num_kv_heads, dim, capacity, first_slot, qp,
-              cache_data<float>(k_cache), cache_data<float>(v_cache));
+  with_cache_data(k_cache, v_cache, [&](auto* kp, auto* vp) {
+    rope_rows(xp, cp, sp, pos, batch, width, num_heads, num_kv_heads, dim, capacity, first_slot, qp, kp, vp);
+  });
   return q;
 }
 
@@ -423,12 +423,10 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t* pos = checked_positions(positions, batch, width, first_slot, k_cache, capacity);
   at::Tensor out = at::empty_like(q);
   const float s = static_cast<float>(scale);
-  if (k_cache.scalar_type() == at::kBFloat16)
-    attend(q.data_ptr<float>(), cache_data<uint16_t>(k_cache), cache_data<uint16_t>(v_cache), pos, batch, heads,
-           kv_heads, width, dim, capacity, first_slot, kv_len, s, out.data_ptr<float>());
-  else
-    attend(q.data_ptr<float>(), cache_data<float>(k_cache), cache_data<float>(v_cache), pos, batch, heads, kv_heads,
-           width, dim, capacity, first_slot, kv_len, s, out.data_ptr<float>());
+  with_cache_data(k_cache, v_cache, [&](auto* kp, auto* vp) {
+    attend(q.data_ptr<float>(), kp, vp, pos, batch, heads, kv_heads, width, dim, capacity, first_slot, kv_len, s,
+           out.data_ptr<float>());
+  });
   return out;
 }
 
