@@ -248,9 +248,11 @@ constexpr int64_t QUERY_BLOCK = 8;
 
 // A task computes the queries of one row, a block of up to QUERY_BLOCK step positions and `heads_per_task` heads
 // that share a key/value head (all of the group where there are enough tasks to go round, else one): it reads each
-// key and value once for all of them, bf16 ones widened once into a float block. Each query's arithmetic is the same
-// fixed sequence in every layout (below), so its result does not depend on its task or the step's width, and it is
-// the same bits for a float cache and for a bf16 cache holding the same values.
+// key and value once for all of them, bf16 ones widened once into a float block, and scores and weighs them for up
+// to QUERY_TILE queries at a time in registers (each key or value vector loaded once per tile, not per query). Each
+// query's arithmetic is the same fixed sequence in every layout (below), alone or in a tile, so its result does not
+// depend on its task or the step's width, and it is the same bits for a float cache and for a bf16 cache holding the
+// same values.
 constexpr int64_t KEY_BLOCK = 8;  // keys scored together (eight accumulators)
 constexpr int64_t VALUE_BLOCK = 16;  // values widened at a time
 
@@ -298,6 +300,29 @@ inline void key_scores(const float* qv, const float* keys, int64_t dim, int64_t 
     __m256 a = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(keys + k * dim + d), a);
     scores[k] = pairwise_sum(a) * s;
+  }
+}
+
+// key_scores of ROWS queries against four keys, each pair's arithmetic exactly key_scores' (8-lane FMAs over the
+// head dimension in ascending order, the lanes summed pairwise: sums8's order), each key read once for all the
+// queries (a register tile: ROWS x 4 accumulators, the queries' vectors and one key's)
+template <int ROWS>
+inline void key_scores_tile(const float* const* qs, const float* keys, int64_t dim, float s, float* const* out) {
+  __m256 a[ROWS][4];
+  for (int i = 0; i < ROWS; ++i)
+    for (int k = 0; k < 4; ++k) a[i][k] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 8) {
+    __m256 x[ROWS];
+    for (int i = 0; i < ROWS; ++i) x[i] = _mm256_loadu_ps(qs[i] + d);
+    for (int k = 0; k < 4; ++k) {
+      const __m256 key = _mm256_loadu_ps(keys + k * dim + d);
+      for (int i = 0; i < ROWS; ++i) a[i][k] = _mm256_fmadd_ps(x[i], key, a[i][k]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i) {  // each key's lanes 0-3 summed in the low half, 4-7 in the high, then the halves
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]), _mm256_hadd_ps(a[i][2], a[i][3]));
+    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(out[i], _mm_mul_ps(sum, _mm_set1_ps(s)));
   }
 }
 
@@ -355,6 +380,51 @@ inline void add_weighted_values(const float* weights, const float* values, int64
   }
 }
 
+// add_weighted_values of ROWS queries over the same n values: each output lane's FMA chain exactly
+// add_weighted_values' (k ascending, carried in out), each value read once for all the queries (a register tile:
+// ROWS x 16 dimensions, then ROWS x 8 for a remainder)
+template <int ROWS>
+inline void add_weighted_values_tile(const float* const* weights, const float* values, int64_t dim, int64_t n,
+                                     float* const* outs) {
+  int64_t d0 = 0;
+  for (; d0 + 16 <= dim; d0 += 16) {
+    __m256 acc[ROWS][2];
+    for (int i = 0; i < ROWS; ++i) {
+      acc[i][0] = _mm256_loadu_ps(outs[i] + d0);
+      acc[i][1] = _mm256_loadu_ps(outs[i] + d0 + 8);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 v0 = _mm256_loadu_ps(values + t * dim + d0), v1 = _mm256_loadu_ps(values + t * dim + d0 + 8);
+      for (int i = 0; i < ROWS; ++i) {
+        const __m256 p = _mm256_set1_ps(weights[i][t]);
+        acc[i][0] = _mm256_fmadd_ps(p, v0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(p, v1, acc[i][1]);
+      }
+    }
+    for (int i = 0; i < ROWS; ++i) {
+      _mm256_storeu_ps(outs[i] + d0, acc[i][0]);
+      _mm256_storeu_ps(outs[i] + d0 + 8, acc[i][1]);
+    }
+  }
+  if (d0 < dim) {  // dim is a multiple of 8: one vector left
+    __m256 acc[ROWS];
+    for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_loadu_ps(outs[i] + d0);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 v = _mm256_loadu_ps(values + t * dim + d0);
+      for (int i = 0; i < ROWS; ++i) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(weights[i][t]), v, acc[i]);
+    }
+    for (int i = 0; i < ROWS; ++i) _mm256_storeu_ps(outs[i] + d0, acc[i]);
+  }
+}
+
+// how many of queries j, j + 1, ... (at most QUERY_TILE, at least 2, else 1) need all of keys [t, t + n): a tile
+constexpr int64_t QUERY_TILE = 3;
+inline int64_t tile_queries(const std::vector<int64_t>& lengths, int64_t j, int64_t queries, int64_t end) {
+  int64_t rows = 0;
+  while (rows < QUERY_TILE && j + rows < queries && lengths[j + rows] >= end) ++rows;
+  return std::max<int64_t>(rows, 1);
+}
+
 template <typename T>
 void attend(const float* qp, const T* kp, const T* vp, const int64_t* pos, int64_t batch, int64_t heads,
             int64_t kv_heads, int64_t width, int64_t dim, int64_t capacity, int64_t first_slot, int64_t kv_len,
@@ -375,8 +445,8 @@ void attend(const float* qp, const T* kp, const T* vp, const int64_t* pos, int64
       const T* keys = kp + ((first_slot + b) * kv_heads + g) * capacity * dim;
       const T* values = vp + ((first_slot + b) * kv_heads + g) * capacity * dim;
       int64_t queries = 0, longest = 0;
-      for (int64_t h = h0; h < h0 + heads_per_task; ++h)
-        for (int64_t w = w0; w < w1; ++w, ++queries) {
+      for (int64_t w = w0; w < w1; ++w)  // position-major: a group's heads at one position have one length
+        for (int64_t h = h0; h < h0 + heads_per_task; ++h, ++queries) {
           lengths[queries] = std::min(pos[b * width + w] + 1, kv_len);  // padding rows: at most kv_len keys
           at[queries] = ((b * heads + h) * width + w) * dim;
           longest = std::max(longest, lengths[queries]);
@@ -388,9 +458,22 @@ void attend(const float* qp, const T* kp, const T* vp, const int64_t* pos, int64
         else if (t + PREFETCH_KEYS < longest + KEY_BLOCK)  // the values' first keys
           prefetch(values, std::min(PREFETCH_KEYS, longest) * dim * sizeof(T));
         const float* block = as_floats(keys + t * dim, n, dim, buffer.get());
-        for (int64_t j = 0; j < queries; ++j)
-          if (t < lengths[j])
-            key_scores(qp + at[j], block, dim, std::min(n, lengths[j] - t), s, scores.get() + j * kv_len + t);
+        for (int64_t j = 0, rows; j < queries; j += rows) {
+          rows = n == KEY_BLOCK ? tile_queries(lengths, j, queries, t + KEY_BLOCK) : 1;
+          if (rows == 1) {
+            if (t < lengths[j])
+              key_scores(qp + at[j], block, dim, std::min(n, lengths[j] - t), s, scores.get() + j * kv_len + t);
+            continue;
+          }
+          const float* qs[QUERY_TILE];
+          float* out[QUERY_TILE];
+          for (int64_t i = 0; i < rows; ++i) qs[i] = qp + at[j + i], out[i] = scores.get() + (j + i) * kv_len + t;
+          for (int64_t half = 0; half < KEY_BLOCK; half += 4) {
+            if (rows == 3) key_scores_tile<3>(qs, block + half * dim, dim, s, out);
+            else key_scores_tile<2>(qs, block + half * dim, dim, s, out);
+            for (int64_t i = 0; i < rows; ++i) out[i] += 4;
+          }
+        }
       }
       for (int64_t j = 0; j < queries; ++j) {
         softmax_in_place(scores.get() + j * kv_len, lengths[j]);
@@ -401,9 +484,19 @@ void attend(const float* qp, const T* kp, const T* vp, const int64_t* pos, int64
         if (t + PREFETCH_KEYS < longest)
           prefetch(values + (t + PREFETCH_KEYS) * dim, std::min(VALUE_BLOCK, longest - t - PREFETCH_KEYS) * dim * sizeof(T));
         const float* block = as_floats(values + t * dim, n, dim, buffer.get());
-        for (int64_t j = 0; j < queries; ++j)
-          if (t < lengths[j])
-            add_weighted_values(scores.get() + j * kv_len + t, block, dim, std::min(n, lengths[j] - t), op + at[j]);
+        for (int64_t j = 0, rows; j < queries; j += rows) {
+          rows = tile_queries(lengths, j, queries, t + n);
+          if (rows == 1) {
+            if (t < lengths[j])
+              add_weighted_values(scores.get() + j * kv_len + t, block, dim, std::min(n, lengths[j] - t), op + at[j]);
+            continue;
+          }
+          const float* w[QUERY_TILE];
+          float* out[QUERY_TILE];
+          for (int64_t i = 0; i < rows; ++i) w[i] = scores.get() + (j + i) * kv_len + t, out[i] = op + at[j + i];
+          if (rows == 3) add_weighted_values_tile<3>(w, block, dim, n, out);
+          else add_weighted_values_tile<2>(w, block, dim, n, out);
+        }
       }
     }
   });

@@ -239,12 +239,14 @@ def test_cache_attention_equals_masked_attention_over_each_rows_own_keys(ops, he
 
 @needs_kernel
 @pytest.mark.parametrize("dim", [64, 16, 136])
-def test_a_querys_attention_is_the_same_bits_in_any_step_width(ops, dim):
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (8, 2), (4, 2)])
+def test_a_querys_attention_is_the_same_bits_in_any_step_width(ops, dim, heads, kv_heads):
     """A query's result depends on its own position and keys only, not on how many queries share the call or where
     it falls among them: a prompt fed whole, in chunks or token by token writes the same keys and values, which
     exact prefix caching relies on (engine/prefix_cache.py). Head sizes of 64 (whole 64-lane blocks of values), 16
-    and 136 (a remainder)."""
-    heads, kv_heads, capacity, width, start = 6, 2, 128, 37, 20
+    and 136 (a remainder); groups of 3, 4 and 2 heads, so queries go through register tiles of three and of two
+    queries and alone (a width-1 step of one row: a head per task)."""
+    capacity, width, start = 128, 37, 20
     k_cache, v_cache = torch.randn(1, kv_heads, capacity, dim), torch.randn(1, kv_heads, capacity, dim)
     q = torch.randn(1, heads, width, dim)
     positions = start + torch.arange(width)[None]
