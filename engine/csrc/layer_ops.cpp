@@ -417,9 +417,11 @@ inline void add_weighted_values_tile(const float* const* weights, const float* v
   }
 }
 
-// how many of queries j, j + 1, ... (at most QUERY_TILE, at least 2, else 1) need all of keys [t, t + n): a tile
-constexpr int64_t QUERY_TILE = 3;  // attend() dispatches tiles of 3 and 2
+constexpr int64_t QUERY_TILE = 3;  // the most queries in a register tile
 static_assert(QUERY_TILE == 3, "attend() instantiates the tiles of 3 and of 2 queries");
+
+// how many of queries j, j + 1, ... (at most QUERY_TILE) read every key before `end`: a tile when 2 or more, else 1
+// (query j alone, whatever its length)
 inline int64_t tile_queries(const std::vector<int64_t>& lengths, int64_t j, int64_t queries, int64_t end) {
   int64_t rows = 0;
   while (rows < QUERY_TILE && j + rows < queries && lengths[j + rows] >= end) ++rows;
