@@ -85,10 +85,11 @@ class RunnerSection(StrictModel):
     kind: Literal["auto", "static", "transformers"] = Field(
         "auto", description="'static': the compiled Llama-family runner over a preallocated KV cache (an error for "
                             "other models); 'transformers': the transformers forward; 'auto': static where it applies")
-    compile: bool = Field(False, description="torch.compile the static runner's steps at start: CUDA graphs on "
-                                             "CUDA; inductor on CPU (1.3-1.6x faster steps, but minutes of "
-                                             "compilation per shape on a 2-core machine). False: the same forward, "
-                                             "eager")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="how the static runner runs its decode and verify steps. 'auto': CUDA graphs on CUDA "
+                            "(captured at start, seconds), eager on CPU; 'on': CUDA graphs on CUDA, torch.compile "
+                            "(inductor) on CPU (faster steps, but minutes of compilation per shape on a small CPU); "
+                            "'off': eager everywhere. true / false read as on / off")
     kv_cache_gib: float | None = Field(None, gt=0, description="KV-cache size per model worker, GiB; None: "
                                                                "kv_cache_fraction of the memory free after loading")
     kv_cache_fraction: float = Field(0.2, gt=0, le=0.95, description="share of free memory (GPU or host) the KV "
@@ -109,7 +110,7 @@ class RunnerSection(StrictModel):
                             "runner's eager bf16 forward on a CPU with AVX512_BF16), off elsewhere; 'on': an error "
                             "where it would not be exact; 'off'")
 
-    @field_validator("prefix_caching", mode="before")
+    @field_validator("prefix_caching", "compile", mode="before")
     @classmethod
     def _yaml_on_off(cls, value):
         """YAML 1.1 (PyYAML, `serve run`) reads a bare `on` / `off` as a boolean: take it as the word."""
@@ -209,10 +210,11 @@ class SpecServeConfig(StrictModel):
                                  f"profile: {exc}") from exc
         if self.limits.max_prompt_tokens >= self.model.max_model_len:
             raise ValueError("limits.max_prompt_tokens must be below model.max_model_len")
-        if self.tp_size > 1 and self.runner.compile and self.runner.kind != "transformers":
-            # engine/static_tp.py: collectives inside compiled graphs / CUDA graphs are not built or tested
-            raise ValueError(f"runner.compile is not supported with tp_size {self.tp_size}: the tensor-parallel static "
-                             f"runner runs eagerly; set runner.compile: false (or runner.kind: transformers)")
+        if (self.tp_size > 1 and self.runner.compile == "on" and self.model.device == "cpu"
+                and self.runner.kind != "transformers"):
+            # gloo collectives do not run inside inductor graphs (on CUDA, NCCL's run inside the CUDA graphs)
+            raise ValueError(f"runner.compile: on is not supported with tp_size {self.tp_size} on CPU: the "
+                             f"tensor-parallel static runner runs eagerly there; set runner.compile: auto or off")
         return self
 
     def engine_config(self) -> EngineConfig:

@@ -17,7 +17,7 @@ from .proposers import DraftModelProposer, NgramProposer, Proposer, check_tokeni
 from .runner import Runner, cpu_computes_bf16, resolve_dtype
 from .speculative import SpeculativeEngine
 from .static_llama import why_unsupported
-from .static_runner import KVBudget, StaticRunner
+from .static_runner import KVBudget, StaticRunner, step_mode
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,10 @@ class EngineConfig:
     trust_remote_code: bool = False
     # the model runner (engine/runner.py): the compiled static path for the Llama family, else transformers'
     runner: str = "auto"  # "auto" (static where supported), "static" (an error where not), "transformers"
-    # torch.compile the static runner's steps. Off by default on this project's CPU machines: each shape compiles
-    # for 2-3 minutes on 2 cores (README, Performance); on by choice, and on CUDA (CUDA graphs)
-    compile: bool = False
+    # how the static runner runs its steps (static_runner.step_mode): "auto" = CUDA graphs on CUDA, eager on CPU;
+    # "on" = CUDA graphs on CUDA, torch.compile (inductor) on CPU, whose shapes compile for minutes on a small CPU;
+    # "off" = eager everywhere
+    compile: str = "auto"
     kv_cache_gib: float | None = None  # KV-cache bytes per model worker; None: kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.2
     max_num_seqs: int = 32  # KV-cache slots at most (sequences a worker holds at once)
@@ -86,7 +87,7 @@ def make_runner(model: torch.nn.Module, config: EngineConfig, vocab_size: int | 
         return ModelRunner(model, max_model_len=config.max_model_len, vocab_size=vocab_size)
     if reason is not None:
         raise ValueError(f"runner: static cannot run this model: {reason}")
-    dtype, weight_dtype = cpu_step_dtypes(model, config.compile)
+    dtype, weight_dtype = cpu_step_dtypes(model, step_mode(config.compile, model.device) == "inductor")
     return StaticRunner(model, max_model_len=config.max_model_len, vocab_size=vocab_size, budget=config.budget(),
                         compile=config.compile, prefill_chunk=config.prefill_chunk, dtype=dtype,
                         weight_dtype=weight_dtype, prefix_caching=config.prefix_caching,

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_extension
+from . import attention_kernels, cpu_extension
+from .attention_kernels import RowIndex
 from .cpu_kernels import kernel_takes, linear, pack_bf16, small_gemm_for
 from .llama_fast import _rope  # x [B, heads, W, D] rotated by cos/sin [B, 1, W, D]
 from .quantize import Int8WeightOnlyLinear
@@ -205,9 +206,10 @@ class _LayerOps:
     (inductor fuses them itself)."""
 
     def __init__(self, model: "StaticLlama", fused: dict | None, positions: torch.Tensor, first_slot: int,
-                 kv_len: int) -> None:
+                 kv_len: int, rows: RowIndex | None = None) -> None:
         self.model, self.fused = model, fused
         self.positions, self.first_slot, self.kv_len = positions, first_slot, kv_len  # the step's, [B, W] positions
+        self.rows = rows  # a graph step's slots and key limits as device tensors (`StaticLlama.forward_rows`)
         self._visible: torch.Tensor | None = None
 
     @classmethod
@@ -250,6 +252,8 @@ class _LayerOps:
         `grouped_attention`."""
         m, (batch, _, width, _) = self.model, q.shape
         first, kv_len = self.first_slot, self.kv_len
+        if self.rows is not None:
+            return attention_kernels.cache_attention(q, k_cache, v_cache, self.rows, m.scale)
         if self.fused is not None and m.head_dim % 8 == 0:
             return self.fused["cache_attention"](q.contiguous(), k_cache, v_cache, first, self.positions, kv_len,
                                                  m.scale)
@@ -281,7 +285,10 @@ class _LayerOps:
         k = qkv[..., m.q_size : m.q_size + m.kv_size].view(batch, width, -1, m.head_dim)
         v = qkv[..., m.q_size + m.kv_size :].view(batch, width, -1, m.head_dim)
         q, k = _rope(q, cos, sin), _rope(k.transpose(1, 2), cos, sin)
-        slots = torch.arange(first_slot, first_slot + batch, device=qkv.device)[:, None]  # [B, 1]
+        if self.rows is not None:
+            slots = self.rows.slots[:, None]  # [B, 1]
+        else:
+            slots = torch.arange(first_slot, first_slot + batch, device=qkv.device)[:, None]
         k_cache[slots, :, positions] = k.transpose(1, 2).to(k_cache.dtype)  # [B, W, KVH, D] at (slot, pos)
         v_cache[slots, :, positions] = v.to(v_cache.dtype)
         return q
@@ -371,13 +378,27 @@ class StaticLlama(nn.Module):
         kv_len: int,  # keys read per row: >= max(starts) + W over the rows whose outputs are used
         last_only: bool = False,  # logits of the last position only (a prefill chunk)
     ) -> torch.Tensor:  # [B, W or 1, V] float32
+        positions = starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]  # [B, W]
+        return self._layers(tokens, _LayerOps.for_step(self, positions, first_slot, kv_len), last_only)
+
+    def forward_rows(
+        self,
+        tokens: torch.Tensor,  # [B, W] int64
+        rows: RowIndex,  # each row's slot, start and key limit, as device tensors
+    ) -> torch.Tensor:  # [B, W, V] float32
+        """A decode or verify step whose every index is a device tensor (what a CUDA graph replays): row b writes
+        slot `rows.slots[b]` at positions `rows.starts[b]..+W-1` and attends over that slot's keys up to its own
+        length (engine/attention_kernels.py), so one captured graph serves any rows, slots and context lengths."""
+        positions = rows.starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]  # [B, W]
+        return self._layers(tokens, _LayerOps(self, None, positions, 0, self.capacity, rows), last_only=False)
+
+    def _layers(self, tokens: torch.Tensor,  # [B, W] int64
+                ops: _LayerOps, last_only: bool) -> torch.Tensor:  # [B, W or 1, V] float32
         batch, width = tokens.shape
-        positions = starts[:, None] + torch.arange(width, device=tokens.device)[None, :]  # [B, W]
         hidden = F.embedding(tokens, self.embed) if self.shard is None else embed(tokens, self.embed, self.shard)
         hidden = hidden.to(self.dtype)  # [B, W, H]: bf16 weights beside fp32 activations are widened here
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        ops = _LayerOps.for_step(self, positions, first_slot, kv_len)
         # decode/verify steps run every product on the CPU kernel, whatever the batch, so a row's step is computed
         # the same in any batch; fp32 prompt chunks (compute-bound) take MKL (bf16 ones stay on the kernel too:
         # cpu_kernels.linear)

@@ -5,23 +5,24 @@
   Slots stay compact (a released slot takes the last one's keys/values, a copy made once per release), so a
   forward over the live sequences is a contiguous range of slots: views of the cache, never a per-step gather.
 - **Shapes.** A step runs `B` consecutive slots at width `W` (the new tokens per row: 1 to decode, K+1 to verify).
-  Under CUDA graphs both are rounded up to buckets (elsewhere they are exact); slots in the range that are not in
-  the call feed one dummy token each into the scratch tail past `max_model_len`, which no real row ever reads.
+  Under CUDA graphs both are rounded up to buckets (elsewhere they are exact); a bucket's padding rows feed dummy
+  tokens into the scratch tail past `max_model_len`, which no real row ever reads, and attend to no key.
   Rows shorter than `W` are right-padded: their pad tokens land past the row's length and are overwritten by its
   next tokens. Long rows (prompts) run in chunks of at most `prefill_chunk` tokens on their own, never padded;
   their last tokens join the batched step.
-- **Compiled.** Each step goes through `torch.compile`: on CPU inductor with frozen, prepacked weights and the
-  key length left dynamic (one graph per batch and width bucket); on CUDA with CUDA graphs
-  (`mode="reduce-overhead"`), the key length bucketed too, as graphs need fixed shapes. Inductor keeps its
-  compiled code in its on-disk cache (`TORCHINDUCTOR_CACHE_DIR`), so a restart compiles much faster. `compile=False`
-  runs the same forward eagerly.
+- **Step modes** (`runner.compile`, `step_mode`). On CUDA (`auto`, `on`) decode and verify steps replay CUDA graphs
+  captured at start per (batch bucket, width) (engine/cuda_graphs.py); each row's slot, start and key limit are
+  device tensors there, so a graph serves any context length and its attention reads only the row's own keys
+  (engine/attention_kernels.py). On CPU steps run eagerly (`auto`, `off`), or through `torch.compile`'s inductor
+  with frozen, prepacked weights and dynamic sizes (`on`; inductor keeps its compiled code in its on-disk cache,
+  `TORCHINDUCTOR_CACHE_DIR`, so a restart compiles faster). Prefill chunks always run eagerly on CUDA.
 - **No host sync inside a step.** Inputs are built on the host and copied in one go; the step itself never reads
   a device value back (tests/engine/test_static_runner.py runs it with host reads made to raise).
 - **Tensor parallelism.** Given a rank's shard (engine/shard_loading.py's `load_shard`), the runner holds that
   rank's fused weights and its heads' KV cache only, so one slot costs 1/world of its single-rank bytes and the same
   byte budget holds world times more sequences per rank (still at most `max_num_seqs`); the ranks agree on the
-  fewest slots any of them can hold. Steps run eagerly (engine/static_tp.py: compile is refused under tensor
-  parallelism).
+  fewest slots any of them can hold. On CUDA the steps' NCCL collectives run inside the captured graphs; on CPU
+  (gloo) steps run eagerly (engine/static_tp.py).
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from .cuda_graphs import GraphSteps, estimate_graph_bytes
 from .prefix_cache import SlotPrefixCache, why_layout_variant
 from .runner import ContextWindowError, SlotTable, SlotTableAccess, SeqSlot, config_context_window
 from .static_llama import StaticLlama
@@ -52,10 +55,12 @@ class KVBudget:
     fraction: float | None = 0.2
     max_num_seqs: int = 32  # more slots than this are never allocated (the scheduler batches at most this many)
 
-    def bytes_for(self, device: torch.device) -> int:
+    def bytes_for(self, device: torch.device, reserve: int = 0) -> int:
+        """The cache's bytes: `gib` as given, or `fraction` of the free memory left after `reserve` (what the
+        CUDA graphs will hold, captured after the cache is allocated)."""
         if self.gib is not None:
             return int(self.gib * GIB)
-        return int(free_memory_bytes(device) * (self.fraction or 0.0))
+        return int(max(0, free_memory_bytes(device) - reserve) * (self.fraction or 0.0))
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -82,6 +87,24 @@ def plan_num_slots(slot_bytes: int, budget_bytes: int, max_num_seqs: int, what: 
             f"({slot_bytes / GIB:.3f} GiB per sequence): raise kv_cache_gib / kv_cache_fraction or lower "
             f"max_model_len")
     return slots
+
+
+STEP_MODES = ("eager", "inductor", "graphs")
+
+
+def step_mode(compile: bool | str, device: torch.device) -> str:
+    """How the static runner runs its decode and verify steps, from `runner.compile` (`auto | on | off`; True and
+    False read as on and off) and the device: `graphs` (CUDA graphs, engine/cuda_graphs.py) on CUDA unless off;
+    on CPU `inductor` (torch.compile) when on, else `eager` (auto: compiling costs minutes per shape on a small CPU,
+    README). A mode's own name is taken as is (tests run the graph path's forward eagerly on a CPU)."""
+    setting = {True: "on", False: "off"}.get(compile, compile) if isinstance(compile, bool) else compile
+    if setting in STEP_MODES:
+        return setting
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"runner.compile must be auto, on or off, got {compile!r}")
+    if setting == "off":
+        return "eager"
+    return "graphs" if device.type == "cuda" else ("inductor" if setting == "on" else "eager")
 
 
 def buckets_up_to(limit: int, first: int = 1) -> list[int]:
@@ -129,7 +152,7 @@ class StaticRunner(SlotTableAccess):
     """Runner protocol (engine/runner.py) over `StaticLlama`."""
 
     def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, vocab_size: int | None = None,
-                 budget: KVBudget = KVBudget(), compile: bool = True, prefill_chunk: int = 256,
+                 budget: KVBudget = KVBudget(), compile: bool | str = "auto", prefill_chunk: int = 256,
                  dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
                  prefix_caching: str = "auto", cache_dtype: torch.dtype | None = None) -> None:
         config = model.config
@@ -141,14 +164,20 @@ class StaticRunner(SlotTableAccess):
         self.dtype = dtype or (param.dtype if param.is_floating_point() else torch.float32)
         capacity = self.max_model_len + self.prefill_chunk  # scratch tail for padded and dummy rows
         shard = shard_of(model)
-        if shard is not None and compile:
+        self.step_mode = step_mode(compile, self.device)
+        if shard is not None and self.step_mode == "inductor":
             raise ValueError(
-                f"runner.compile is not supported for tensor-parallel targets (tp_size {shard.world}): collectives "
-                f"inside compiled graphs and CUDA graphs are not built or tested; set compile: false (the static "
-                f"runner then runs its steps eagerly) or use the transformers runner")
+                f"runner.compile: on is not supported for tensor-parallel targets on CPU (tp_size {shard.world}): "
+                f"gloo collectives do not run inside inductor graphs; use compile: auto or off (eager steps). On "
+                f"CUDA, tensor-parallel steps run as CUDA graphs")
         self.kv_cache_dtype = cache_dtype or self.dtype
-        slot_bytes = StaticLlama.slot_bytes(config, capacity, self.kv_cache_dtype, shard.world if shard else 1)
-        num_slots = plan_num_slots(slot_bytes, budget.bytes_for(self.device), budget.max_num_seqs,
+        world = shard.world if shard else 1
+        slot_bytes = StaticLlama.slot_bytes(config, capacity, self.kv_cache_dtype, world)
+        reserve = 0
+        if self.step_mode == "graphs":
+            reserve = estimate_graph_bytes(config, budget.max_num_seqs, MAX_WIDTH, vocab_size or config.vocab_size,
+                                           world)
+        num_slots = plan_num_slots(slot_bytes, budget.bytes_for(self.device, reserve), budget.max_num_seqs,
                                    f" of {self.max_model_len} tokens")
         if shard is not None:
             num_slots = agree_num_slots(num_slots, shard, self.device)
@@ -158,15 +187,17 @@ class StaticRunner(SlotTableAccess):
         self.batch_buckets = buckets_up_to(num_slots)
         self.width_buckets = buckets_up_to(MAX_WIDTH)
         self.chunk_buckets = buckets_up_to(self.prefill_chunk, first=MAX_WIDTH * 2)
-        self.kv_buckets = buckets_up_to(capacity, first=256)  # key lengths of CUDA graphs
-        self.compiled = compile
-        # CUDA graphs replay fixed shapes, so batch, width and key length are padded to buckets there; eager steps
-        # and CPU's dynamic graph take any shape, so nothing is padded (an 87-token prompt computed as 128 cost
-        # 47% more)
-        self.fixed_shapes = compile and self.device.type == "cuda"
-        self._step = _compile_step(self.model, self.device) if compile else self.model.forward
-        # prefill chunks are compute-bound: on CUDA they run eagerly (no graph per chunk and key-length bucket; vLLM
-        # likewise captures graphs for decode batches only); on CPU the dynamic graph serves them too
+        self.kv_buckets = buckets_up_to(capacity, first=256)  # key lengths of eager CUDA steps
+        self.compiled = self.step_mode != "eager"
+        self._step = _compile_step(self.model) if self.step_mode == "inductor" else self.model.forward
+        # CUDA graphs replay fixed shapes, so batch and width are padded to buckets there (each row's key length is a
+        # device tensor: engine/attention_kernels.py); eager steps and CPU's dynamic graph take any shape, so nothing
+        # is padded (an 87-token prompt computed as 128 cost 47% more)
+        self.graphs = None
+        if self.step_mode == "graphs":
+            self.graphs = GraphSteps(self.model, num_slots, MAX_WIDTH, scratch_start=self.max_model_len)
+        # prefill chunks are compute-bound: on CUDA they run eagerly (vLLM likewise captures graphs for decode
+        # batches only); on CPU the dynamic graph serves them too
         self._prefill = self.model.forward if self.device.type == "cuda" else self._step
         self._seqs = SlotTable(self.max_model_len, num_slots, self.model.move_slot)
         self.prefix_cache = self._prefix_cache(prefix_caching)
@@ -291,11 +322,11 @@ class StaticRunner(SlotTableAccess):
 
     def _batched_step(self, states: list[SeqSlot], tails: list[list[int]],
                       num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]
+        if self.graphs is not None:
+            return self._graph_step(states, tails, num_logits)
         lo = min(s.slot for s in states)
         rows = max(s.slot for s in states) - lo + 1
         width = max(len(t) for t in tails)
-        if self.fixed_shapes:
-            rows, width = bucket(rows, self.batch_buckets), bucket(width, self.width_buckets)
         lo = min(lo, self.model.num_slots - rows)  # the range must stay inside the cache
         ids = torch.zeros(rows, width, dtype=torch.long)
         starts = torch.full((rows,), self.max_model_len, dtype=torch.long)  # dummy rows: the scratch tail
@@ -318,6 +349,23 @@ class StaticRunner(SlotTableAccess):
         picked_rows = picked_rows.to(self.device, non_blocking=True)
         return logits[picked_rows[:, None], index]
 
+    def _graph_step(self, states: list[SeqSlot], tails: list[list[int]],
+                    num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]
+        """The step as a CUDA graph's replay (engine/cuda_graphs.py): the rows in call order (any slots), padded to
+        the batch and width buckets; each row's logits at its last num_logits positions."""
+        width = bucket(max(len(t) for t in tails), self.width_buckets)
+        rows = bucket(len(states), self.batch_buckets)
+        lengths = np.array([len(t) for t in tails])
+        logits = self.graphs.step([s.slot for s in states], [len(s.tokens) for s in states], tails, rows, width)
+        out_width = max(num_logits)
+        firsts = lengths - np.array(num_logits)
+        index = np.minimum(firsts[:, None] + np.arange(out_width)[None, :], (lengths - 1)[:, None])
+        for state, toks in zip(states, tails):
+            state.tokens.extend(toks)
+        index = torch.from_numpy(index).to(self.device, non_blocking=True)
+        picked = torch.arange(len(states), device=self.device)[:, None]
+        return logits[picked, index]
+
     def _kv_len(self, need: int) -> int:
         """Keys read per row: on CUDA rounded up to a power of two (fixed shapes for CUDA graphs); on CPU to a
         multiple of 64 (the graph takes any length)."""
@@ -333,10 +381,15 @@ class StaticRunner(SlotTableAccess):
 
     # ---- start-up -------------------------------------------------------------------------------------------
     def warm_up(self, max_k: int, progress: Callable[[str], None] | None = None) -> int:
-        """Compile (or load from inductor's cache) every shape the serving loop will use: each batch bucket at
-        width 1 and K+1, and each prefill chunk bucket. Returns the number of shapes run."""
+        """Capture (CUDA graphs) or compile (inductor, or load from its cache) every step shape the serving loop
+        uses: each batch bucket at width 1 and K+1, and under inductor each prefill chunk bucket. Returns the number
+        of shapes."""
         shapes = [(rows, width) for width in sorted({1, bucket(max_k + 1, self.width_buckets)})
                   for rows in self.batch_buckets]
+        if self.graphs is not None:
+            if self.device.type == "cuda":
+                self.graphs.capture(shapes, progress)
+            return len(shapes)
         if self._prefill is self._step:
             shapes += [(1, -chunk) for chunk in self.chunk_buckets]
         with torch.inference_mode():
@@ -390,15 +443,13 @@ def prefill_groups(slots: Sequence[int], widths: Sequence[int], max_tokens: int)
     return groups
 
 
-def _compile_step(model: StaticLlama, device: torch.device) -> Callable:
+def _compile_step(model: StaticLlama) -> Callable:
+    """The CPU step through inductor (`runner.compile: on` on a CPU)."""
     import torch._dynamo
 
-    # one graph per shape bucket: more than dynamo's default 8 per function, which would fall back to eager
+    # dynamo specializes sizes 0 and 1: more graphs than its default 8 per function, which would fall back to eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
-    if device.type == "cuda":
-        # CUDA graphs (cudagraph trees): one per (batch, width, key-length) bucket, replayed without host work
-        return torch.compile(model.forward, mode="reduce-overhead", dynamic=False, fullgraph=True)
-    # CPU: frozen weights (constants, prepacked where the kernels allow), symbolic sizes: one graph serves every
+    # frozen weights (constants, prepacked where the kernels allow), symbolic sizes: one graph serves every
     # batch, width and key length (dynamo still specializes sizes 0 and 1)
     return torch.compile(model.forward, dynamic=True, fullgraph=True, options={"freezing": True})

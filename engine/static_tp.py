@@ -18,8 +18,9 @@ group's timeout), as the transformers path does. None reads a device value back,
 syncs. The ranks pair rows by position in the call, so they must apply the same add / release / forward calls in
 the same order: deployments/workers.py guarantees it (rank 0 forwards every call to the others, in its order).
 
-Compiled steps (`torch.compile`, CUDA graphs) are refused under tensor parallelism: collectives inside inductor
-graphs and captured CUDA graphs are neither built nor tested here (no multi-GPU machine); the runner says so.
+On CUDA the collectives (NCCL) are captured inside the steps' CUDA graphs (engine/cuda_graphs.py), every rank
+capturing the same shapes in the same order. On CPU (gloo) steps run eagerly: inductor (`runner.compile: on`) is
+refused for a shard, as gloo collectives do not run inside its graphs.
 """
 
 from __future__ import annotations

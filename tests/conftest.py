@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
+
+# Without a GPU, Triton's kernels (engine/attention_kernels.py) run in its CPU interpreter, which Triton reads from the
+# environment when it is first imported: set here, before any test module imports engine
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 from transformers import PreTrainedTokenizerFast
 

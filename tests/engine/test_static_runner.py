@@ -12,7 +12,8 @@ from engine.model_runner import ModelRunner
 from engine.quantize import quantize_int8_weight_only
 from engine.runner import KVCacheFull, resolve_dtype
 from engine.static_llama import UnsupportedModel, why_unsupported
-from engine.static_runner import KVBudget, StaticRunner, forbid_host_sync, plan_num_slots, prefill_groups
+from engine.static_runner import (KVBudget, StaticRunner, forbid_host_sync, plan_num_slots, prefill_groups,
+                                  step_mode)
 from tests.conftest import make_tiny_model
 from tests.engine.bf16_reference import dpbf16_reference
 
@@ -353,3 +354,65 @@ def test_fused_cpu_layer_operators_give_the_aten_layers_logits(family, monkeypat
     assert static_llama._LayerOps.for_step(runner.model, *step).fused is None
     aten = scripted(StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16), ROUNDS)
     assert_same_logits(fused, aten, atol=1e-4, rtol=1e-4)
+
+
+def test_runner_compile_picks_cuda_graphs_on_cuda_and_eager_on_cpu_unless_told():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [step_mode(setting, cpu) for setting in ("auto", "on", "off", True, False)] == [
+        "eager", "inductor", "eager", "inductor", "eager"]
+    assert [step_mode(setting, cuda) for setting in ("auto", "on", "off", True, False)] == [
+        "graphs", "graphs", "eager", "graphs", "eager"]
+    with pytest.raises(ValueError, match="auto, on or off"):
+        step_mode("sometimes", cpu)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma"])
+def test_the_cuda_graph_step_forward_matches_transformers(family):
+    """The graph path's forward (rows in call order at any slots, padded to batch and width buckets, each row's
+    slot, start and key limit as device tensors), run eagerly here: what a captured graph replays on CUDA."""
+    model = make_tiny_model(family, seed=0)
+    runner = StaticRunner(model, budget=SLOTS, compile="graphs", prefill_chunk=16)
+    got = scripted(runner, ROUNDS)
+    assert_same_logits(got, reference(model), atol=1e-4, rtol=1e-4)
+    assert runner.graphs.eager_steps == len(ROUNDS) and runner.graphs.replays == 0  # nothing captured on a CPU
+
+
+def test_graph_steps_pad_rows_into_the_scratch_tail_and_make_no_host_sync():
+    model = make_tiny_model("llama", seed=2)
+    runner = StaticRunner(model, budget=KVBudget(gib=1.0, max_num_seqs=8), compile="graphs", prefill_chunk=16)
+    for s, prompt in (("a", [2, 3, 4]), ("b", [5, 6]), ("c", [7])):
+        runner.add(s)
+        runner.forward([s], [prompt], [1])
+    forward_rows = runner.model.forward_rows
+    seen = []
+
+    def guarded(tokens, rows):
+        seen.append((tokens.clone(), rows.slots.clone(), rows.starts.clone(), rows.limits.clone()))
+        with forbid_host_sync(runner.device):
+            return forward_rows(tokens, rows)
+
+    runner.model.forward_rows = guarded
+    runner.forward(["c", "a", "b"], [[9, 10], [11], [12, 13, 14]], [2, 1, 3])  # 3 rows -> 4, width 3 -> 4
+    tokens, slots, starts, limits = seen[-1]
+    assert tokens.shape == (4, 4)
+    assert slots.tolist() == [2, 0, 1, 0] and starts.tolist() == [1, 3, 2, runner.max_model_len]
+    assert limits.tolist() == [5, 7, 6, 0]  # real rows: start + width; the padding row reads no key
+    assert tokens[0].tolist() == [9, 10, 0, 0] and tokens[3].tolist() == [0, 0, 0, 0]
+    assert [runner.cached_tokens(s) for s in "abc"] == [[2, 3, 4, 11], [5, 6, 12, 13, 14], [7, 9, 10]]
+
+
+def test_a_kv_budget_given_as_a_fraction_leaves_room_for_the_graphs(monkeypatch):
+    import engine.static_runner as static_runner
+    from engine.static_llama import StaticLlama
+
+    monkeypatch.setattr(static_runner, "free_memory_bytes", lambda device: 10 << 30)
+    assert KVBudget(fraction=0.5).bytes_for(torch.device("cpu"), reserve=2 << 30) == 4 << 30
+    assert KVBudget(gib=1.0, fraction=0.5).bytes_for(torch.device("cpu"), reserve=2 << 30) == 1 << 30  # as given
+    model = make_tiny_model("llama", seed=0)
+    budget = KVBudget(fraction=2e-4, max_num_seqs=512)
+    eager, graphs = (StaticRunner(model, budget=budget, compile=mode) for mode in ("off", "graphs"))
+    # the graphs' reserve is sized for max_num_seqs rows of the widest step and comes out of the free memory first
+    reserve = static_runner.estimate_graph_bytes(model.config, 512, static_runner.MAX_WIDTH, model.config.vocab_size)
+    slot = StaticLlama.slot_bytes(model.config, graphs.model.capacity, graphs.kv_cache_dtype)
+    assert eager.capacity == int((10 << 30) * 2e-4) // slot
+    assert graphs.capacity == int(((10 << 30) - reserve) * 2e-4) // slot < eager.capacity
