@@ -21,6 +21,7 @@ applies every call in the same order while serving.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -68,6 +69,37 @@ class Staging:
             self._copied.record()
 
 
+class StepClock:
+    """Host and device time of the graph steps, so /stats shows whether host work per step stays below the
+    device's: host = filling the inputs and launching (wall clock), device = a replay's own time (CUDA events
+    around it, read back only when asked and only for replays that have finished: never a sync in a step)."""
+
+    KEPT = 64  # event pairs in the ring
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host_seconds = 0.0
+        self.steps = 0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._next = 0
+
+    def events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """The next (start, end) pair of the ring to record around a replay; None off CUDA."""
+        if not self.cuda:
+            return None
+        if len(self._events) < self.KEPT:
+            self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        pair = self._events[self._next % len(self._events)]
+        self._next += 1
+        return pair
+
+    def as_dict(self) -> dict:
+        done = [start.elapsed_time(end) for start, end in self._events[: self._next] if end.query()]
+        return {"steps": self.steps,
+                "host_ms_per_step": 1e3 * self.host_seconds / self.steps if self.steps else None,
+                "device_ms_per_step": sum(done) / len(done) if done else None}
+
+
 class GraphSteps:
     """A StaticLlama's decode and verify steps: replayed graphs for the captured (rows, width) shapes, the same
     forward run eagerly for others."""
@@ -81,13 +113,14 @@ class GraphSteps:
         self.pool_bytes = 0  # device memory the captured graphs hold (their activations and outputs)
         self.replays = 0
         self.eager_steps = 0
+        self.clock = StepClock(model.device)
 
     def capture(self, shapes: Sequence[tuple[int, int]],
                 progress: Callable[[str], None] | None = None) -> None:
         """Capture a graph per (rows, width), larger batches first (later, smaller graphs reuse the pool's blocks,
         as vLLM orders its captures). Each shape is run once eagerly first, on padding rows only (Triton's kernels
         compile there, cuBLAS picks its algorithms), then captured."""
-        device = self.model.device
+        device, began = self.model.device, time.perf_counter()
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_reserved(device)
         self.pool = self.pool or torch.cuda.graph_pool_handle()
@@ -108,20 +141,35 @@ class GraphSteps:
                 progress(f"captured {done}/{len(ordered)}: batch {rows} width {width}")
         torch.cuda.synchronize(device)
         self.pool_bytes = torch.cuda.memory_reserved(device) - before
+        log.info("captured %d CUDA graphs in %.1f s, holding %.0f MiB", len(ordered), time.perf_counter() - began,
+                 self.pool_bytes / (1 << 20))
 
     def step(self, slots: Sequence[int], starts: Sequence[int], tokens: Sequence[Sequence[int]],
              rows: int, width: int) -> torch.Tensor:  # [rows, width, V] float32 (a graph's output buffer)
         """Fill the staging buffer and run the (rows, width) step: its graph's replay, or eagerly if not captured.
         A replay's output is the graph's own buffer, valid until the next step: read it (index it) before then."""
+        began = time.perf_counter()
         self.staging.fill(rows, width, slots, starts, tokens, self.scratch_start)
         captured = self.graphs.get((rows, width))
         if captured is None:
             self.eager_steps += 1
             return self.model.forward_rows(*self.staging.views(rows, width))
         graph, out = captured
+        events = self.clock.events()
+        if events is not None:
+            events[0].record()
         graph.replay()
+        if events is not None:
+            events[1].record()
+        self.clock.host_seconds += time.perf_counter() - began
+        self.clock.steps += 1
         self.replays += 1
         return out
+
+    def stats(self) -> dict:
+        """For a worker's /stats: captured shapes, replays, eager fallbacks, pool memory, host vs device time."""
+        return {"captured": len(self.graphs), "replays": self.replays, "eager_steps": self.eager_steps,
+                "pool_mib": round(self.pool_bytes / (1 << 20), 1), **self.clock.as_dict()}
 
 
 def estimate_graph_bytes(config, max_rows: int, max_width: int, vocab_size: int, world: int = 1) -> int:

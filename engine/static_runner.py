@@ -236,6 +236,10 @@ class StaticRunner(SlotTableAccess):
             self.prefix_cache.keep(self._seqs[seq_id], len(self._seqs))
         self._seqs.release(seq_id)
 
+    def graph_stats(self) -> dict | None:
+        """The CUDA graphs' counters and step times (engine/cuda_graphs.py); None where steps are not graphs."""
+        return None if self.graphs is None else self.graphs.stats()
+
     def prefix_cache_stats(self) -> dict | None:
         return None if self.prefix_cache is None else self.prefix_cache.index.stats.as_dict()
 

@@ -416,3 +416,15 @@ def test_a_kv_budget_given_as_a_fraction_leaves_room_for_the_graphs(monkeypatch)
     slot = StaticLlama.slot_bytes(model.config, graphs.model.capacity, graphs.kv_cache_dtype)
     assert eager.capacity == int((10 << 30) * 2e-4) // slot
     assert graphs.capacity == int(((10 << 30) - reserve) * 2e-4) // slot < eager.capacity
+
+
+def test_graph_stats_count_steps_and_stay_off_where_steps_are_not_graphs():
+    model = make_tiny_model("llama", seed=1)
+    assert StaticRunner(model, budget=SLOTS, compile="off").graph_stats() is None
+    runner = StaticRunner(model, budget=SLOTS, compile="graphs")
+    runner.add("a")
+    runner.forward(["a"], [[2, 3]], [1])
+    runner.forward(["a"], [[4]], [1])
+    stats = runner.graph_stats()
+    assert stats["eager_steps"] == 2 and stats["replays"] == 0 and stats["captured"] == 0
+    assert stats["device_ms_per_step"] is None  # no replay timed on a CPU
