@@ -13,6 +13,11 @@ from .model_deployments import DraftServer, TargetServer
 from .router import RETRY_AFTER_S, build_router_server
 
 REPLICA_CPUS = 0.05  # the replica actor itself only relays; the model work runs in its worker actors
+# Replica constructors Serve retries before the deployment is DEPLOY_FAILED (its default is 20, capped at 3 per
+# target replica). A replica that cannot start for its configuration (a StartupError: deployments/errors.py) fails
+# every try the same way, and each try loads the models again; the failure then shows in `serve status` and in the
+# router's /health (deployments/readiness.py) instead of a restart loop. A transient failure gets this many tries.
+CONSTRUCTOR_RETRIES = 3
 
 
 def _worker_bundle(s: ScalingSection) -> dict[str, float]:
@@ -53,7 +58,8 @@ def deployment_options(cfg: SpecServeConfig) -> dict[str, dict]:
                         # a request Serve sheds at its queue limit is refused by the proxy itself, with Retry-After
                         "backpressure_config": {"status_code": 503, "retry_after_s": RETRY_AFTER_S},
                         "health_check_period_s": 5,
-                        "health_check_timeout_s": 30, "graceful_shutdown_timeout_s": 20}
+                        "health_check_timeout_s": 30, "graceful_shutdown_timeout_s": 20,
+                        "max_constructor_retry_count": CONSTRUCTOR_RETRIES}
     options = {
         "Router": {**common(cfg.router), "ray_actor_options": {"num_cpus": cfg.router.num_cpus}},
         "Target": {

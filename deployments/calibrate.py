@@ -3,8 +3,9 @@
 Loads the config's target and draft in this process, times verify passes and draft steps by batch size
 (engine/calibrate.py) and writes the cost profile that `speculation.calibration` points the router's K policy at.
 It prints the table and, for a few acceptance rates, the K the policy would pick per batch size and the largest
-batch at which it still drafts (the knee). Without a profile file the Draft and Target replicas measure the same
-costs themselves at start.
+batch at which it still drafts (the knee). Each model is measured at the batch sizes its KV cache holds
+(`runner.max_num_seqs`, the KV budget); the policy extrapolates beyond them (engine/policy.cost_at). Without a
+profile file the Draft and Target replicas measure the same costs themselves at start.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 
 import yaml
 
-from engine.calibrate import BATCH_SIZES, measure_draft_costs, measure_target_costs, profile_from_costs
+from engine.calibrate import measure_draft_costs, measure_target_costs, profile_from_costs
 from engine.factory import build_proposer, build_target
 from engine.policy import choose_k
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"measured in {time.perf_counter() - start:.1f} s ({json.dumps(meta)})")
     print("batch  " + "  ".join(f"verify k={k} ms" for k in range(max_k + 1)) + "  draft step ms")
-    for i, batch in enumerate(BATCH_SIZES):
+    for i, batch in enumerate(profile.batch_sizes):  # those the target's KV cache holds
         row = "  ".join(f"{1000 * t:14.1f}" for t in profile.verify_seconds[i])
         print(f"{batch:5d}  {row}  {1000 * profile.draft_step_seconds[i]:13.1f}")
     print(f"draft prefill: {1000 * profile.draft_prefill_seconds_per_token:.2f} ms per prompt token")

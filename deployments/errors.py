@@ -40,3 +40,23 @@ class RequestFailed(RuntimeError):
     @staticmethod
     def of(failure) -> "RequestFailed":
         return RequestFailed(failure.code, failure.message)
+
+
+class StartupError(RuntimeError):
+    """A Draft or Target worker cannot start with this configuration (its KV-cache budget holds no sequence, a model
+    path does not exist): the one-line message names the cause and the setting to change. Retrying cannot help, so
+    the replica raises this instead of Ray's report of a dead worker actor, and Serve's status shows it
+    (deployments/app.py bounds the retries; deployments/readiness.py puts it in /health's 503)."""
+
+    MARK = "StartupError: "
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))  # one line: found again in a traceback's text (`found_in`)
+
+    @classmethod
+    def found_in(cls, text: str) -> "StartupError | None":
+        """The StartupError whose traceback `text` ends with (a Ray error's or Serve's status message), or None."""
+        at = text.rfind(cls.MARK)
+        if at < 0:
+            return None
+        return cls(text[at + len(cls.MARK):].split("\n", 1)[0])

@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.factory import EngineConfig
 
 from .admission import min_capacity, refusal
+from .errors import StartupError
 from .lease_ledger import STALE_AFTER_S, LeaseLedger
 from .messages import LeaseInfo
 from .workers import ray_actor_classes
@@ -41,6 +42,20 @@ HEALTH_PING_TIMEOUT_S = 20.0  # a worker not answering a ping this long fails th
 # a long call (a batched prefill under load) does not fail the check; past this bound the worker is replaced.
 # Above the collectives' own timeout (workers.init_distributed: 60 s on CPU, 30 s on GPU by default).
 STUCK_CALL_S = 180.0
+
+
+def started(refs):
+    """`ray.get(refs)` of a replica's start-up calls to its workers; a worker's StartupError (a configuration it
+    cannot start with) raised as itself, one line naming what to change, instead of Ray's report of a dead actor
+    with the worker's traceback inside: Serve's status then shows that line (readiness.py puts it in /health)."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayError as exc:
+        error = StartupError.found_in(str(exc))
+        if error is None:
+            raise
+        raise error from None
+
 
 def _in_my_bundle(index: int) -> dict:
     if not ray.is_initialized():  # outside a cluster (unit tests): asking for the group would start a Ray instance
@@ -247,10 +262,10 @@ class DraftServer(_LeasedReplica):
         self.worker_name = options["name"]
         self.worker = draft_cls.options(**options).remote(engine_config, worker["torch_threads"], worker["calibrate"],
                                                           worker["concurrent_workers"], worker["niceness"])
-        # fail fast (missing model file, bad tokenizer) at start-up
-        stats = ray.get(self.worker.stats.remote())
+        # fail fast (missing model file, bad tokenizer, a KV budget too small) at start-up
+        stats = started(self.worker.stats.remote())
         self.costs, self.capacity = stats["costs"], stats.get("kv_capacity")
-        self.endpoint = ray.get(self.worker.start_channel.remote())
+        self.endpoint = started(self.worker.start_channel.remote())
 
     async def lease(self, seq_id: str):
         async for item in self._hold(seq_id, [self.worker], self.endpoint):
@@ -281,11 +296,11 @@ class TargetServer(_LeasedReplica):
             for rank in range(tp_size)
         ]
         if tp_size > 1:
-            address, port = ray.get(self.workers[0].rendezvous_address.remote())
-            ray.get([w.init_distributed.remote(address, port) for w in self.workers])
-        ray.get([w.ping.remote() for w in self.workers])
+            address, port = started(self.workers[0].rendezvous_address.remote())
+            started([w.init_distributed.remote(address, port) for w in self.workers])
+        started([w.ping.remote() for w in self.workers])
         if worker["calibrate"]:
-            self.costs = ray.get([w.calibrate.remote(max(engine_config.num_speculative_tokens, 1))
+            self.costs = started([w.calibrate.remote(max(engine_config.num_speculative_tokens, 1))
                                   for w in self.workers])[0]
         endpoints = ray.get([w.start_channel.remote() for w in self.workers])
         if tp_size > 1:  # from now on ranks 1.. take their calls from rank 0 alone

@@ -24,7 +24,7 @@ from .config import SpecServeConfig
 from .errors import Overloaded, ReplicaGone, RequestFailed
 from .metrics import NullMetrics, observe
 from .openai_api import APIError, ChatCompletionRequest, CompletionRequest, create_app
-from .readiness import Readiness
+from .readiness import DeploymentState, DeploymentStatuses, Readiness, serve_statuses
 from .scheduler import Scheduler, SchedulerConfig
 from .structured import checked_grammar
 
@@ -49,6 +49,18 @@ RETRY_AFTER_S = 1  # what every overload refusal tells clients: the router's own
 def overloaded_error(exc: Overloaded) -> APIError:
     return APIError(503, f"server overloaded: {exc}", type_="server_overloaded", code="overloaded",
                     headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def not_ready_error(missing: list[str], states: dict[str, DeploymentState]) -> APIError:
+    """/health's 503: the deployments no replica of which can be leased yet and, where Serve reports them, their
+    states (a failed start names what to change: deployments/errors.StartupError), in the message and as
+    `deployments` beside the error."""
+    reasons = "; ".join(f"{name} {state.status}" + (f": {state.reason()}" if state.reason() else "")
+                        for name, state in states.items())
+    return APIError(503, f"not ready: no {' and no '.join(missing)} replica can be leased yet "
+                         f"({reasons or 'still starting: loading the models'})",
+                    type_="server_error", code="not_ready", headers={"Retry-After": str(RETRY_AFTER_S)},
+                    details={"deployments": {name: state.wire() for name, state in states.items()}})
 
 
 def load_api_key(config: SpecServeConfig) -> str | None:
@@ -131,12 +143,11 @@ class Router:
             raise overloaded_error(exc) from exc
 
     async def health(self) -> dict:
-        """GET /health: 200 once a completion can lease the replicas it needs, 503 until then (readiness.py)."""
+        """GET /health: 200 once a completion can lease the replicas it needs, 503 until then, saying why where Serve
+        reports it (readiness.py)."""
         missing = await self.readiness.missing()
         if missing:
-            raise APIError(503, f"not ready: no {' and no '.join(missing)} replica can be leased yet (still "
-                                "starting: loading the models)",
-                           type_="server_error", code="not_ready", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise not_ready_error(missing, await self.readiness.why(missing))
         return {"status": "ok", "live_sequences": self.scheduler.num_live}
 
     # ---- request preparation --------------------------------------------------------------------------------
@@ -339,6 +350,8 @@ def build_router_server():
             cfg = SpecServeConfig.model_validate(config)
             self.router = Router(cfg, RayLeaseBroker(draft_handle, target_handle),
                                  metrics=ServingMetrics(cfg.model.served_model_name))
+            # why /health is 503: Serve's status of the Draft and Target deployments (readiness.py)
+            self.router.readiness.statuses = DeploymentStatuses(serve_statuses)
 
         def __serve_build_asgi_app__(self):
             return create_app(self.router)

@@ -24,11 +24,13 @@ import torch
 
 from engine.builtin_processors import LogitsSettings
 from engine.factory import EngineConfig
+from engine.loading import ModelLoadError
 from engine.logits_processing import LogitsProcessor, RowProcessing
-from engine.runner import Runner
+from engine.runner import KVBudgetError, KVCacheFull, Runner
 
 from .channel import ChannelServer
 from .channel_wire import Endpoint
+from .errors import StartupError
 from .messages import SeqDelta
 
 RELEASES_REMEMBERED = 4096  # sequences whose release times a worker keeps (`released_ago`)
@@ -173,6 +175,41 @@ def cpu_startup_turn(config: EngineConfig):
 
 
 
+def startup_error(role: str, exc: BaseException) -> StartupError | None:
+    """`exc`, raised while a worker loads, warms up or measures its costs, as the configuration error it is (a
+    StartupError naming what to change), or None when it is not one (a bug, a lost node: Serve's retries may help)."""
+    what = f"{role.capitalize()} worker cannot start:"
+    if isinstance(exc, StartupError):
+        return exc
+    if isinstance(exc, KVCacheFull):
+        hint = "" if "max_num_seqs" in str(exc) else \
+            " (raise runner.max_num_seqs or the KV-cache budget, kv_cache_gib / kv_cache_fraction)"
+        return StartupError(f"{what} {exc}{hint}")
+    if isinstance(exc, KVBudgetError):  # static_runner.plan_num_slots: says what to change
+        return StartupError(f"{what} {exc}")
+    if isinstance(exc, torch.OutOfMemoryError):
+        return StartupError(f"{what} out of memory while loading or warming up ({str(exc).splitlines()[0]}): lower "
+                            f"runner.kv_cache_fraction / kv_cache_gib or max_model_len, raise tp_size, or give the "
+                            f"worker a device with more memory")
+    if isinstance(exc, ModelLoadError):
+        return StartupError(f"{what} {exc} (check model.target and model.draft: a local model directory, a .gguf "
+                            f"file, or a model id in the local Hugging Face cache)")
+    return None
+
+
+@contextlib.contextmanager
+def startup_errors(role: str):
+    """Raise a configuration error met inside the block as one StartupError (`startup_error`); others pass as they
+    are."""
+    try:
+        yield
+    except Exception as exc:
+        error = startup_error(role, exc)
+        if error is None or error is exc:
+            raise
+        raise error from exc
+
+
 class ModelWorker:
     """The base of DraftWorkerCore and TargetWorkerCore (deployments/workers.py): a channel served on the model
     thread with the worker's `handlers` plus "release", torch's threads, the busy clock, the known tokens and the
@@ -259,7 +296,9 @@ class ModelWorker:
                 "torch_threads": self.torch_threads, "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
                 "niceness": self.niceness,
                 # hits of the runner's prefix cache (engine/prefix_cache.py); None where it is off or not built in
-                "prefix_cache": runner.prefix_cache_stats() if hasattr(runner, "prefix_cache_stats") else None}
+                "prefix_cache": runner.prefix_cache_stats() if hasattr(runner, "prefix_cache_stats") else None,
+                # CUDA graphs: captured shapes, replays, pool memory, host vs device ms per step (engine/cuda_graphs.py)
+                "cuda_graphs": runner.graph_stats() if hasattr(runner, "graph_stats") else None}
 
     def ping(self) -> float:
         """Seconds the current model call has been running (0: idle); served on the "control" thread."""

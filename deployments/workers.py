@@ -39,7 +39,7 @@ from .channel_wire import ChannelClosed, Endpoint, Route
 from .errors import TensorParallelBroken
 from .messages import (DraftCall, DraftResult, RowFailure, VerifyCall, VerifyResult, proposal_from_wire,
                        proposal_to_wire)
-from .worker_base import ModelWorker, cpu_startup_turn, warm_up
+from .worker_base import ModelWorker, cpu_startup_turn, startup_errors, warm_up
 from .worker_grammars import failed_grammars, grammar_failure, prepare_grammars
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class DraftWorkerCore(ModelWorker):
         super().__init__({"propose": self.propose, "propose_chained": self.propose_chained}, torch_threads,
                          concurrent_workers, niceness)
         self._relay = ChannelRelay()  # to target workers, for chained rounds
-        with cpu_startup_turn(config):
+        with startup_errors("draft"), cpu_startup_turn(config):
             self.on_model_thread(self._start, config, calibrate)
 
     def model_runner(self) -> Runner | None:
@@ -170,7 +170,7 @@ class TargetWorkerCore(ModelWorker):
         self.costs: dict | None = None
         self.grammars: SequenceGrammars | None = None  # rank 0: structured outputs' matchers (made at load)
         if world == 1:
-            with cpu_startup_turn(config):
+            with startup_errors("target"), cpu_startup_turn(config):
                 self.on_model_thread(self.load)
 
     def model_runner(self) -> Runner | None:
@@ -210,7 +210,8 @@ class TargetWorkerCore(ModelWorker):
             options["device_id"] = self.on_model_thread(rank_device, self.config.device)
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
                                 world_size=self.world, timeout=datetime.timedelta(seconds=timeout_s), **options)
-        self.on_model_thread(self.load)
+        with startup_errors("target"):
+            self.on_model_thread(self.load)
 
     def load(self) -> None:
         """The whole target (world 1), or this rank's shard read straight from the safetensors files
@@ -247,7 +248,7 @@ class TargetWorkerCore(ModelWorker):
         """Verify costs by batch size and draft count (every rank must run it at once: collectives; at start-up,
         before any router calls)."""
         # with several ranks only rank 0 takes the node's turn: the others must not block its collectives
-        with cpu_startup_turn(self.config) if self.rank == 0 else contextlib.nullcontext():
+        with startup_errors("target"), cpu_startup_turn(self.config) if self.rank == 0 else contextlib.nullcontext():
             measure = lambda: self.on_model_thread(measure_target_costs, self.runner, max_k)  # noqa: E731
             if self.world > 1:  # every rank must run the measurement's collectives: none may read a cache alone
                 self.costs = measure()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,6 +45,34 @@ def expected_tokens(acceptance: float, k: int) -> float:
     if acceptance >= 1.0:
         return float(k + 1)
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def cost_at(sizes: Sequence[int], values: Sequence[float], batch: int) -> float:
+    """A pass's cost at `batch` rows from its costs measured at the ascending batch `sizes`.
+
+    Between measured sizes: linear. Beyond the largest: along the last segment, never below the largest measured
+    cost (a bigger batch never costs less, even from a profile that is not monotone, such as a hand-edited
+    calibration file). Below the smallest: along the first segment, at least 0. From one measured size (a runner
+    of one slot): proportional to the rows.
+
+    A runner measures only the batches its KV cache holds (engine/calibrate.py), so a profile can end at 1 or 2
+    rows. The last segment is the local slope where the pass is as memory- or compute-bound as just beyond it; the
+    per-row cost of the largest measured batch instead would take every bigger pass as wholly compute-bound, which
+    on a GPU makes a few more rows look several times dearer than they are and stops speculation early. A single
+    point has no slope, and there the per-row reading is the cautious one (it never makes drafting look cheaper than
+    measured). Where either errs, `CostCorrection` pulls the costs toward what the rounds really take.
+    """
+    if len(sizes) != len(values) or not sizes:
+        raise ValueError("one cost per measured batch size")
+    if len(sizes) == 1:
+        return values[0] * batch / sizes[0]
+    i = min(max(bisect_left(sizes, batch), 1), len(sizes) - 1)
+    b0, b1 = sizes[i - 1], sizes[i]
+    v0, v1 = values[i - 1], values[i]
+    line = v0 + (v1 - v0) * (batch - b0) / (b1 - b0)
+    if batch > sizes[-1]:
+        return max(line, v1)
+    return max(line, 0.0)
 
 
 @dataclass(frozen=True)
@@ -71,14 +100,7 @@ class CostProfile:
         return len(self.verify_seconds[0]) - 1
 
     def _at_batch(self, values: list[float], batch: int) -> float:
-        """Linear in the batch size between measured sizes, and beyond the largest along the last segment."""
-        sizes = self.batch_sizes
-        if len(sizes) == 1:
-            return values[0] * batch / sizes[0]
-        i = min(max(bisect_left(sizes, batch), 1), len(sizes) - 1)
-        b0, b1 = sizes[i - 1], sizes[i]
-        v0, v1 = values[i - 1], values[i]
-        return max(v0 + (v1 - v0) * (batch - b0) / (b1 - b0), 0.0)
+        return cost_at(self.batch_sizes, values, batch)
 
     def verify(self, batch: int, k: int) -> float:
         """Seconds of a verify pass over `batch` sequences with k drafts each (k beyond the profile: linear)."""

@@ -24,6 +24,10 @@ class KVCacheFull(RuntimeError):
     """No free KV-cache slot for another sequence."""
 
 
+class KVBudgetError(ValueError):
+    """The KV-cache budget does not hold one sequence of the configured length (a configuration error)."""
+
+
 class ContextWindowError(ValueError):
     """A sequence would not fit the model's context window."""
 

@@ -37,7 +37,7 @@ import torch
 
 from .cuda_graphs import GraphSteps, estimate_graph_bytes
 from .prefix_cache import SlotPrefixCache, why_layout_variant
-from .runner import ContextWindowError, SlotTable, SlotTableAccess, SeqSlot, config_context_window
+from .runner import ContextWindowError, KVBudgetError, SlotTable, SlotTableAccess, SeqSlot, config_context_window
 from .static_llama import StaticLlama
 from .static_tp import agree_num_slots, shard_of
 
@@ -82,7 +82,7 @@ def plan_num_slots(slot_bytes: int, budget_bytes: int, max_num_seqs: int, what: 
     what to change."""
     slots = min(max_num_seqs, budget_bytes // slot_bytes)
     if slots < 1:
-        raise ValueError(
+        raise KVBudgetError(
             f"the KV-cache budget ({budget_bytes / GIB:.3f} GiB) does not hold one sequence{what} "
             f"({slot_bytes / GIB:.3f} GiB per sequence): raise kv_cache_gib / kv_cache_fraction or lower "
             f"max_model_len")
@@ -386,14 +386,17 @@ class StaticRunner(SlotTableAccess):
     # ---- start-up -------------------------------------------------------------------------------------------
     def warm_up(self, max_k: int, progress: Callable[[str], None] | None = None) -> int:
         """Capture (CUDA graphs) or compile (inductor, or load from its cache) every step shape the serving loop
-        uses: each batch bucket at width 1 and K+1, and under inductor each prefill chunk bucket. Returns the number
-        of shapes."""
-        shapes = [(rows, width) for width in sorted({1, bucket(max_k + 1, self.width_buckets)})
-                  for rows in self.batch_buckets]
+        uses: each batch bucket at width 1 and K+1 (CUDA graphs: every width bucket up to K+1's, as rounds whose
+        rows draft fewer tokens are narrower), and under inductor each prefill chunk bucket. Returns the number of
+        shapes."""
         if self.graphs is not None:
+            top = bucket(max_k + 1, self.width_buckets)
+            shapes = [(rows, width) for width in self.width_buckets if width <= top for rows in self.batch_buckets]
             if self.device.type == "cuda":
                 self.graphs.capture(shapes, progress)
             return len(shapes)
+        shapes = [(rows, width) for width in sorted({1, bucket(max_k + 1, self.width_buckets)})
+                  for rows in self.batch_buckets]
         if self._prefill is self._step:
             shapes += [(1, -chunk) for chunk in self.chunk_buckets]
         with torch.inference_mode():

@@ -2,7 +2,7 @@
 
 from ray import serve
 
-from deployments.app import deployment_options
+from deployments.app import CONSTRUCTOR_RETRIES, deployment_options
 from deployments.config import SpecServeConfig
 from deployments.router import RETRY_AFTER_S
 
@@ -20,6 +20,8 @@ def test_every_deployment_sheds_with_503_and_retry_after_and_ray_accepts_the_opt
         config = deployment._deployment_config
         assert config.backpressure_config.status_code == 503
         assert config.backpressure_config.retry_after_s == RETRY_AFTER_S
+        # a replica that cannot start is not restarted for minutes: the application fails with its error
+        assert config.max_constructor_retry_count == CONSTRUCTOR_RETRIES <= 3
     router = serve.deployment(_Stand, name="Router").options(**options["Router"])._deployment_config
     assert router.max_queued_requests == 3 and router.max_ongoing_requests == cfg.router.max_ongoing_requests
 
@@ -106,3 +108,22 @@ def test_prefix_caching_takes_yaml_on_and_off_and_reaches_the_engine_config():
         assert cfg.runner.prefix_caching == want and cfg.engine_config().prefix_caching == want
     with pytest.raises(pydantic.ValidationError, match="prefix_caching"):
         SpecServeConfig.model_validate({"runner": {"prefix_caching": "sometimes"}})
+
+
+def test_runner_compile_is_auto_on_or_off_reads_yaml_booleans_and_tp_is_refused_only_for_cpu_inductor():
+    import pydantic
+    import pytest
+    import yaml
+
+    assert SpecServeConfig().runner.compile == "auto" == SpecServeConfig().engine_config().compile
+    for text, want in (("on", "on"), ("off", "off"), ("true", "on"), ("false", "off"), ("auto", "auto")):
+        runner = yaml.safe_load(f"compile: {text}")
+        cfg = SpecServeConfig.model_validate({"runner": runner})
+        assert cfg.runner.compile == want and cfg.engine_config().compile == want
+    with pytest.raises(pydantic.ValidationError, match="compile"):
+        SpecServeConfig.model_validate({"runner": {"compile": "graphs"}})
+    for device in ("cpu", "cuda"):  # CUDA graphs (auto) serve tensor-parallel targets
+        SpecServeConfig.model_validate({"tp_size": 2, "model": {"device": device}, "runner": {"compile": "auto"}})
+    SpecServeConfig.model_validate({"tp_size": 2, "model": {"device": "cuda"}, "runner": {"compile": "on"}})
+    with pytest.raises(pydantic.ValidationError, match="tp_size 2 on CPU"):
+        SpecServeConfig.model_validate({"tp_size": 2, "runner": {"compile": "on"}})

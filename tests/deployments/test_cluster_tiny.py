@@ -356,3 +356,57 @@ def test_a_full_target_replica_refuses_leases_and_takes_one_again_once_a_lease_e
         time.sleep(0.5)
     assert replica_stats("slots")["swept"] == 1
     serve.delete("slots")
+
+
+def test_one_and_two_kv_slots_start_measure_their_costs_and_serve_speculative_completions(ray_cluster,
+                                                                                          tiny_model_dirs):
+    """Replicas whose KV caches hold one or two sequences measure their costs at start within them (the adaptive
+    policy's start-up measurement used to ask for 16 and kill the constructor, again and again)."""
+    from ray import serve
+
+    for slots in (1, 2):
+        name = f"slots{slots}"
+        base = deploy(tiny_config(tiny_model_dirs, runner={"max_num_seqs": slots},
+                                  speculation={"adaptive": True}), name)
+        assert replica_stats(name)["kv_capacity"] == slots
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "speculative": {"k": 3, "adaptive": False}})  # the tiny pair costs alike: the policy would not draft
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["completion_tokens"] == 12 and usage["speculative"]["num_draft_tokens"] > 0, usage
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+        serve.delete(name)
+
+
+def test_a_kv_budget_that_holds_no_sequence_fails_the_application_and_health_says_why(ray_cluster, tiny_model_dirs):
+    """Replicas that cannot start for their configuration are retried a few times only (app.CONSTRUCTOR_RETRIES),
+    then the application is DEPLOY_FAILED with the workers' one-line reason, which /health's 503 carries."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    config = tiny_config(tiny_model_dirs, runner={"kv_cache_gib": 1e-6})
+    serve._run(build_app(config.model_dump()), _blocking=False, name="nobudget", route_prefix="/nobudget")
+    deadline = time.time() + 240
+    while (app := serve.status().applications.get("nobudget")) is None or app.status != "DEPLOY_FAILED":
+        assert time.time() < deadline, f"not failed within 240 s: {app}"
+        time.sleep(2)
+    # the first deployment to fail fails the application; the other may still be on its last retries
+    failed = [name for name, d in app.deployments.items() if d.status == "DEPLOY_FAILED"]
+    assert failed and set(failed) <= {"Draft", "Target"}, app
+    for name in failed:
+        assert f"{name} worker cannot start: the KV-cache budget" in app.deployments[name].message, app
+    while True:  # the router is up; its status lookup is cached a few seconds
+        r = httpx.get(f"http://127.0.0.1:{PORT}/nobudget/health", timeout=30)
+        shown = r.json().get("deployments", {}) if r.headers.get("content-type") == "application/json" else {}
+        if all(shown.get(name, {}).get("status") == "DEPLOY_FAILED" for name in failed):
+            break
+        assert time.time() < deadline + 60, r.text
+        time.sleep(1)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready", r.text
+    for name in failed:
+        assert shown[name]["message"].startswith(f"{name} worker cannot start: the KV-cache budget"), shown
+        assert "raise kv_cache_gib" in shown[name]["message"], shown
+        assert f"{name} DEPLOY_FAILED: {name} worker cannot start" in r.json()["error"]["message"], r.text
+    serve.delete("nobudget")

@@ -159,3 +159,35 @@ def test_a_release_that_never_answers_still_ends_the_lease(monkeypatch):
 
     leases, again = asyncio.run(go())
     assert leases == 0 and isinstance(again, LeaseInfo)
+
+
+RAY_REPORT = """The actor died because of an error raised in its creation task, ray::DraftWorkerCore.__init__() (pid=7)
+  File "deployments/worker_base.py", line 190, in startup_errors
+    raise error from exc
+deployments.errors.StartupError: Draft worker cannot start: the KV-cache budget (0.000 GiB) does not hold one \
+sequence: raise kv_cache_gib / kv_cache_fraction or lower max_model_len"""
+
+
+def test_a_workers_startup_error_is_raised_as_itself_and_other_failures_as_ray_raised_them(monkeypatch):
+    import pytest
+    import ray
+
+    from deployments import model_deployments
+    from deployments.errors import StartupError
+
+    def fail_with(text):
+        def get(refs):
+            raise ray.exceptions.RayError(text)
+        return get
+
+    monkeypatch.setattr(model_deployments.ray, "get", fail_with(RAY_REPORT))
+    with pytest.raises(StartupError) as raised:
+        model_deployments.started(["ref"])
+    assert str(raised.value) == ("Draft worker cannot start: the KV-cache budget (0.000 GiB) does not hold one "
+                                 "sequence: raise kv_cache_gib / kv_cache_fraction or lower max_model_len")
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__, "no dead-actor report chained on"
+    monkeypatch.setattr(model_deployments.ray, "get", fail_with("The actor died unexpectedly: node lost"))
+    with pytest.raises(ray.exceptions.RayError, match="node lost"):
+        model_deployments.started(["ref"])
+    monkeypatch.setattr(model_deployments.ray, "get", lambda refs: ["stats"])
+    assert model_deployments.started(["ref"]) == ["stats"]

@@ -379,6 +379,7 @@ def test_api_key_from_a_file_and_no_text_in_logs(tiny_model_dirs, tmp_path, monk
 @pytest.mark.parametrize("role", ["draft", "target"])
 def test_worker_with_a_missing_or_corrupt_model_fails_fast_naming_the_file(tiny_model_dirs, tmp_path, role):
     from engine.loading import ModelLoadError
+    from deployments.errors import StartupError
     from deployments.workers import DraftWorkerCore, TargetWorkerCore
 
     corrupt = tmp_path / "broken.gguf"
@@ -386,7 +387,8 @@ def test_worker_with_a_missing_or_corrupt_model_fails_fast_naming_the_file(tiny_
     base = tiny_config(tiny_model_dirs).engine_config()
     for path in [tmp_path / "missing.gguf", corrupt]:
         config = dataclasses.replace(base, **{role: str(path)})
-        with pytest.raises((ModelLoadError, ValueError, OSError), match=path.name):
+        # a file that is not there is a configuration error: one StartupError naming it (deployments/worker_base.py)
+        with pytest.raises((StartupError, ModelLoadError, ValueError, OSError), match=path.name):
             DraftWorkerCore(config) if role == "draft" else TargetWorkerCore(config)
 
 

@@ -337,3 +337,59 @@ def test_a_target_worker_reads_the_costs_a_previous_start_measured(tmp_path, mon
     second = workers.TargetWorkerCore(config).calibrate(3)
     assert len(calls) == 1, "the second start read the first one's measurement"
     assert second == json.loads(json.dumps(first))
+
+
+# ---- start-up with few KV-cache slots, and the errors a worker cannot start with ----------------------------------
+@pytest.mark.parametrize("slots", [1, 2])
+def test_workers_of_one_or_two_slots_start_and_measure_their_costs_within_them(tiny_model_dirs, slots):
+    from engine.calibrate import profile_from_costs
+    from engine.policy import choose_k
+
+    config = tiny_config(tiny_model_dirs, runner={"max_num_seqs": slots}).engine_config()
+    draft = DraftWorkerCore(config, calibrate=True)
+    target = TargetWorkerCore(config)
+    verify = target.calibrate(3)
+    sizes = list(range(1, slots + 1))
+    assert draft.stats()["kv_capacity"] == slots == target.stats()["kv_capacity"]
+    assert draft.costs["batch_sizes"] == sizes == verify["batch_sizes"]
+    assert draft.stats()["live_sequences"] == 0 == target.stats()["live_sequences"], "measured, then released"
+    profile = profile_from_costs(verify, draft.costs)
+    assert profile.batch_sizes == tuple(sizes) and 0 <= choose_k(profile, 8, 0.8, 3) <= 3
+    reply = target.verify([verify_call(delta("s", PROMPT), [])])  # the worker serves after measuring
+    [verdict] = part(reply, "verdicts")
+    assert len(verdict.tokens) == 1
+
+
+def test_a_kv_budget_that_holds_no_sequence_fails_the_start_once_saying_what_to_change(tiny_model_dirs):
+    from deployments.errors import StartupError
+
+    config = tiny_config(tiny_model_dirs, runner={"kv_cache_gib": 1e-6}).engine_config()
+    with pytest.raises(StartupError, match=r"^Target worker cannot start: the KV-cache budget .* kv_cache_gib"):
+        TargetWorkerCore(config)
+    with pytest.raises(StartupError, match=r"^Draft worker cannot start: the KV-cache budget .* max_model_len"):
+        DraftWorkerCore(config)
+
+
+def test_a_missing_model_path_fails_the_start_naming_the_setting(tiny_model_dirs, tmp_path):
+    from deployments.errors import StartupError
+
+    config = tiny_config((tiny_model_dirs[0], tmp_path / "no-such-model")).engine_config()
+    with pytest.raises(StartupError, match=r"Draft worker cannot start: model path does not exist: .*model\.draft"):
+        DraftWorkerCore(config)
+
+
+def test_other_start_up_errors_pass_as_they_are():
+    from deployments.errors import StartupError
+    from deployments.worker_base import startup_error, startup_errors
+    from engine.runner import KVCacheFull
+
+    with pytest.raises(ZeroDivisionError):  # a bug: Serve's retries are its business
+        with startup_errors("target"):
+            1 / 0
+    assert startup_error("draft", ValueError("bad dtype")) is None
+    full = startup_error("target", KVCacheFull("all 1 KV-cache slots are taken"))
+    assert isinstance(full, StartupError) and "raise runner.max_num_seqs" in str(full)
+    # out of memory while loading: a configuration (or placement) error, said once with what to change
+    oom = startup_error("target", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore"))
+    assert isinstance(oom, StartupError) and "out of memory" in str(oom) and "kv_cache_fraction" in str(oom)
+    assert "\n" not in str(oom)

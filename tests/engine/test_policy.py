@@ -206,3 +206,97 @@ def test_a_round_costs_drafts_only_for_the_rows_that_draft():
     assert profile.round_seconds(4, 1, drafting=1) == pytest.approx(0.003 + 0.024 + 0.001)
     assert profile.round_seconds(4, 1, drafting=0) == pytest.approx(0.024 + 0.001)  # verify only
     assert profile.round_seconds(4, 0) == pytest.approx(0.020 + 0.001)
+
+
+# ---- start-up measurement within the runner's capacity (engine/calibrate.py) -----------------------------------
+def _static_runner(max_num_seqs: int):
+    import torch
+
+    from engine.static_runner import KVBudget, StaticRunner
+
+    return StaticRunner(make_tiny_model("llama"), budget=KVBudget(gib=1.0, max_num_seqs=max_num_seqs), compile=False,
+                        dtype=torch.float32)
+
+
+@pytest.mark.parametrize("slots, sizes", [(1, [1]), (2, [1, 2]), (3, [1, 2, 3]), (32, [1, 2, 4, 8, 16])])
+def test_costs_are_measured_at_the_batch_sizes_the_runner_holds(slots, sizes):
+    from engine.calibrate import measure_draft_costs, measure_target_costs
+
+    runner = _static_runner(slots)
+    assert runner.capacity == slots
+    target = measure_target_costs(runner, max_k=2, reps=1)
+    draft = measure_draft_costs(runner, reps=1)
+    assert target["batch_sizes"] == sizes == draft["batch_sizes"]
+    assert len(target["verify_seconds"]) == len(sizes) and all(len(row) == 3 for row in target["verify_seconds"])
+    assert len(draft["draft_step_seconds"]) == len(sizes) and draft["draft_prefill_seconds_per_token"] > 0
+    assert runner.num_live == 0, "calibration sequences are released"
+
+
+def test_a_measurement_past_the_free_slots_is_refused_before_it_adds_a_sequence():
+    from engine.calibrate import measurable_batch_sizes, measure_prefill
+    from engine.runner import KVCacheFull
+
+    runner = _static_runner(2)
+    with pytest.raises(KVCacheFull, match="2 free KV-cache slot"):
+        measure_verify(runner, max_k=1, batch_sizes=(1, 2, 4), reps=1)
+    assert runner.num_live == 0
+    runner.add("live")
+    assert measurable_batch_sizes(runner) == [1], "a live sequence's slot is not measured with"
+    runner.add("live-2")
+    with pytest.raises(KVCacheFull, match="raise runner.max_num_seqs"):
+        measure_prefill(runner, reps=1)
+    assert ModelRunner(make_tiny_model("llama")).capacity is None
+    assert measurable_batch_sizes(ModelRunner(make_tiny_model("llama"))) == [1, 2, 4, 8, 16], "a growing cache"
+
+
+def linear_costs(sizes, max_k: int = 3) -> dict:
+    """Measured-like costs that are exactly linear in the batch: a fixed part plus a part per token computed."""
+    return {"batch_sizes": list(sizes),
+            "verify_seconds": [[0.010 + 0.0008 * b * (w + 1) for w in range(max_k + 1)] for b in sizes],
+            "draft_step_seconds": [0.003 + 0.0004 * b for b in sizes], "draft_prefill_seconds_per_token": 1e-4}
+
+
+def test_a_profile_of_few_batch_sizes_extrapolates_to_the_ks_a_full_one_picks():
+    from engine.calibrate import profile_from_costs
+
+    full = profile_from_costs(linear_costs((1, 2, 4, 8, 16)), linear_costs((1, 2, 4, 8, 16)))
+    two = profile_from_costs(linear_costs((1, 2)), linear_costs((1, 2)))
+    assert two.batch_sizes == (1, 2)
+    for a in (0.5, 0.8, 0.95):
+        full_ks = [choose_k(full, b, a, 3) for b in range(1, 33)]
+        assert [choose_k(two, b, a, 3) for b in range(1, 33)] == full_ks
+        assert full_ks[0] > 0 and full_ks[-1] == 0, "drafting pays at one row, not at 32 (the profile is sensible)"
+    assert two.verify(8, 2) == pytest.approx(full.verify(8, 2))
+    one = profile_from_costs(linear_costs((1,)), linear_costs((1,)))  # a runner of one slot
+    assert one.verify(4, 0) == pytest.approx(4 * one.verify(1, 0)), "one point: taken per row"
+    assert 0 <= one.knee(0.8, 3) <= 4
+
+
+def test_extrapolation_never_makes_a_bigger_batch_cheaper():
+    profile = CostProfile((1, 2), ((0.020, 0.030), (0.012, 0.018)), (0.004, 0.002))  # not monotone (hand-edited)
+    assert profile.verify(16, 0) == pytest.approx(0.012) and profile.draft(16, 1) == pytest.approx(0.002)
+    assert choose_k(profile, 64, 0.8, 1) in (0, 1)
+
+
+def test_draft_and_target_measured_at_different_sizes_combine_at_the_targets():
+    from engine.calibrate import profile_from_costs
+
+    target, draft = linear_costs((1, 2, 4, 8, 16)), linear_costs((1, 2))  # the draft's KV cache holds two
+    profile = profile_from_costs(target, draft)
+    assert profile.batch_sizes == (1, 2, 4, 8, 16)
+    assert profile.draft_step_seconds == pytest.approx(tuple(0.003 + 0.0004 * b for b in (1, 2, 4, 8, 16)))
+    assert profile.draft_prefill_seconds_per_token == 1e-4
+    small_target = profile_from_costs(linear_costs((1, 2)), linear_costs((1, 2, 4, 8, 16)))
+    assert small_target.batch_sizes == (1, 2) and small_target.draft_step_seconds == pytest.approx((0.0034, 0.0038))
+
+
+def test_costs_measured_on_two_slots_give_a_policy_for_bigger_batches():
+    from engine.calibrate import measure_draft_costs, measure_target_costs, profile_from_costs
+
+    target = measure_target_costs(_static_runner(2), max_k=2, reps=1)
+    draft = measure_draft_costs(_static_runner(1), reps=1)
+    profile = profile_from_costs(target, draft)
+    assert profile.batch_sizes == (1, 2)
+    for batch in (3, 8, 16):
+        assert profile.verify(batch, 2) >= profile.verify(2, 2) > 0 and profile.draft(batch, 1) >= profile.draft(1, 1)
+        assert 0 <= choose_k(profile, batch, 0.8, 2) <= 2
