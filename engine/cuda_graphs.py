@@ -64,7 +64,8 @@ class Staging:
         host[SLOT, n:rows], host[START, n:rows], host[LIMIT, n:rows] = 0, scratch_start, 0
         for b, toks in enumerate(tokens):
             host[FIRST_TOKEN : FIRST_TOKEN + len(toks), b] = toks
-        self.device_buffer[:, :rows].copy_(self.host[:, :rows], non_blocking=True)
+        # the whole buffer (a few KiB): a column slice is strided, which torch would stage through pageable memory
+        self.device_buffer.copy_(self.host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
