@@ -48,6 +48,7 @@ test: test-deps install
 	$(BIN)/python -m pytest -m ray tests/deployments/test_serve_default.py $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m ray tests/cluster/test_multinode.py $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m ray tests/deployments/test_observability.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m ray tests/bench/test_gpu_serve.py $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m bench.engine_bench

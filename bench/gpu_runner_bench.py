@@ -1,7 +1,7 @@
 """GPU runner benchmark: decode and K+1-token verify of a Llama-3.1-8B-shaped model against the memory roofline.
 
 Random weights (the timing does not depend on their values), bf16, on one CUDA device. For batch 1, 8 and 32 and
-widths 1 (decode) and K+1 (verify), it times `StaticRunner.forward` (compiled with CUDA graphs, and eager) and the
+widths 1 (decode) and K+1 (verify), it times `StaticRunner.forward` (CUDA graphs captured at start, and eager) and the
 transformers runner (`ModelRunner`, eager) on sequences of `--context` tokens, and compares with the roofline: the
 bytes a step must read (weights + the rows' keys/values) over the device bandwidth measured here with a large
 device-to-device copy. Not a test; needs a GPU and no Ray:
@@ -26,16 +26,19 @@ LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
 
 
 def measured_bandwidth(device: torch.device, gib: float = 4.0) -> float:
-    """Bytes per second of a device-to-device copy, counting bytes read and written (the median of 10)."""
+    """Bytes per second of a device-to-device copy (on a CPU, a host copy), counting bytes read and written (the
+    median of 10)."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     n = int(gib * (1 << 30)) // 2
-    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    src = torch.ones(n, dtype=torch.bfloat16, device=device)  # written: untouched host pages would read as zeros
     dst = torch.empty_like(src)
     times = []
     for _ in range(12):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         dst.copy_(src)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
     del src, dst
     return 2 * n * 2 / statistics.median(times[2:])
@@ -110,8 +113,12 @@ def main() -> None:
             runner = ModelRunner(model, max_model_len=args.max_model_len)
         else:
             start = time.perf_counter()
-            runner = StaticRunner(model, max_model_len=args.max_model_len, budget=budget, compile=kind == "static")
-            print(f"{kind}: built in {time.perf_counter() - start:.0f} s (shapes compile when first used)", flush=True)
+            runner = StaticRunner(model, max_model_len=args.max_model_len, budget=budget,
+                                  compile="auto" if kind == "static" else "off")
+            if kind == "static":  # CUDA graphs, one per (batch bucket, width), captured before serving as a worker does
+                runner.warm_up(args.k)
+            print(f"{kind}: built in {time.perf_counter() - start:.1f} s"
+                  + (f" ({len(runner.graphs.graphs)} CUDA graphs captured)" if runner.graphs else ""), flush=True)
         for batch in batches:
             for width in (1, args.k + 1):
                 if kind == "transformers" and batch > 8:

@@ -33,6 +33,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / "bench" / ".vllm-venv" / "bin" / "python"
 VLLM_CLI = ROOT / "bench" / "vllm_cli.py"
+HEALTH_POLL_S = 0.5  # the resolution of the start-up times a server records
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
@@ -72,9 +73,18 @@ def derive_ours_config(base: dict, overrides: dict[str, Any], port: int) -> dict
     return cfg
 
 
-def serve_run_argv(config: str | Path) -> list[str]:
-    """`serve run` of a serve config file on a new local Ray cluster, from this environment's Ray."""
-    return [str(Path(sys.executable).parent / "serve"), "run", str(config), "--address", "local"]
+SERVE_CLI_CODE = "from ray.serve.scripts import cli; cli()"
+
+
+def serve_run_argv(config: str | Path, python_cli: bool | None = None) -> list[str]:
+    """`serve run` of a serve config file on a new local Ray cluster, from this environment's Ray: its `serve`
+    console script, or (python_cli, or None and no such script: an environment installed without console scripts,
+    as on the GPU machines) the same command through `python -c`."""
+    script = Path(sys.executable).parent / "serve"
+    if python_cli is None:
+        python_cli = not script.is_file()
+    head = [sys.executable, "-c", SERVE_CLI_CODE] if python_cli else [str(script)]
+    return head + ["run", str(config), "--address", "local"]
 
 
 def vllm_serve_argv(model_dir: str, dtype: str, served_name: str, port: int, max_model_len: int,
@@ -210,8 +220,9 @@ class ManagedServer:
         log.close()
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Until a greedy 2-token completion succeeds; raises with the log's tail when the process dies or the
-        time runs out. Records seconds to the first /health 200 and to the first completion."""
+        """Until /health answers 200 (polled every HEALTH_POLL_S), then until a greedy 2-token completion
+        succeeds; raises with the log's tail when the process dies or the time runs out. Records seconds to the
+        first /health 200 and to the first completion."""
         deadline = time.perf_counter() + timeout_s
         body = {"model": self.model_name, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
         with httpx.Client(base_url=self.base_url, timeout=60) as client:
@@ -220,7 +231,10 @@ class ManagedServer:
                     raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting:\n"
                                        + self.log_tail())
                 try:
-                    if "health_s" not in self.timings and client.get("/health", timeout=10).status_code == 200:
+                    if "health_s" not in self.timings:
+                        if client.get("/health", timeout=10).status_code != 200:
+                            time.sleep(HEALTH_POLL_S)
+                            continue
                         self.timings["health_s"] = round(time.perf_counter() - self._t0, 1)
                     # the first completion may wait for replicas or a compile: let it, within the deadline
                     r = client.post("/v1/completions", json=body, timeout=max(10.0, deadline - time.perf_counter()))
@@ -229,7 +243,7 @@ class ManagedServer:
                         return
                 except (httpx.HTTPError, ValueError, KeyError, IndexError):
                     pass
-                time.sleep(2)
+                time.sleep(HEALTH_POLL_S if "health_s" not in self.timings else 2)
         raise TimeoutError(f"{self.name} gave no completion within {timeout_s:g} s:\n" + self.log_tail())
 
     def log_tail(self, lines: int = 30) -> str:

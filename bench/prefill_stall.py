@@ -39,11 +39,13 @@ def long_prompt(tokenizer, n_tokens: int) -> str:
     return tokenizer.decode(ids[:n_tokens]) + "\n\nSummarize the text above in one sentence:"
 
 
-async def stream(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
-                 times: list[float]) -> None:
-    """A greedy streaming completion; appends the arrival time of each content chunk to `times`."""
+async def stream(client: httpx.AsyncClient, model: str, prompt: str | list[int], max_tokens: int,
+                 times: list[float], extra: dict | None = None, chunks: list[dict] | None = None) -> None:
+    """A greedy streaming completion; appends the arrival time of each content chunk to `times`, and every parsed
+    chunk to `chunks` if given (its text, and with `extra` {"stream_options": {"include_usage": True}} the usage).
+    `extra`: more request fields."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, **(extra or {})}
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
@@ -52,6 +54,8 @@ async def stream(client: httpx.AsyncClient, model: str, prompt: str, max_tokens:
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     raise RuntimeError(f"stream error: {chunk['error']}")
+                if chunks is not None:
+                    chunks.append(chunk)
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     times.append(time.perf_counter())
 
