@@ -54,7 +54,10 @@ from bench.prefill_stall import stream
 from bench.synthetic_pair import SHAPES, Shape, default_root, param_counts, write_pair
 
 COMPILE = "auto"  # runner.compile: CUDA graphs on CUDA, eager on CPU (deployments/config.py)
-VARIANTS = ("plain", "speculative")
+# speculative_overlap: the draft drafts round r+1 during round r's verify (speculation.overlap), the disaggregated
+# design's reason to exist where the draft has a device of its own (--draft-gpu own)
+VARIANTS = ("plain", "speculative", "speculative_overlap")
+DEFAULT_VARIANTS = ("plain", "speculative")
 WARMUP_BASE = 1_000_000  # warm-up prompts' indices: never a measured prompt
 LEVEL_PROMPTS = 1000  # level C's prompts are C x LEVEL_PROMPTS onwards
 FIRST_PROMPT_ID = 100  # random prompt tokens from here on: above the tokenizer's special tokens
@@ -69,7 +72,8 @@ def variant_overrides(variant: str, target: Path, draft: Path, shape: Shape, arg
     cuda = args.device == "cuda"
     dtype = "bfloat16" if cuda else "float32"
     max_len = -(-(args.prompt_tokens + args.max_tokens + 64) // 256) * 256
-    out = {"model.target": str(target), "model.draft": str(draft) if variant == "speculative" else "none",
+    drafting = variant.startswith("speculative")
+    out = {"model.target": str(target), "model.draft": str(draft) if drafting else "none",
            "model.target_dtype": dtype, "model.draft_dtype": dtype, "model.device": args.device,
            "model.served_model_name": f"synthetic-{shape.name}", "model.max_model_len": max_len,
            "limits.max_prompt_tokens": max_len - args.max_tokens, "limits.max_tokens": args.max_tokens,
@@ -77,8 +81,11 @@ def variant_overrides(variant: str, target: Path, draft: Path, shape: Shape, arg
            "runner.max_num_seqs": max(args.concurrency),
            "router.min_replicas": 1, "router.max_replicas": 1}  # one router: its /stats sees every round
     for role in ("target", "draft"):
-        out[f"{role}.num_gpus"] = 0.5 if cuda else 0.0  # draft and target share the one GPU
+        # draft and target share one GPU, or (--draft-gpu own: two GPUs) each has its own
+        out[f"{role}.num_gpus"] = (1.0 if args.draft_gpu == "own" else 0.5) if cuda else 0.0
         out[f"{role}.max_ongoing_requests"] = max(64, 2 * max(args.concurrency))
+    if drafting:
+        out["speculation.overlap"] = variant == "speculative_overlap"
     if args.k is not None:
         out["speculation.num_speculative_tokens"] = args.k
     if args.fixed_k:
@@ -170,6 +177,23 @@ def greedy_equality(plain: dict[int, str], spec: dict[int, str]) -> dict:
     return {"prompts": len(common), "same": same, "fraction": same / len(common) if common else None}
 
 
+def compare_with_plain(variants: dict, texts: dict, concurrency: list[int]) -> tuple[dict, dict]:
+    """Per drafting variant and level: greedy equality of its texts with plain's, and its tok/s over plain's."""
+    equal: dict = {}
+    speedup: dict = {}
+    plain = variants.get("plain", {}).get("levels", {})
+    for name in variants:
+        if name == "plain":
+            continue
+        for c in concurrency:
+            if c in texts.get("plain", {}) and c in texts.get(name, {}):
+                equal.setdefault(name, {})[c] = greedy_equality(texts["plain"][c], texts[name][c])
+            a, b = plain.get(c), variants[name].get("levels", {}).get(c)
+            if a and b and a.get("tok_s") and b.get("tok_s"):
+                speedup.setdefault(name, {})[c] = b["tok_s"] / a["tok_s"]
+    return equal, speedup
+
+
 def level_allowance(time_left_s: float, levels_left: int, later_levels: int, later_startups: int,
                     startup_s: float) -> float:
     """Seconds one level may take: what is left after the later variants' start-ups, shared by every level
@@ -214,9 +238,12 @@ def table(report: dict) -> str:
     lines = _header(report) + ["", "| " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
     for name, v in report["variants"].items():
         for c, r in v.get("levels", {}).items():
-            lines.append(_row(name, c, r, report["greedy_equal"].get(c, {}) if name == "speculative" else {}))
-    speedups = ", ".join(f"{c} streams {x:.2f}x" for c, x in report["speedup"].items()) or "-"
-    return "\n".join(lines + ["", f"speculative / plain tok/s: {speedups}"])
+            lines.append(_row(name, c, r, report["greedy_equal"].get(name, {}).get(c, {})))
+    lines.append("")
+    for name, by_level in report["speedup"].items():
+        speedups = ", ".join(f"{c} streams {x:.2f}x" for c, x in by_level.items()) or "-"
+        lines.append(f"{name} / plain tok/s: {speedups}")
+    return "\n".join(lines)
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
@@ -344,7 +371,9 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="runner.kv_cache_gib (default: the fraction)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="more overrides of the application's args, e.g. speculation.overlap=true")
-    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
+    ap.add_argument("--draft-gpu", choices=("shared", "own"), default="shared",
+                    help="the draft on the target's GPU (0.5 each) or on a GPU of its own (needs two)")
     ap.add_argument("--config", default="serve_config.yaml", help="the serve config the variants derive from")
     ap.add_argument("--serve-cli", choices=("auto", "script", "python"), default="auto",
                     help="how to start `serve run`: its console script, `python -c` of Ray's CLI, or auto")
@@ -377,13 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         report["variants"][name], texts[name] = run_variant(name, cfg_path, args, shape.vocab, deadline,
                                                             len(args.variants) - 1 - i, runs_dir, roof)
-    plain, spec = report["variants"].get("plain", {}), report["variants"].get("speculative", {})
-    for c in args.concurrency:
-        if c in texts.get("plain", {}) and c in texts.get("speculative", {}):
-            report["greedy_equal"][c] = greedy_equality(texts["plain"][c], texts["speculative"][c])
-        a, b = plain.get("levels", {}).get(c), spec.get("levels", {}).get(c)
-        if a and b and a.get("tok_s") and b.get("tok_s"):
-            report["speedup"][c] = b["tok_s"] / a["tok_s"]
+    report["greedy_equal"], report["speedup"] = compare_with_plain(report["variants"], texts, args.concurrency)
     report["total_s"] = round(time.perf_counter() - t0, 1)
     out.write_text(json.dumps(report, indent=1))
     print()

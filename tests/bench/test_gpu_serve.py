@@ -25,20 +25,36 @@ def _base() -> dict:
 def test_both_variants_configs_validate_and_differ_only_in_the_draft(device):
     from deployments.config import SpecServeConfig
 
-    args = _args("--device", device, "--k", "4", "--fixed-k", "--set", "speculation.overlap=true")
+    args = _args("--device", device, "--k", "4", "--fixed-k")
     cfgs = {v: gpu_serve.serve_config(_base(), gpu_serve.variant_overrides(v, Path("/t"), Path("/d"), SHAPES["tiny"],
                                                                           args), 8123) for v in gpu_serve.VARIANTS}
     parsed = {v: SpecServeConfig.model_validate(c["applications"][0]["args"]) for v, c in cfgs.items()}
-    plain, spec = parsed["plain"], parsed["speculative"]
+    plain, spec, overlap = parsed["plain"], parsed["speculative"], parsed["speculative_overlap"]
+    assert overlap.speculation.overlap and not spec.speculation.overlap
+    assert overlap.model_dump(exclude={"speculation"}) == spec.model_dump(exclude={"speculation"})
     assert plain.model.draft == "none" and spec.model.draft == "/d" and spec.model.target == "/t"
     assert spec.model.device == device and spec.model.target_dtype == ("bfloat16" if device == "cuda" else "float32")
     assert spec.runner.compile == gpu_serve.COMPILE == "auto"  # CUDA graphs on CUDA, eager on CPU
-    assert spec.speculation.num_speculative_tokens == 4 and not spec.speculation.adaptive and spec.speculation.overlap
+    assert spec.speculation.num_speculative_tokens == 4 and not spec.speculation.adaptive
     assert spec.router.max_replicas == 1 and spec.runner.max_num_seqs == 32
     assert spec.target.num_gpus == (0.5 if device == "cuda" else 0.0)
     assert spec.limits.max_prompt_tokens + args.max_tokens <= spec.model.max_model_len
     assert cfgs["plain"]["http_options"]["port"] == 8123
     assert plain.model_dump(exclude={"model"}) == spec.model_dump(exclude={"model"})
+    own = gpu_serve.variant_overrides("speculative", Path("/t"), Path("/d"), SHAPES["tiny"],
+                                      _args("--device", device, "--draft-gpu", "own"))
+    assert own["draft.num_gpus"] == own["target.num_gpus"] == (1.0 if device == "cuda" else 0.0)
+
+
+def test_each_drafting_variant_is_compared_with_plain():
+    level = {"tok_s": 10.0}
+    variants = {"plain": {"levels": {1: level}}, "speculative": {"levels": {1: {"tok_s": 25.0}}},
+                "speculative_overlap": {"levels": {1: {"tok_s": 30.0}}}}
+    texts = {"plain": {1: {0: "a", 1: "b"}}, "speculative": {1: {0: "a", 1: "b"}},
+             "speculative_overlap": {1: {0: "a", 1: "c"}}}
+    equal, speedup = gpu_serve.compare_with_plain(variants, texts, [1, 8])
+    assert speedup == {"speculative": {1: 2.5}, "speculative_overlap": {1: 3.0}}
+    assert equal["speculative"][1]["same"] == 2 and equal["speculative_overlap"][1]["same"] == 1
 
 
 def test_a_mistyped_override_fails_before_any_server_starts():
@@ -119,19 +135,19 @@ def test_table_and_json_from_fake_measurements():
     level = _fake_level()
     level.update(gpu_serve.roofline_ratios(level, 2, roof))
     plain = {**level, "mean_accepted_length": None, "acceptance_rate": None}
-    report = {"device_name": "fake GPU", "roofline": roof, "greedy_equal": {2: {"prompts": 2, "same": 2}},
-              "speedup": {2: 1.5},
+    report = {"device_name": "fake GPU", "roofline": roof, "speedup": {"speculative": {2: 1.5}},
+              "greedy_equal": {"speculative": {2: {"prompts": 2, "same": 2}}},
               "pair": {"shape": "tiny", "noise": 0.0, "vocab": 49152, "params": param_counts(SHAPES["tiny"])},
               "variants": {"plain": {"startup": {"health_s": 30.0, "ready_s": 34.0}, "levels": {2: plain}},
                            "speculative": {"startup": {"health_s": 31.0}, "levels": {2: level},
                                            "error": "RuntimeError: late\nmore"}}}
     text = gpu_serve.table(report)
     assert "fake GPU: copy bandwidth 10 GB/s" in text and "start-up plain: 30.0 s to /health 200" in text
-    assert "error: RuntimeError: late" in text and "2 streams 1.50x" in text
+    assert "error: RuntimeError: late" in text and "speculative / plain tok/s: 2 streams 1.50x" in text
     rows = [line for line in text.splitlines() if line.startswith("| plain") or line.startswith("| speculative")]
     assert rows[0].startswith("| plain | 2 | 40.0 |") and rows[0].endswith("| - |")
     assert "| 3.25 | 0.75 | 2.00 | 9.00 |" in rows[1] and rows[1].endswith("| 2/2 |")
-    assert json.loads(json.dumps(report))["speedup"] == {"2": 1.5}
+    assert json.loads(json.dumps(report))["speedup"] == {"speculative": {"2": 1.5}}
 
 
 def test_bandwidth_on_cpu_is_positive():
@@ -162,4 +178,4 @@ def test_served_run_of_the_tiny_pair_on_cpu(tmp_path):
             assert level["host_ms_per_round"] is not None and level["tok_s_vs_roofline"] > 0
     spec = report["variants"]["speculative"]["levels"]
     assert spec[1]["acceptance_rate"] > 0.9 and spec[1]["mean_accepted_length"] > 3.0
-    assert report["greedy_equal"][1]["fraction"] == 1.0
+    assert report["greedy_equal"]["speculative"][1]["fraction"] == 1.0
