@@ -90,6 +90,11 @@ class ChannelServer:
         self._submit(fn, args, future)
         return future.result()
 
+    def later(self, fn: Callable, *args) -> None:
+        """Queue `fn(*args)` to run on the model thread once it is free (after the reply it is sending now)."""
+        if not self._closed:
+            self._submit(fn, args, None)
+
     def close(self) -> None:
         self._closed = True
         self._submit(lambda: None, (), None)  # wakes the loop, which then ends

@@ -77,6 +77,11 @@ class SpeculationSection(StrictModel):
     overlap: bool = Field(
         False, description="draft round r+1 while the target verifies round r, assuming round r is fully "
                            "accepted (used when the guess is right, discarded otherwise)")
+    decode_ahead: bool = Field(
+        True, description="for rounds of rows that will not draft next round (plain decoding), the target decodes "
+                          "each row's next token right after answering, while the router handles the answer "
+                          "(deployments/decode_ahead.py): the router's hop overlaps the model's step. The output "
+                          "does not change; a guess that does not hold costs one step")
 
 
 class RunnerSection(StrictModel):

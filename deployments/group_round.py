@@ -168,8 +168,8 @@ class GroupRound:
             t1 = time.perf_counter()
         chained = verified is not None
         if verified is None:
-            calls = [VerifyCall(live.delta(live.target_sent), drafts.tokens[b], drafts.proposals.get(b))
-                     for b, live in enumerate(rows)]
+            calls = [VerifyCall(live.delta(live.target_sent), drafts.tokens[b], drafts.proposals.get(b),
+                                self._decodes_ahead(live)) for b, live in enumerate(rows)]
             aheads = self.ahead.start(rows, drafts.tokens) if self.config.overlap else []
             try:
                 verified = await target.verify(calls)
@@ -185,8 +185,10 @@ class GroupRound:
         for live in rows:
             live.target_sent = live.seq.num_tokens
         t2 = time.perf_counter()
-        for seen in drafts.costs + [CostObservation(self.group_draft(rows), target, "verify", calls,
-                                                    max(len(d) for d in drafts.tokens), verified.seconds)]:
+        verify_seen = [] if verified.ahead_rows else [  # a step decoded ahead ran in another round's batch
+            CostObservation(self.group_draft(rows), target, "verify", calls, max(len(d) for d in drafts.tokens),
+                            verified.seconds)]
+        for seen in drafts.costs + verify_seen:
             self.costs.observe(seen)
         outputs, accepted = self._accept(rows, drafts, verified)
         await self._deliver(rows, outputs)
@@ -255,6 +257,12 @@ class GroupRound:
         drafts.take(rows, members, calls, result.draft)
         return result
 
+    def _decodes_ahead(self, live: LiveRequest) -> bool:
+        """Whether the target may decode the row's next token ahead (deployments/decode_ahead.py): the row never
+        drafts (plain decoding), has no grammar or prompt tokens to score, and goes on after this round."""
+        return (self.config.decode_ahead and live.seq.k == 0 and live.seq.params.grammar is None
+                and not live.seq.wants_prompt_logprobs() and live.seq.remaining() > 1)
+
     def _chainable(self, live: LiveRequest) -> bool:
         return (live.draft.key, live.target.key) not in self._unchainable
 
@@ -286,7 +294,9 @@ class GroupRound:
         """The round's timings into the scheduler's statistics, the costs' overhead correction and the metrics."""
         self.stats.timings.record(len(rows), result.draft_seconds, result.verify_seconds, delivery_seconds)
         # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
-        orchestration = (result.draft_seconds + result.verify_seconds) - result.draft_compute - result.verify_compute
+        # (never below 0: a step decoded ahead computed while the router worked, deployments/decode_ahead.py)
+        orchestration = max(0.0, (result.draft_seconds + result.verify_seconds) - result.draft_compute
+                            - result.verify_compute)
         self.stats.orchestration_seconds += orchestration
         self.costs.observe_overhead(self.group_draft(rows), rows[0].target, orchestration,
                                     drafted=any(len(d) for d in result.drafts))

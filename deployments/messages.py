@@ -108,13 +108,15 @@ class VerifyCall:
     seq: SeqDelta
     draft: list[int]  # the draft tokens to score (may be empty: plain decoding)
     proposal: WireProposal | None = None  # unseeded sampled model drafts: the compact proposal they came from
+    # the row will not draft next round: the target may decode its next token ahead (deployments/decode_ahead.py)
+    ahead: bool = False
 
     def wire(self) -> tuple:
-        return (self.seq.wire(), self.draft, self.proposal)
+        return (self.seq.wire(), self.draft, self.proposal, self.ahead)
 
     @staticmethod
     def from_wire(wire: tuple) -> "VerifyCall":
-        return VerifyCall(SeqDelta(*wire[0]), wire[1], wire[2])
+        return VerifyCall(SeqDelta(*wire[0]), wire[1], wire[2], bool(wire[3]) if len(wire) > 3 else False)
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,7 @@ class VerifyResult:
     failed: dict[int, RowFailure] = field(default_factory=dict)  # rows that failed on the target, by call index
     # by call index: tokens of the call's feed whose keys/values came from the prefix cache (engine/prefix_cache.py)
     cached_tokens: dict[int, int] = field(default_factory=dict)
+    ahead_rows: int = 0  # rows answered from a step decoded ahead (deployments/decode_ahead.py)
 
     def wire(self) -> tuple:
         rows = [None if v is None else
@@ -182,17 +185,17 @@ class VerifyResult:
                 for v in self.verdicts]
         return (rows, self.seconds, None if self.draft is None else self.draft.wire(),
                 {b: run.wire() for b, run in self.prompt_logprobs.items()}, failures_to_wire(self.failed),
-                self.cached_tokens)
+                self.cached_tokens, self.ahead_rows)
 
     @staticmethod
     def from_wire(wire: tuple) -> "VerifyResult":
-        rows, seconds, draft, prompt, failed, cached = wire
+        rows, seconds, draft, prompt, failed, cached, ahead = wire
         verdicts = [None if row is None else
                     Verdict(row[0], row[1], None if row[2] is None else [TokenLogprob(*lp) for lp in row[2]])
                     for row in rows]
         return VerifyResult(verdicts, seconds, None if draft is None else DraftResult.from_wire(draft),
                             {b: PromptLogprobs.from_wire(run) for b, run in prompt.items()},
-                            failures_from_wire(failed), cached)
+                            failures_from_wire(failed), cached, ahead)
 
 
 @dataclass(frozen=True)

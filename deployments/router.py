@@ -93,6 +93,7 @@ class Router:
                 max_live_sequences=config.limits.max_live_sequences_per_router,
                 adaptive=config.speculation.adaptive,
                 overlap=config.speculation.overlap and mode is DraftMethod.MODEL,
+                decode_ahead=config.speculation.decode_ahead,
                 max_queue_wait_s=config.limits.max_queue_wait_s, prefill_chunk=config.runner.prefill_chunk,
                 profile=(CostProfile.from_json(config.speculation.calibration)
                          if config.speculation.calibration else None),

@@ -59,6 +59,7 @@ class SchedulerConfig:
     adaptive: bool = False  # K per request from acceptance and measured costs (engine/policy.py)
     profile: CostProfile | None = None  # costs from a calibration file; None: the leased replicas' own
     overlap: bool = False  # draft round r+1 during round r's verify
+    decode_ahead: bool = False  # mark rows that will not draft next round for the target to decode ahead
     max_queue_wait_s: float = 30.0  # how long a request waits for a free KV-cache slot (admission.py), then 503
     prefill_chunk: int = 256  # prompt tokens sent per round: a long prompt stalls running streams one chunk a round
 

@@ -240,6 +240,10 @@ class ModelWorker:
         """Run `fn(*args)` on the model thread, in turn with the channel's calls."""
         return self._model.call(fn, *args)
 
+    def later(self, fn: Callable, *args) -> None:
+        """Run `fn(*args)` on the model thread after the current call (its reply sent first)."""
+        self._model.later(fn, *args)
+
     def _counted(self, rows: int) -> None:
         self.calls += 1
         self.rows += rows

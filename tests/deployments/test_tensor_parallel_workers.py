@@ -71,7 +71,9 @@ def _rank_main(rank, port, engine_config, endpoints, peers, stop):
 
 async def _router(call, router: int) -> dict[str, list[int]]:
     """Rounds for this router's sequences, greedy, seeded-sampled and unseeded-sampled in turn (the target samples
-    at rank 0: the same tokens as one rank); drafts are pseudo-random tokens (mostly rejected: rollbacks)."""
+    at rank 0: the same tokens as one rank); drafts are pseudo-random tokens (mostly rejected: rollbacks). Router 1
+    decodes plainly with its rows marked for decoding ahead (deployments/decode_ahead.py): rank 0 runs each next
+    step right after replying, on both ranks, and answers the next call from it."""
     rng = random.Random(router)
     out: dict[str, list[int]] = {}
     queue = [f"r{router}-s{i}" for i in range(SEQUENCES_PER_ROUTER * LANES)]
@@ -81,10 +83,12 @@ async def _router(call, router: int) -> dict[str, list[int]]:
         live[seq] = [rng.randrange(2, 60) for _ in range(rng.randrange(3, 12))]
     for round_no in range(ROUNDS):
         seqs = list(live)
-        drafts = {s: [rng.randrange(2, 60) for _ in range(rng.randrange(0, 4))] for s in seqs}
+        drafts = {s: [rng.randrange(2, 60) for _ in range(rng.randrange(0, 4))] if router != 1 else []
+                  for s in seqs}
         kinds = {s: int(s.rsplit("s", 1)[1]) % 3 for s in seqs}  # 0 greedy, 1 seeded, 2 unseeded (a drawn seed)
         calls = [VerifyCall(SeqDelta(s, sent[s], live[s][sent[s]:], 0.0 if kinds[s] == 0 else 1.0, 0, 1.0,
-                                     1000 + 7 * int(s.rsplit("s", 1)[1]) + router, kinds[s] == 1), drafts[s])
+                                     1000 + 7 * int(s.rsplit("s", 1)[1]) + router, kinds[s] == 1), drafts[s],
+                            None, router == 1)
                  for s in seqs]
         result = await call("verify", [c.wire() for c in calls])
         for b, s in enumerate(seqs):
@@ -130,6 +134,7 @@ def test_routers_calling_one_tensor_parallel_replica_at_once_get_single_rank_res
     for i in range(ROUTERS):
         expected = asyncio.run(_router(local, i))
         assert tensor_parallel[i] == expected, f"router {i}"
+    assert reference.ahead.stats.used > 0  # router 1's rounds were answered from steps decoded ahead
 
 
 def test_a_tensor_parallel_target_scores_a_chunked_prompts_logprobs_like_one_rank(tiny_model_dirs):
@@ -270,7 +275,7 @@ def test_init_distributed_sets_the_backend_timeout_and_nccl_error_handling(tiny_
     import torch
     import torch.distributed as dist
 
-    import deployments.workers as workers
+    import deployments.target_worker as workers
 
     seen = []
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.append(
@@ -294,7 +299,8 @@ def test_init_distributed_sets_the_backend_timeout_and_nccl_error_handling(tiny_
 
 def test_a_tp_target_runs_the_runner_its_config_names(tiny_model_dirs):
     """`runner.kind: transformers` keeps a shard on the transformers runner (built without collectives, so one rank
-    can load here); compile is refused for tensor-parallel targets, by the config and by the runner itself."""
+    can load here); inductor (compile: on) is refused for tensor-parallel targets on CPU, by the config and by the
+    runner itself (on CUDA their steps run as CUDA graphs)."""
     import dataclasses
 
     import pytest
@@ -307,9 +313,9 @@ def test_a_tp_target_runs_the_runner_its_config_names(tiny_model_dirs):
     core.load()
     assert isinstance(core.runner, ModelRunner) and core.stats()["runner"] == "ModelRunner"
     assert core.stats()["parameters"] < 0.55 * core.stats()["full_parameters"]
-    with pytest.raises(ValidationError, match="runner.compile is not supported with tp_size 2"):
+    with pytest.raises(ValidationError, match="runner.compile: on is not supported with tp_size 2 on CPU"):
         tiny_config(tiny_model_dirs, runner={"compile": True}, tp_size=2)
     tiny_config(tiny_model_dirs, runner={"compile": True, "kind": "transformers"}, tp_size=2)  # draft only
-    compiled = dataclasses.replace(tiny_config(tiny_model_dirs).engine_config(), compile=True)
-    with pytest.raises(ValueError, match="compile is not supported for tensor-parallel targets"):
+    compiled = dataclasses.replace(tiny_config(tiny_model_dirs).engine_config(), compile="on")
+    with pytest.raises(ValueError, match="not supported for tensor-parallel targets on CPU"):
         TargetWorkerCore(compiled, 0, 2).load()  # refused before any collective or compilation

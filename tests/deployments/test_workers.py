@@ -327,7 +327,7 @@ def test_draft_release_and_stats(draft):
 def test_a_target_worker_reads_the_costs_a_previous_start_measured(tmp_path, monkeypatch, tiny_model_dirs):
     import json
 
-    from deployments import workers
+    from deployments import target_worker as workers
 
     calls = []
     real = workers.measure_target_costs
