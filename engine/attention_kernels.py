@@ -27,11 +27,20 @@ from dataclasses import dataclass
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU builds of torch come without Triton: `reference_attention` runs
-    triton = None
+triton = tl = None  # imported on first use (`_import_triton`): a CPU worker never pays for it
+
+
+@functools.cache
+def _import_triton() -> bool:
+    """Import Triton once; False where it is missing (CPU builds of torch come without it: the reference runs)."""
+    global triton, tl
+    try:
+        import triton as triton_module
+        import triton.language as language
+    except ImportError:
+        return False
+    triton, tl = triton_module, language
+    return True
 
 BLOCK_N = 64  # keys per inner block
 
@@ -72,7 +81,7 @@ def reference_attention(
 
 def available() -> bool:
     """Whether the Triton kernel can run here: Triton with a GPU, or its interpreter (`TRITON_INTERPRET=1`)."""
-    return triton is not None and (torch.cuda.is_available() or _interpreting())
+    return (torch.cuda.is_available() or _interpreting()) and _import_triton() and triton is not None
 
 
 def _interpreting() -> bool:
@@ -110,7 +119,7 @@ def cache_attention(
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride() == k_cache.stride()
     groups = heads // kv_heads
     block_m = max(16, triton.next_power_of_2(groups * width))
-    block_d = triton.next_power_of_2(dim)
+    block_d = max(16, triton.next_power_of_2(dim))  # tl.dot takes inner sizes of 16 and up
     splits = splits or num_splits(batch, kv_heads, capacity, q.device)
     part_out = torch.empty(batch, kv_heads, splits, block_m, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, kv_heads, splits, block_m, dtype=torch.float32, device=q.device)

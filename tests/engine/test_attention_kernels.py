@@ -37,6 +37,7 @@ def _case(batch, heads, kv_heads, width, dim, slots, capacity, dtype, seed=0):
     (2, 6, 2, 4, 32, 3, 300),  # a 4-token verify, groups of 3
     (2, 4, 4, 3, 24, 2, 130),  # no GQA, a head size that is not a power of two
     (1, 8, 2, 16, 64, 1, 400),  # the widest step: 4 x 16 queries per program
+    (2, 4, 2, 2, 8, 2, 100),  # a head size below the products' smallest tile (the tiny test models')
 ])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_the_kernel_gives_the_reference_attention(interpreted, shape, splits):
