@@ -117,6 +117,8 @@ class TargetWorkerCore(ModelWorker):
                            trust_remote_code=self.config.trust_remote_code)
         self.full_parameters = full_num_parameters(model, self.world)
         self.runner = make_runner(model, self.config, vocab_size=model.config.vocab_size)
+        # every rank captures its CUDA graphs now, the same shapes in the same order (their collectives pair up)
+        warm_up(self.runner, self.config.num_speculative_tokens, "target")
         if self.rank == 0:
             self._start_grammars(load_tokenizer(resolve(self.config.target), self.config.trust_remote_code))
 

@@ -146,8 +146,8 @@ def set_thread_niceness(niceness: int | None) -> int:
 
 
 def warm_up(runner: Runner, max_k: int, what: str) -> None:
-    """Compile the static runner's step shapes now (or load them from inductor's on-disk cache), logging progress,
-    so the first requests do not wait for compilation."""
+    """Capture the static runner's CUDA graphs now, or compile its step shapes (inductor, or its on-disk cache),
+    logging progress, so the first requests do not wait for either."""
     if not getattr(runner, "compiled", False):
         return
     start = time.monotonic()
