@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import torch
+
 from .model_runner import ModelRunner
 from .policy import CostProfile, cost_at
 from .runner import KVCacheFull
@@ -73,7 +75,7 @@ def measure_forward(runner: ModelRunner, batch_sizes: Sequence[int], widths: Seq
                     for s, prompt in zip(ids[:batch], prompts):
                         runner.sync(s, prompt + [0])  # roll the cache back to exactly the context
                     start = time.perf_counter()
-                    runner.forward(ids[:batch], [extra[:width]] * batch, [width] * batch)
+                    finished(runner.forward(ids[:batch], [extra[:width]] * batch, [width] * batch))
                     best = min(best, time.perf_counter() - start)
                 row.append(best)
             table.append(row)
@@ -81,6 +83,14 @@ def measure_forward(runner: ModelRunner, batch_sizes: Sequence[int], widths: Seq
     finally:
         for seq_id in ids:
             runner.release(seq_id)
+
+
+def finished(logits) -> None:
+    """Wait for a forward's device work: on CUDA a forward returns once its kernels are queued (a graph's replay
+    in microseconds), so a clock stopped then would time the launch, not the step."""
+    device = getattr(logits, "device", None)
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def measure_prefill(runner: ModelRunner, tokens: int = 2 * CONTEXT, reps: int = 3) -> float:
@@ -95,7 +105,7 @@ def measure_prefill(runner: ModelRunner, tokens: int = 2 * CONTEXT, reps: int = 
         runner.add("calibrate-prefill")
         try:
             start = time.perf_counter()
-            runner.forward(["calibrate-prefill"], [prompt], [1])
+            finished(runner.forward(["calibrate-prefill"], [prompt], [1]))
             best = min(best, time.perf_counter() - start)
         finally:
             runner.release("calibrate-prefill")

@@ -300,3 +300,19 @@ def test_costs_measured_on_two_slots_give_a_policy_for_bigger_batches():
     for batch in (3, 8, 16):
         assert profile.verify(batch, 2) >= profile.verify(2, 2) > 0 and profile.draft(batch, 1) >= profile.draft(1, 1)
         assert 0 <= choose_k(profile, batch, 0.8, 2) <= 2
+
+
+def test_cost_measurement_waits_for_cuda_work_before_stopping_the_clock(monkeypatch):
+    """A CUDA forward returns once its kernels are queued: the measurement synchronizes the logits' device."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import engine.calibrate as calibrate
+
+    synced = []
+    monkeypatch.setattr(calibrate.torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    cuda_logits = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    calibrate.finished(cuda_logits)
+    calibrate.finished(torch.zeros(1))  # CPU: computed when forward returns, nothing to wait for
+    assert synced == [cuda_logits.device]
