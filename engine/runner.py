@@ -55,12 +55,27 @@ class SeqSlot:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """How many leading tokens `a` and `b` share, at most `limit`."""
+    """How many leading tokens `a` and `b` share, at most `limit`.
+
+    Every round syncs each row's cache to its committed tokens with this, on every worker, so it compares slices
+    (C loops) instead of stepping through the tokens in Python: the usual case, a cache that is a prefix of the
+    committed tokens, is one comparison, and a mismatch is found by bisection (bench/RESULTS.md, session 23)."""
     n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if _same_slice(a, b, 0, n):
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; the first difference is in [lo, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _same_slice(a, b, lo, mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _same_slice(a: Sequence[int], b: Sequence[int], start: int, end: int) -> bool:
+    x, y = a[start:end], b[start:end]
+    return x == y if type(x) is type(y) else list(x) == list(y)
 
 
 class SlotTable:

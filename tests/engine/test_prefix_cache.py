@@ -47,6 +47,22 @@ def test_least_recently_used_is_the_entry_matched_or_stored_longest_ago():
 def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 2, 4], 5) == 2
     assert common_prefix([1, 2, 3], [1, 2, 3], 2) == 2
+    assert common_prefix((1, 2, 3), [1, 2, 3, 4], 9) == 3  # a tuple against a list: the values count
+    assert common_prefix([], [1], 3) == 0 and common_prefix([5], [6], 3) == 0
+
+
+def test_common_prefix_finds_the_first_difference_anywhere():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 70))]
+        b = a[: rng.randrange(0, len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 70))]
+        limit = rng.randrange(0, 80)
+        want = 0
+        while want < min(len(a), len(b), limit) and a[want] == b[want]:
+            want += 1
+        assert common_prefix(a, b, limit) == want == common_prefix(tuple(b), a, limit)
     assert common_prefix([], [1], 3) == 0
 
 
