@@ -8,15 +8,15 @@
 #     1.5b    bench/gpu_serve.py on the 1.5B synthetic pair, plain and speculative at 1, 8 and 32 streams:  ~4 min
 #     8b      the same on the Llama-3.1-8B-shaped pair with noise 0.02 (greedy agreement ~0.8 at reduced width on a
 #             CPU, bench/RESULTS.md; the report gives the rate measured on the GPU):                       ~7 min
-# tests and 8b fit one session's 15 minutes with the machine's start; 1.5b then waits for the next. Record what they
-# print in bench/RESULTS.md with the commit and the command.
+# gpu_serve runs Serve as `make run` does (throughput mode behind HAProxy, whose wheel the pack carries); add
+# --ray-serve-proxy for Serve's own proxy. tests and 8b fit one session's 15 minutes with the machine's start; 1.5b
+# then waits for the next. Record what they print in bench/RESULTS.md with the commit and the command.
 set -u
 STAGE=${1:?usage: gpu_check.sh tests|1.5b|8b}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 bash .gpu/unpack.sh || { echo "no .gpu/ carried: see this script's header"; exit 2; }
 export PYTHONPATH=/tmp/gpusite:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export RAY_SERVE_THROUGHPUT_OPTIMIZED=1
 git log -1 --format='commit %H' 2>/dev/null | tee "$OUT/commit.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 case "$STAGE" in
@@ -27,12 +27,12 @@ case "$STAGE" in
       --out "$OUT/gpu_runner_bench.json" 2>&1 | tee "$OUT/gpu_runner_bench.txt"
     ;;
   1.5b)
-    timeout 290 python3 -m bench.gpu_serve --shape 1.5b --budget-s 240 --serve-cli python --ray-serve-proxy \
+    timeout 290 python3 -m bench.gpu_serve --shape 1.5b --budget-s 240 --serve-cli python \
       --pair-root /tmp/pairs --out "$OUT/gpu_serve_1.5b.json" 2>&1 | tee "$OUT/gpu_serve_1.5b.txt"
     ;;
   8b)
     timeout 560 python3 -m bench.gpu_serve --shape 8b --noise 0.02 --budget-s 480 --serve-cli python \
-      --ray-serve-proxy --pair-root /tmp/pairs --out "$OUT/gpu_serve_8b.json" 2>&1 | tee "$OUT/gpu_serve_8b.txt"
+      --pair-root /tmp/pairs --out "$OUT/gpu_serve_8b.json" 2>&1 | tee "$OUT/gpu_serve_8b.txt"
     ;;
   *)
     echo "unknown stage $STAGE"; exit 2 ;;
