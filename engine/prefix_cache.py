@@ -23,7 +23,8 @@ import torch
 
 from . import cpu_extension
 from .runner import SeqSlot, common_prefix
-from .static_llama import FUSED_OPS, StaticLlama
+from .layer_ops import FUSED_OPS
+from .static_llama import StaticLlama
 
 MIN_PREFIX_TOKENS = 16  # shorter matches are not copied (vLLM's default block size)
 

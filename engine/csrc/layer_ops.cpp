@@ -1,4 +1,4 @@
-// Fused fp32 CPU operators for the static runner's eager layer (engine/static_llama.py), each replacing several
+// Fused fp32 CPU operators for the static runner's eager layer (engine/layer_ops.py), each replacing several
 // ATen calls whose dispatch cost dominates at decode sizes (one or a few rows of 576 values: the arithmetic is
 // tiny, the per-call overhead is not). Semantics are those of the Python code they replace:
 //

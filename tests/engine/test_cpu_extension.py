@@ -137,7 +137,7 @@ def test_the_library_is_cached_per_source_and_torch(monkeypatch, tmp_path):
     assert cpu_extension.library_path() != path  # another torch build gets its own library
 
 
-# ---- layer_ops.cpp: each fused operator against the Python it replaces (engine/static_llama.py) -----------------
+# ---- layer_ops.cpp: each fused operator against the Python it replaces (engine/layer_ops.py) --------------------
 
 @pytest.fixture(scope="module")
 def ops():
@@ -148,7 +148,7 @@ def ops():
 @needs_kernel
 @pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 64), (2, 300, 24)])
 def test_rms_norm_and_add_rms_norm(ops, shape):
-    from engine.static_llama import _rms_norm
+    from engine.layer_ops import _rms_norm
 
     x, delta, weight = torch.randn(shape), torch.randn(shape), torch.rand(shape[-1]) + 0.5
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), _rms_norm(x, weight, 1e-5), atol=1e-5, rtol=1e-5)
@@ -220,7 +220,7 @@ def test_rope_to_cache_refuses_positions_past_the_cache(ops):
 @needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "width"), [(9, 3, 1), (4, 4, 4), (8, 2, 3), (4, 2, 13)])
 def test_cache_attention_equals_masked_attention_over_each_rows_own_keys(ops, heads, kv_heads, width):
-    from engine.static_llama import grouped_attention, visible_keys
+    from engine.layer_ops import grouped_attention, visible_keys
 
     batch, dim, slots, capacity, first_slot, kv_len = 3, 16, 5, 64, 1, 48
     q = torch.randn(batch, heads, width, dim)

@@ -342,16 +342,16 @@ def test_fused_cpu_layer_operators_give_the_aten_layers_logits(family, monkeypat
     """engine/csrc/layer_ops.cpp (norms, SwiGLU, RoPE with the cache write) against the ATen code it replaces."""
     import platform
 
-    from engine import static_llama
+    from engine import layer_ops
 
     model = make_tiny_model(family, seed=0)
     runner = StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16)
     step = (torch.zeros(1, 1, dtype=torch.long), 0, 64)  # positions, first slot, keys read
     if platform.machine() == "x86_64":  # this project's machines: the fused path must be the one taken
-        assert static_llama._LayerOps.for_step(runner.model, *step).fused is not None
+        assert layer_ops.LayerOps.for_step(runner.model, *step).fused is not None
     fused = scripted(runner, ROUNDS)
-    monkeypatch.setattr(static_llama.cpu_extension, "op", lambda name: None)
-    assert static_llama._LayerOps.for_step(runner.model, *step).fused is None
+    monkeypatch.setattr(layer_ops.cpu_extension, "op", lambda name: None)
+    assert layer_ops.LayerOps.for_step(runner.model, *step).fused is None
     aten = scripted(StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16), ROUNDS)
     assert_same_logits(fused, aten, atol=1e-4, rtol=1e-4)
 
