@@ -20,7 +20,7 @@ import time
 import yaml
 
 from engine.calibrate import measure_draft_costs, measure_target_costs, profile_from_costs
-from engine.factory import build_proposer, build_target
+from engine.factory import build_proposer, build_target, capture_graphs
 from engine.policy import choose_k
 
 from .config import SpecServeConfig
@@ -57,12 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     max_k = max(cfg.speculation.num_speculative_tokens, 1)
     start = time.perf_counter()
     target, tokenizer = build_target(engine_config)
+    capture_graphs(target, max_k)  # costs of the steps as served: graph replays on CUDA
     target_costs = measure_target_costs(target, max_k, args.reps)
     draft_costs = None
     proposer = build_proposer(engine_config, tokenizer, target.vocab_size)
     runner = getattr(proposer, "runner", None)
     if runner is not None:  # a draft model (n-gram lookup and "none" cost no model steps)
         del target
+        capture_graphs(runner, max_k)
         draft_costs = measure_draft_costs(runner, args.reps)
     profile = profile_from_costs(target_costs, draft_costs)
     meta = {"target": cfg.model.target, "target_dtype": cfg.model.target_dtype, "draft": cfg.model.draft,

@@ -162,6 +162,15 @@ def build_proposer(config: EngineConfig, target_tokenizer, target_vocab_size: in
     return DraftModelProposer(make_runner(model, config), target_vocab_size, grammars=grammars)
 
 
+def capture_graphs(runner: Runner | None, max_k: int) -> bool:
+    """Capture a static runner's CUDA graphs now (as the served workers do at start), where its steps are graphs;
+    other runners and step modes are left alone (inductor compiles a shape when first used). Whether it did."""
+    if getattr(runner, "graphs", None) is None:
+        return False
+    runner.warm_up(max_k)
+    return True
+
+
 def build_engine(config: EngineConfig,
                  on_loading: Callable[[str, str], None] = lambda role, source: None) -> SpeculativeEngine:
     """The in-process engine of `config`: target, proposer, EOS ids and speculation limits, all from the config.
@@ -170,6 +179,8 @@ def build_engine(config: EngineConfig,
     target, tokenizer = build_target(config)
     on_loading("draft", config.draft)
     proposer = build_proposer(config, tokenizer, target.vocab_size)
+    for runner in (target, getattr(proposer, "runner", None)):
+        capture_graphs(runner, config.num_speculative_tokens)
     eos_ids = sorted(eos_token_ids(resolve(config.target).directory, tokenizer))
     return SpeculativeEngine(target, tokenizer, proposer, config.num_speculative_tokens, eos_ids,
                              config.max_batch_for_speculation)

@@ -83,3 +83,17 @@ def test_the_kv_cache_holds_the_models_weight_dtype_unless_configured():
     # keys and values rounded to bf16: the logits move by about bf16's precision, not more
     torch.testing.assert_close(logits["auto"], logits["float32"], atol=0.05, rtol=0.02)
     assert not torch.equal(logits["auto"], logits["float32"])
+
+
+def test_the_in_process_engine_captures_graph_steps_and_leaves_other_runners_alone(monkeypatch):
+    from engine import factory
+    from engine.static_runner import KVBudget, StaticRunner
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model("llama", seed=0)
+    warmed = []
+    monkeypatch.setattr(StaticRunner, "warm_up", lambda self, k, progress=None: warmed.append((self, k)) or 0)
+    graphs = StaticRunner(model, budget=KVBudget(gib=0.05, max_num_seqs=2), compile="graphs")
+    eager = StaticRunner(model, budget=KVBudget(gib=0.05, max_num_seqs=2), compile="off")
+    assert factory.capture_graphs(graphs, 3) and warmed == [(graphs, 3)]
+    assert not factory.capture_graphs(eager, 3) and not factory.capture_graphs(None, 3) and len(warmed) == 1
