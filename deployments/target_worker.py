@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 from engine.accept import RowVerify, row_scheme, verify_rows
 from engine.calibrate import measure_target_costs
@@ -72,31 +73,9 @@ class TargetWorkerCore(ModelWorker):
         return socket.gethostbyname(socket.gethostname()), port
 
     def init_distributed(self, address: str, port: int, timeout_s: float | None = None) -> None:
-        """Join the replica's process group, then load this rank's shard.
-
-        A dead peer's process fails gloo collectives at once (its sockets close: 0.04 s measured); `timeout_s` bounds
-        a peer that is alive but never joins (stopped, stuck), after which the rank is broken and Serve replaces the
-        replica. Default SPECSERVE_COLLECTIVE_TIMEOUT_S, else 30 s on GPU and 60 s on CPU (was 120 s): verifies take
-        well under a second, but on CPU the start-up calibration's collectives wait while rank 0 queues for the
-        node's start-up turn (`cpu_startup_turn`) behind the draft's load and calibration, 23 s measured here under
-        load. NCCL: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 lets torch's watchdog abort a collective stuck past the timeout
-        and end the process (a dead worker fails the health check at once); TORCH_NCCL_BLOCKING_WAIT stays off (the
-        host would wait on every collective: no overlap, no CUDA graphs). The operator's own env settings win.
-        """
-        import datetime
-
-        import torch.distributed as dist
-
-        cuda = self.config.device.startswith("cuda")
-        backend = "nccl" if cuda else "gloo"
-        if timeout_s is None:
-            timeout_s = float(os.environ.get("SPECSERVE_COLLECTIVE_TIMEOUT_S", 30.0 if cuda else 60.0))
-        options = {}
-        if cuda:
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-            options["device_id"] = self.on_model_thread(rank_device, self.config.device)
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=self.world, timeout=datetime.timedelta(seconds=timeout_s), **options)
+        """Join the replica's process group (`join_process_group`), then load this rank's shard."""
+        join_process_group(self.config.device, self.rank, self.world, address, port, timeout_s,
+                           lambda: self.on_model_thread(rank_device, self.config.device))
         with startup_errors("target"):
             self.on_model_thread(self.load)
 
@@ -304,3 +283,33 @@ class TargetWorkerCore(ModelWorker):
         if self.broken is not None:
             raise TensorParallelBroken(self.broken)
         return super().ping()
+
+
+def join_process_group(device: str, rank: int, world: int, address: str, port: int, timeout_s: float | None,
+                       device_id: Callable[[], object]) -> None:
+    """Join a Target replica's torch.distributed group: NCCL on CUDA (this rank's device from `device_id()`, made
+    current on the model thread), gloo on CPU.
+
+    A dead peer's process fails gloo collectives at once (its sockets close: 0.04 s measured); `timeout_s` bounds
+    a peer that is alive but never joins (stopped, stuck), after which the rank is broken and Serve replaces the
+    replica. Default SPECSERVE_COLLECTIVE_TIMEOUT_S, else 30 s on GPU and 60 s on CPU (was 120 s): verifies take
+    well under a second, but on CPU the start-up calibration's collectives wait while rank 0 queues for the
+    node's start-up turn (`cpu_startup_turn`) behind the draft's load and calibration, 23 s measured here under
+    load. NCCL: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 lets torch's watchdog abort a collective stuck past the timeout
+    and end the process (a dead worker fails the health check at once); TORCH_NCCL_BLOCKING_WAIT stays off (the
+    host would wait on every collective: no overlap, no CUDA graphs). The operator's own env settings win.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    cuda = device.startswith("cuda")
+    backend = "nccl" if cuda else "gloo"
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("SPECSERVE_COLLECTIVE_TIMEOUT_S", 30.0 if cuda else 60.0))
+    options = {}
+    if cuda:
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        options["device_id"] = device_id()
+    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s), **options)

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .attention_kernels import RowIndex
@@ -171,6 +172,19 @@ class GraphSteps:
         """For a worker's /stats: captured shapes, replays, eager fallbacks, pool memory, host vs device time."""
         return {"captured": len(self.graphs), "replays": self.replays, "eager_steps": self.eager_steps,
                 "pool_mib": round(self.pool_bytes / (1 << 20), 1), **self.clock.as_dict()}
+
+
+def pick_logits(logits: torch.Tensor,  # [rows, width, V]: a step's output (a graph's buffer)
+                lengths: Sequence[int], num_logits: Sequence[int]) -> torch.Tensor:  # [B, max(num_logits), V]
+    """Row b's logits at its last num_logits[b] of its lengths[b] positions (rows in call order; a shorter row's
+    extra columns repeat its last position), gathered into a new tensor, so the graph's buffer is free again."""
+    lengths_np = np.asarray(lengths)
+    out_width = max(num_logits)
+    firsts = lengths_np - np.asarray(num_logits)
+    index = np.minimum(firsts[:, None] + np.arange(out_width)[None, :], (lengths_np - 1)[:, None])
+    index = torch.from_numpy(index).to(logits.device, non_blocking=True)
+    picked = torch.arange(len(lengths_np), device=logits.device)[:, None]
+    return logits[picked, index]
 
 
 def estimate_graph_bytes(config, max_rows: int, max_width: int, vocab_size: int, world: int = 1) -> int:

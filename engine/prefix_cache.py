@@ -223,3 +223,17 @@ def why_layout_variant(model: StaticLlama) -> str | None:
                 f"weights on a CPU with AVX512_BF16 run every product on one kernel)")
     return None
 
+
+def runner_prefix_cache(mode: str, model: StaticLlama, compiled: bool) -> SlotPrefixCache | None:
+    """`auto`: on where the forward is layout-invariant (exact hits); `on`: on, or an error; `off`."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"prefix_caching must be auto, on or off, got {mode!r}")
+    if mode == "off":
+        return None
+    why = "compiled steps choose kernels by shape" if compiled else why_layout_variant(model)
+    if why is None:
+        return SlotPrefixCache(model.num_slots, model.move_slot)
+    if mode == "on":
+        raise ValueError(f"prefix_caching: on needs a layout-invariant forward (hits must give the bits a "
+                         f"computed prefix gives) and this one is not: {why}; use auto or off")
+    return None

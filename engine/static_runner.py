@@ -28,65 +28,19 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from .cuda_graphs import GraphSteps, estimate_graph_bytes
-from .prefix_cache import SlotPrefixCache, why_layout_variant
-from .runner import ContextWindowError, KVBudgetError, SlotTable, SlotTableAccess, SeqSlot, config_context_window
+from .cuda_graphs import GraphSteps, estimate_graph_bytes, pick_logits
+from .kv_budget import KVBudget, plan_num_slots
+from .prefill_plan import PREFILL_TOKENS_PER_FORWARD, prefill_groups, shared_heads
+from .prefix_cache import runner_prefix_cache
+from .runner import ContextWindowError, SlotTable, SlotTableAccess, SeqSlot, config_context_window
 from .static_llama import StaticLlama
 from .static_tp import agree_num_slots, shard_of
 
 MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks first
-PREFILL_TOKENS_PER_FORWARD = 4  # rows' prefill chunks share a forward up to this many chunks' worth of tokens
-PREFILL_MAX_PADDING = 1.15  # ... and up to this many padded tokens per real one (prefill_groups)
-GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class KVBudget:
-    """How much memory the KV cache may take: a fixed size, or a fraction of the memory free after the weights."""
-
-    gib: float | None = None
-    fraction: float | None = 0.2
-    max_num_seqs: int = 32  # more slots than this are never allocated (the scheduler batches at most this many)
-
-    def bytes_for(self, device: torch.device, reserve: int = 0) -> int:
-        """The cache's bytes: `gib` as given, or `fraction` of the free memory left after `reserve` (what the
-        CUDA graphs will hold, captured after the cache is allocated)."""
-        if self.gib is not None:
-            return int(self.gib * GIB)
-        return int(max(0, free_memory_bytes(device) - reserve) * (self.fraction or 0.0))
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Free memory where the cache will live: the GPU's (cudaMemGetInfo), or the host's MemAvailable."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def plan_num_slots(slot_bytes: int, budget_bytes: int, max_num_seqs: int, what: str = "") -> int:
-    """Sequences of full length that fit the budget (at most max_num_seqs); at least one, or an error that says
-    what to change."""
-    slots = min(max_num_seqs, budget_bytes // slot_bytes)
-    if slots < 1:
-        raise KVBudgetError(
-            f"the KV-cache budget ({budget_bytes / GIB:.3f} GiB) does not hold one sequence{what} "
-            f"({slot_bytes / GIB:.3f} GiB per sequence): raise kv_cache_gib / kv_cache_fraction or lower "
-            f"max_model_len")
-    return slots
 
 
 STEP_MODES = ("eager", "inductor", "graphs")
@@ -200,24 +154,10 @@ class StaticRunner(SlotTableAccess):
         # batches only); on CPU the dynamic graph serves them too
         self._prefill = self.model.forward if self.device.type == "cuda" else self._step
         self._seqs = SlotTable(self.max_model_len, num_slots, self.model.move_slot)
-        self.prefix_cache = self._prefix_cache(prefix_caching)
+        self.prefix_cache = runner_prefix_cache(prefix_caching, self.model, self.compiled)
         self.last_prefix_hits: dict[int, int] = {}  # the last forward's rows that read a prefix from the cache: tokens
         self.forward_calls = 0
         self.forward_rows = 0
-
-    def _prefix_cache(self, mode: str) -> SlotPrefixCache | None:
-        """`auto`: on where the forward is layout-invariant (exact hits); `on`: on, or an error; `off`."""
-        if mode not in ("auto", "on", "off"):
-            raise ValueError(f"prefix_caching must be auto, on or off, got {mode!r}")
-        if mode == "off":
-            return None
-        why = "compiled steps choose kernels by shape" if self.compiled else why_layout_variant(self.model)
-        if why is None:
-            return SlotPrefixCache(self.model.num_slots, self.model.move_slot)
-        if mode == "on":
-            raise ValueError(f"prefix_caching: on needs a layout-invariant forward (hits must give the bits a "
-                             f"computed prefix gives) and this one is not: {why}; use auto or off")
-        return None
 
     # ---- sequence table -------------------------------------------------------------------------------------
     @property
@@ -359,16 +299,10 @@ class StaticRunner(SlotTableAccess):
         the batch and width buckets; each row's logits at its last num_logits positions."""
         width = bucket(max(len(t) for t in tails), self.width_buckets)
         rows = bucket(len(states), self.batch_buckets)
-        lengths = np.array([len(t) for t in tails])
         logits = self.graphs.step([s.slot for s in states], [len(s.tokens) for s in states], tails, rows, width)
-        out_width = max(num_logits)
-        firsts = lengths - np.array(num_logits)
-        index = np.minimum(firsts[:, None] + np.arange(out_width)[None, :], (lengths - 1)[:, None])
         for state, toks in zip(states, tails):
             state.tokens.extend(toks)
-        index = torch.from_numpy(index).to(self.device, non_blocking=True)
-        picked = torch.arange(len(states), device=self.device)[:, None]
-        return logits[picked, index]
+        return pick_logits(logits, [len(t) for t in tails], num_logits)
 
     def _kv_len(self, need: int) -> int:
         """Keys read per row: on CUDA rounded up to a power of two (fixed shapes for CUDA graphs); on CPU to a
@@ -411,43 +345,6 @@ class StaticRunner(SlotTableAccess):
                 if progress is not None:
                     progress(f"compiled {done}/{len(shapes)}: batch {ids.shape[0]} width {ids.shape[1]}")
         return len(shapes)
-
-
-def shared_heads(states: Sequence[SeqSlot], heads: Sequence[list[int]]
-                 ) -> tuple[list[list[int]], list[tuple[int, int, list[int]]]]:
-    """The heads to compute (a row repeating an earlier row's cached tokens and head gets none) and the copies to
-    make after: (row computed, row that copies its cache, that row's head)."""
-    first: dict[tuple, int] = {}
-    todo, copies = [], []
-    for b, (state, head) in enumerate(zip(states, heads)):
-        key = (tuple(state.tokens), tuple(head))
-        if head and key in first:
-            copies.append((first[key], b, head))
-            todo.append([])
-        else:
-            first.setdefault(key, b)
-            todo.append(head)
-    return todo, copies
-
-
-def prefill_groups(slots: Sequence[int], widths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Indices of rows (sorted by slot) that can share one prefill forward: consecutive slots (the forward reads a
-    contiguous range of the cache), at most `max_tokens` padded tokens, and at most PREFILL_MAX_PADDING times the
-    real tokens. Shorter chunks are padded to the longest, and padding is computed like real tokens, while sharing
-    a forward saves little once the products are compute-bound: three waves of 7-8 SmolLM2 prompts (41-183 tokens,
-    bf16, 2 threads, bench/RESULTS.md, session 17) took 2.60-2.65 s with up to 1.5x padding, 2.23-2.26 s with 1.15x
-    and 2.25 s with none."""
-    groups: list[list[int]] = []
-    for i, (slot, width) in enumerate(zip(slots, widths)):
-        if groups:
-            group = groups[-1]
-            padded = (len(group) + 1) * max(width, max(widths[j] for j in group))
-            real = width + sum(widths[j] for j in group)
-            if slot == slots[group[-1]] + 1 and padded <= max_tokens and padded <= PREFILL_MAX_PADDING * real:
-                group.append(i)
-                continue
-        groups.append([i])
-    return groups
 
 
 def _compile_step(model: StaticLlama) -> Callable:

@@ -402,10 +402,11 @@ def test_graph_steps_pad_rows_into_the_scratch_tail_and_make_no_host_sync():
 
 
 def test_a_kv_budget_given_as_a_fraction_leaves_room_for_the_graphs(monkeypatch):
+    import engine.kv_budget as kv_budget
     import engine.static_runner as static_runner
     from engine.static_llama import StaticLlama
 
-    monkeypatch.setattr(static_runner, "free_memory_bytes", lambda device: 10 << 30)
+    monkeypatch.setattr(kv_budget, "free_memory_bytes", lambda device: 10 << 30)
     assert KVBudget(fraction=0.5).bytes_for(torch.device("cpu"), reserve=2 << 30) == 4 << 30
     assert KVBudget(gib=1.0, fraction=0.5).bytes_for(torch.device("cpu"), reserve=2 << 30) == 1 << 30  # as given
     model = make_tiny_model("llama", seed=0)
