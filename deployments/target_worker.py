@@ -175,12 +175,12 @@ class TargetWorkerCore(ModelWorker):
         computed = self._compute([calls[b] for b in rest]) if rest else None
         result = computed if not served else merged(len(calls), served, rest, computed, self.rank)
         if result is not None and (upcoming := next_calls(calls, result)) is not None:
-            self.later(self._decode_ahead, [call.wire() for call in upcoming])
+            self.later(self._decode_ahead, upcoming)
         return result
 
-    def _decode_ahead(self, calls: list[tuple]) -> None:
+    def _decode_ahead(self, calls: list[VerifyCall]) -> None:
         """Rank 0, after replying: the next round's step for the rows still where it assumed, on every rank."""
-        current = self.ahead.current([VerifyCall.from_wire(c) for c in calls], self._known.tokens)
+        current = self.ahead.current(calls, self._known.tokens)
         if current:
             with contextlib.suppress(TensorParallelBroken):  # the group's next call fails with it
                 self.verify_ahead([call.wire() for call in current])

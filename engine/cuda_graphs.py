@@ -24,7 +24,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from .attention_kernels import RowIndex
@@ -81,7 +80,6 @@ class StepClock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.host_seconds = 0.0
-        self.steps = 0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._next = 0
 
@@ -95,10 +93,10 @@ class StepClock:
         self._next += 1
         return pair
 
-    def as_dict(self) -> dict:
-        done = [start.elapsed_time(end) for start, end in self._events[: self._next] if end.query()]
-        return {"steps": self.steps,
-                "host_ms_per_step": 1e3 * self.host_seconds / self.steps if self.steps else None,
+    def as_dict(self, steps: int) -> dict:
+        """Over `steps` timed steps (the replays); device time over the ring's finished replays."""
+        done = [start.elapsed_time(end) for start, end in self._events if end.query()]
+        return {"host_ms_per_step": 1e3 * self.host_seconds / steps if steps else None,
                 "device_ms_per_step": sum(done) / len(done) if done else None}
 
 
@@ -164,27 +162,13 @@ class GraphSteps:
         if events is not None:
             events[1].record()
         self.clock.host_seconds += time.perf_counter() - began
-        self.clock.steps += 1
         self.replays += 1
         return out
 
     def stats(self) -> dict:
         """For a worker's /stats: captured shapes, replays, eager fallbacks, pool memory, host vs device time."""
         return {"captured": len(self.graphs), "replays": self.replays, "eager_steps": self.eager_steps,
-                "pool_mib": round(self.pool_bytes / (1 << 20), 1), **self.clock.as_dict()}
-
-
-def pick_logits(logits: torch.Tensor,  # [rows, width, V]: a step's output (a graph's buffer)
-                lengths: Sequence[int], num_logits: Sequence[int]) -> torch.Tensor:  # [B, max(num_logits), V]
-    """Row b's logits at its last num_logits[b] of its lengths[b] positions (rows in call order; a shorter row's
-    extra columns repeat its last position), gathered into a new tensor, so the graph's buffer is free again."""
-    lengths_np = np.asarray(lengths)
-    out_width = max(num_logits)
-    firsts = lengths_np - np.asarray(num_logits)
-    index = np.minimum(firsts[:, None] + np.arange(out_width)[None, :], (lengths_np - 1)[:, None])
-    index = torch.from_numpy(index).to(logits.device, non_blocking=True)
-    picked = torch.arange(len(lengths_np), device=logits.device)[:, None]
-    return logits[picked, index]
+                "pool_mib": round(self.pool_bytes / (1 << 20), 1), **self.clock.as_dict(self.replays)}
 
 
 def estimate_graph_bytes(config, max_rows: int, max_width: int, vocab_size: int, world: int = 1) -> int:

@@ -30,9 +30,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
-from .cuda_graphs import GraphSteps, estimate_graph_bytes, pick_logits
+from .cuda_graphs import GraphSteps, estimate_graph_bytes
 from .kv_budget import KVBudget, plan_num_slots
 from .prefill_plan import PREFILL_TOKENS_PER_FORWARD, prefill_groups, shared_heads
 from .prefix_cache import runner_prefix_cache
@@ -281,17 +282,9 @@ class StaticRunner(SlotTableAccess):
             starts[r] = len(state.tokens)
             need = max(need, len(state.tokens) + width)
         logits = self._run(ids, starts, lo, self._kv_len(need), last_only=False)  # [rows, width, V]
-        out_width = max(num_logits)
-        index = torch.zeros(len(states), out_width, dtype=torch.long)
-        picked_rows = torch.tensor([s.slot - lo for s in states])
-        for b, (toks, k) in enumerate(zip(tails, num_logits)):
-            first = len(toks) - k
-            index[b] = torch.arange(first, first + out_width).clamp(max=len(toks) - 1)
         for state, toks in zip(states, tails):
             state.tokens.extend(int(t) for t in toks)
-        index = index.to(self.device, non_blocking=True)
-        picked_rows = picked_rows.to(self.device, non_blocking=True)
-        return logits[picked_rows[:, None], index]
+        return pick_logits(logits, [s.slot - lo for s in states], [len(t) for t in tails], num_logits)
 
     def _graph_step(self, states: list[SeqSlot], tails: list[list[int]],
                     num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]
@@ -302,11 +295,12 @@ class StaticRunner(SlotTableAccess):
         logits = self.graphs.step([s.slot for s in states], [len(s.tokens) for s in states], tails, rows, width)
         for state, toks in zip(states, tails):
             state.tokens.extend(toks)
-        return pick_logits(logits, [len(t) for t in tails], num_logits)
+        return pick_logits(logits, range(len(states)), [len(t) for t in tails], num_logits)
 
     def _kv_len(self, need: int) -> int:
-        """Keys read per row: on CUDA rounded up to a power of two (fixed shapes for CUDA graphs); on CPU to a
-        multiple of 64 (the graph takes any length)."""
+        """Keys read per row by an eager step or prompt chunk (graph steps read each row's own length): on CUDA
+        rounded up to a power of two, as when torch.compile's CUDA graphs took the steps (whether a multiple of 64
+        reads less there at no cost is not measured on a GPU); on CPU to a multiple of 64."""
         if self.device.type == "cuda":
             return bucket(need, self.kv_buckets)
         return min(self.model.capacity, -(-need // 64) * 64)
@@ -345,6 +339,19 @@ class StaticRunner(SlotTableAccess):
                 if progress is not None:
                     progress(f"compiled {done}/{len(shapes)}: batch {ids.shape[0]} width {ids.shape[1]}")
         return len(shapes)
+
+
+def pick_logits(logits: torch.Tensor,  # [rows, width, V]: a step's output (a graph's own buffer on CUDA)
+                rows: Sequence[int], lengths: Sequence[int], num_logits: Sequence[int]
+                ) -> torch.Tensor:  # [B, max(num_logits), V]
+    """Call row b's logits, from step row rows[b], at the last num_logits[b] of its lengths[b] new positions (a
+    row asking fewer repeats its last one), gathered into a new tensor (a graph's buffer is free again)."""
+    lengths_np = np.asarray(lengths)
+    firsts = lengths_np - np.asarray(num_logits)
+    index = np.minimum(firsts[:, None] + np.arange(max(num_logits))[None, :], (lengths_np - 1)[:, None])
+    index = torch.from_numpy(index).to(logits.device, non_blocking=True)
+    picked = torch.as_tensor(np.asarray(rows), dtype=torch.long).to(logits.device, non_blocking=True)
+    return logits[picked[:, None], index]
 
 
 def _compile_step(model: StaticLlama) -> Callable:
