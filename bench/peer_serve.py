@@ -10,7 +10,7 @@ completion, measured at every concurrency, then stopped with everything it start
 - ours-default  `serve run` of --ours-config as it is (the default speculative config)
 - vllm-plain    `vllm serve` of the same HF directory and dtype, default settings otherwise
 - vllm-ngram    the same with `--speculative-config` n-gram K=4 (prompt_lookup 2..4)
-Our configs get the HF directory that our loader makes (`engine.loading.resolve`) as `model.target`, the port
+Our configs get the HF directory that our loader makes (`engine.models.loading.resolve`) as `model.target`, the port
 (--port), and any `--ours-set KEY=VALUE` overrides (keys relative to the application's args); our servers start with
 the Ray Serve settings `make run` uses (deployments/ray_env.py: HAProxy, direct ingress), or in Ray Serve's default
 mode (its Python proxy) with --ray-serve-proxy. Each of our runs also records the router's rounds over it
@@ -49,9 +49,22 @@ from typing import Callable
 import yaml
 
 from bench.load_bench import load_prompts
-from bench.peer_servers import (NGRAM_CONFIG, ROOT, VLLM_CLI, VLLM_PYTHON, ManagedServer, derive_ours_config,
-                                log_notes, machine_params, parse_overrides, port_free, serve_run_argv, vllm_env,
-                                vllm_serve_argv, vllm_version)
+from bench.peer_servers import (
+    NGRAM_CONFIG,
+    ROOT,
+    VLLM_CLI,
+    VLLM_PYTHON,
+    ManagedServer,
+    derive_ours_config,
+    log_notes,
+    machine_params,
+    parse_overrides,
+    port_free,
+    serve_run_argv,
+    vllm_env,
+    vllm_serve_argv,
+    vllm_version,
+)
 from deployments.ray_env import SERVE_ENV, reap_orphaned_haproxy
 
 SERVERS = ("ours-plain", "ours-default", "vllm-plain", "vllm-ngram")
@@ -156,7 +169,8 @@ def evaluate_targets(runs: dict[str, dict[int, dict]]) -> list[dict]:
 
 
 def peer_dtype(ours: str) -> str:
-    """vLLM's --dtype for our resolved target dtype (after engine.runner.resolve_dtype turned `auto` into a name).
+    """vLLM's --dtype for our resolved target dtype (after engine.models.runner.resolve_dtype turned `auto` into a
+    name).
     int8 is our weight-only format: vLLM gets the float32 that it is made from."""
     if ours == "int8":
         return "float32"
@@ -362,8 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from deployments.config import SpecServeConfig
-    from engine.loading import resolve
-    from engine.runner import resolve_dtype
+    from engine.models.loading import resolve
+    from engine.models.runner import resolve_dtype
 
     config_path = Path(args.ours_config) if Path(args.ours_config).is_file() else ROOT / args.ours_config
     base = yaml.safe_load(config_path.read_text())

@@ -1,12 +1,20 @@
 """New prompts prefilled in one runner call, each row's chunks alone (the runner before session 13) against rows in
-neighbouring slots sharing forwards (engine/static_runner.prefill_groups), alternating in one process. Not a timed
+neighbouring slots sharing forwards (engine/models/static/runner.prefill_groups), alternating in one process. Not a
+timed
 test.
 
     python -m bench.prefill_batch [ROUNDS]   # SmolLM2-135M fp32, 8 prompts of 70-110 random tokens, 2 threads
 """
-import random, statistics, sys, time, torch
-import engine.static_runner as sr
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+import engine.models.static.runner as sr
 from engine.factory import EngineConfig, build_target
+
 torch.set_num_threads(2)
 runner, tok = build_target(EngineConfig(target="smollm2", target_dtype="float32", max_model_len=2048))
 rng = random.Random(0)

@@ -25,8 +25,15 @@ import httpx
 import numpy as np
 import yaml
 
-from bench.peer_servers import (ROOT, ManagedServer, derive_ours_config, machine_params, parse_overrides, port_free,
-                                serve_run_argv)
+from bench.peer_servers import (
+    ROOT,
+    ManagedServer,
+    derive_ours_config,
+    machine_params,
+    parse_overrides,
+    port_free,
+    serve_run_argv,
+)
 
 
 def long_prompt(tokenizer, n_tokens: int) -> str:
@@ -121,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
 
-    from engine.loading import resolve
+    from engine.models.loading import resolve
 
     base = yaml.safe_load((ROOT / args.config).read_text())
     model_args = base["applications"][0]["args"]["model"]

@@ -2,7 +2,7 @@
 (issue 18: sampling at the target). Not a timed test.
 
 One chained round (router -> draft worker -> target worker rank 0 -> router) is driven by hand through the real
-worker cores (deployments/workers.py, no Ray, no sockets): every message is pickled as the channel pickles it
+worker cores (deployments/workers/draft.py, no Ray, no sockets): every message is pickled as the channel pickles it
 (protocol 5), so the byte counts are the channel's payloads. The router's CPU per round is its own work around the
 workers' calls: pickling its calls, unpickling the replies, and accepting and committing each row (thread CPU time,
 so the workers' compute, which runs in this thread too, is not counted). Rows without stop strings have their text
@@ -64,12 +64,13 @@ def measure(impl: str, seeded: bool) -> list[dict]:
     import engine
 
     print(f"{impl}: engine from {engine.__file__}", file=sys.stderr)
+    from deployments.transport import messages
+    from deployments.workers.draft import DraftWorkerCore
+    from deployments.workers.target import TargetWorkerCore
     from engine.factory import EngineConfig
-    from engine.sampling import SamplingParams
-    from engine.sequence import SequenceState
-    from engine.stats import SpecStats
-    from deployments.workers import DraftWorkerCore, TargetWorkerCore
-    from deployments import messages
+    from engine.request.sampling import SamplingParams
+    from engine.request.sequence import SequenceState
+    from engine.spec.stats import SpecStats
 
     with tempfile.TemporaryDirectory() as tmp:
         target_dir, draft_dir, tokenizer = _models(Path(tmp))
@@ -109,7 +110,7 @@ def measure(impl: str, seeded: bool) -> list[dict]:
                 c1 = time.thread_time()
                 outs, cpu_commit = _accept_and_commit(impl, messages, seqs, reply_bytes, first_bytes, stats)
                 cpu_accept = time.thread_time() - c1
-                c2 = time.thread_time()  # the requests' consumers read the texts, between rounds (engine/stopping.py)
+                c2 = time.thread_time()  # the requests' consumers read the texts, between rounds (engine/request/stopping.py)
                 for out in outs:
                     out.new_text  # noqa: B018 (decoded on first read)
                 cpu_text = time.thread_time() - c2
@@ -157,8 +158,8 @@ def _delta_factory(impl, messages):
 
 
 def _accept_and_commit(impl, messages, seqs, reply_bytes, first_bytes, stats):
-    """The router's side of a round after the replies arrive: what deployments/group_round.py does."""
-    from engine.accept import commit
+    """The router's side of a round after the replies arrive: what deployments/router/round.py does."""
+    from engine.spec.accept import commit
 
     result = messages.VerifyResult.from_wire(pickle.loads(reply_bytes))
     if impl == "after":
@@ -168,7 +169,7 @@ def _accept_and_commit(impl, messages, seqs, reply_bytes, first_bytes, stats):
         return outs, time.thread_time() - c0
     import torch
 
-    from engine.accept import TargetScores, accept
+    from engine.spec.accept import TargetScores, accept
 
     draft = messages.DraftResult.from_wire(pickle.loads(first_bytes))
     scores = TargetScores(result.argmax, {b: torch.from_numpy(p) for b, p in result.probs.items()})
@@ -184,7 +185,7 @@ def acceptance(prompts: int, max_tokens: int) -> list[dict]:
     the same chat prompts at temperature 1, K = 3, with a seed each (Gumbel coupling) and without (rejection)."""
     from engine.cli import encode_prompt
     from engine.factory import EngineConfig, build_engine
-    from engine.sampling import SamplingParams
+    from engine.request.sampling import SamplingParams
 
     engine = build_engine(EngineConfig(num_speculative_tokens=K, max_batch_for_speculation=64))
     root = Path(__file__).resolve().parent

@@ -57,7 +57,7 @@ def main() -> None:
     model = cfg.model.served_model_name
     prompts = load_prompts(args.prompts)[: args.limit]
     from engine.factory import build_engine
-    from engine.sampling import SamplingParams
+    from engine.request.sampling import SamplingParams
 
     engine = build_engine(cfg.engine_config())
     same_k = {"k": cfg.speculation.num_speculative_tokens, "adaptive": False}  # the engine's fixed K

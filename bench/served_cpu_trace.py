@@ -7,7 +7,8 @@ rounds (issue 16; not a timed test).
 Starts `serve run` of --config as `make run` does (deployments/ray_env.py's HAProxy settings) with any --env
 variables added to the server's environment (the Ray workers inherit them), readies it with a completion, then
 per concurrency C: one warm-up wave of C requests, then --reps measured runs of max(2C, 8) requests (the prompts
-of bench/prompts.jsonl, or --prompts, rendered by the model's chat template, 64 greedy tokens, `ignore_eos`, streamed) from C
+of bench/prompts.jsonl, or --prompts, rendered by the model's chat template, 64 greedy tokens, `ignore_eos`, streamed)
+from C
 concurrent httpx streams. Prints per run: tokens/s over the run's wall time, TTFT and inter-token gaps, the
 router's rounds (/stats: count, mean batch, draft/verify/compute/orchestration ms per round, and how much of the
 wall time rounds filled), and the CPU seconds of the ten busiest processes on the machine (/proc) against the
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     model, target = app["model"]["served_model_name"], app["model"]["target"]
     from transformers import AutoTokenizer
 
-    from engine.loading import resolve
+    from engine.models.loading import resolve
     tok = AutoTokenizer.from_pretrained(str(resolve(target).directory))
     prompts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
                for m in load_prompts(args.prompts)]

@@ -3,7 +3,8 @@
     python -m bench.structured_bench [--max-tokens 96] [--k 3] [--limit N] [--out bench/plots/structured_bench.json]
 
 Target: SmolLM2-135M-Instruct fp32 (the default model), in-process engine (engine/speculative.py), greedy, batch 1,
-K fixed. Drafts: the default int8 draft model (which masks its own drafts with its own matcher, engine/grammar.py)
+K fixed. Drafts: the default int8 draft model (which masks its own drafts with its own matcher,
+engine/request/grammar.py)
 and n-gram lookup (unmasked drafts: the target's mask rejects those outside the grammar). Each prompt asks for JSON
 and runs unconstrained and under its schema (`response_format` json_schema's grammar), plus plain decoding (K = 0)
 under the schema, the greedy reference the speculative outputs must equal.
@@ -25,9 +26,9 @@ from pathlib import Path
 import torch
 
 from engine.factory import EngineConfig, build_engine
-from engine.grammar import GrammarSpec
-from engine.sampling import SamplingParams
-from engine.stats import SpecStats
+from engine.request.grammar import GrammarSpec
+from engine.request.sampling import SamplingParams
+from engine.spec.stats import SpecStats
 
 QUIET = Path("/tmp/QUIET")
 

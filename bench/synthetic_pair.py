@@ -14,7 +14,8 @@ what random weights lack is a draft that agrees with the target, and that is bui
   given noise gives is measured, not promised (bench/gpu_serve.py reports it).
 
 Shapes (SHAPES): `8b` is Llama-3.1-8B's (hidden 4096, 32 layers, 32/8 heads, vocabulary 128,256) with a 2-layer
-draft whose step reads about 1B parameters (its layers and the 128,256-row head); `1.5b` is hidden 2048, 24 layers, 32/8 heads, vocabulary 49,152, tied
+draft whose step reads about 1B parameters (its layers and the 128,256-row head); `1.5b` is hidden 2048, 24 layers, 32/8
+heads, vocabulary 49,152, tied
 embeddings, with a 2-layer draft of about 0.22B; `tiny` is for CPU tests. The tokenizer is a word-level one made
 here with the shape's vocabulary (`synthetic_tokenizer`: "<pad>", "</s>", "<s>", then words "w3" ...), so a pair
 needs no tokenizer file from anywhere (the GPU machines have no network) and its head is the real shape's size;
@@ -246,7 +247,7 @@ def write_pair(shape: Shape, root: Path, noise: float = 0.0, seed: int = 0, devi
 
 
 def default_root() -> Path:
-    from engine.loading import cache_root
+    from engine.models.loading import cache_root
 
     return cache_root() / "synthetic"
 

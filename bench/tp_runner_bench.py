@@ -3,8 +3,10 @@ tp=2 over gloo (the transformers runner and the static runner on each rank's sha
 
 A random-weight Llama (default: hidden 1024, 8 heads, 4 key/value heads, MLP 2816, 8 layers, vocabulary 32000,
 fp32) is saved as safetensors; two spawned ranks (gloo, 1 torch thread each) load their shards from it with
-engine/shard_loading.py and build both runners; this process runs the tp=1 static runner over the whole model with
-as many threads as the two ranks together, and with one. Every round times each configuration and shape in turn (the order
+engine/models/shard_loading.py and build both runners; this process runs the tp=1 static runner over the whole model
+with
+as many threads as the two ranks together, and with one. Every round times each configuration and shape in turn (the
+order
 rotates per round), `--steps` forwards each, so a slow patch of the shared machine hits all of them alike. A step is
 `Runner.forward` of `width` new tokens on each of `batch` sequences of `--context` tokens, rolled back after (as the
 target worker does after a rejection). Not a test:
@@ -12,7 +14,7 @@ target worker does after a rejection). Not a test:
     GOMP_SPINCOUNT=20000 flock /tmp/specserve-heavy.lock .venv/bin/python -m bench.tp_runner_bench \
         --out bench/plots/tp_runner_bench.json
 
-(GOMP_SPINCOUNT as the served workers get it, deployments/model_deployments.py: on a shared machine an OpenMP
+(GOMP_SPINCOUNT as the served workers get it, deployments/workers/replicas.py: on a shared machine an OpenMP
 team's threads otherwise spin at barriers while a descheduled peer holds them up.)
 """
 
@@ -44,7 +46,7 @@ def build_model(args):
 
 
 def runner_kwargs():
-    from engine.static_runner import KVBudget
+    from engine.models.static.runner import KVBudget
 
     return dict(max_model_len=MAX_MODEL_LEN, budget=KVBudget(gib=1.0, max_num_seqs=16), compile=False,
                 prefill_chunk=256)
@@ -78,10 +80,10 @@ def time_block(runner, state: dict, batch: int, width: int, steps: int) -> list[
 def _rank(rank, world, port, directory, commands, replies, context):
     import torch.distributed as dist
 
-    from engine.loading import resolve
-    from engine.model_runner import ModelRunner
-    from engine.shard_loading import load_shard
-    from engine.static_runner import StaticRunner
+    from engine.models.loading import resolve
+    from engine.models.shard_loading import load_shard
+    from engine.models.static.runner import StaticRunner
+    from engine.models.transformers_runner import ModelRunner
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -119,8 +121,8 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    from engine.loading import load_causal_lm, resolve
-    from engine.static_runner import StaticRunner
+    from engine.models.loading import load_causal_lm, resolve
+    from engine.models.static.runner import StaticRunner
     from tests.engine.spawn_ranks import free_port
 
     threads = torch.get_num_threads()

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from ray import serve
 
-from .config import ScalingSection, SpecServeConfig
-from .model_deployments import DraftServer, TargetServer
-from .router import RETRY_AFTER_S, build_router_server
+from deployments.config import ScalingSection, SpecServeConfig
+from deployments.router.router import RETRY_AFTER_S, build_router_server
+from deployments.workers.replicas import DraftServer, TargetServer
 
 REPLICA_CPUS = 0.05  # the replica actor itself only relays; the model work runs in its worker actors
 # Replica constructors Serve retries before the deployment is DEPLOY_FAILED (its default is 20, capped at 3 per
 # target replica). A replica that cannot start for its configuration (a StartupError: deployments/errors.py) fails
 # every try the same way, and each try loads the models again; the failure then shows in `serve status` and in the
-# router's /health (deployments/readiness.py) instead of a restart loop. A transient failure gets this many tries.
+# router's /health (deployments/api/readiness.py) instead of a restart loop. A transient failure gets this many tries.
 CONSTRUCTOR_RETRIES = 3
 
 

@@ -1,10 +1,11 @@
 """`specserve-calibrate`: measure what drafting and verifying cost on this machine for a config's model pair.
 
 Loads the config's target and draft in this process, times verify passes and draft steps by batch size
-(engine/calibrate.py) and writes the cost profile that `speculation.calibration` points the router's K policy at.
+(engine/calibration/measure.py) and writes the cost profile that `speculation.calibration` points the router's K policy
+at.
 It prints the table and, for a few acceptance rates, the K the policy would pick per batch size and the largest
 batch at which it still drafts (the knee). Each model is measured at the batch sizes its KV cache holds
-(`runner.max_num_seqs`, the KV budget); the policy extrapolates beyond them (engine/policy.cost_at). Without a
+(`runner.max_num_seqs`, the KV budget); the policy extrapolates beyond them (engine/spec/policy.cost_at). Without a
 profile file the Draft and Target replicas measure the same costs themselves at start.
 """
 
@@ -19,11 +20,10 @@ import time
 
 import yaml
 
-from engine.calibrate import measure_draft_costs, measure_target_costs, profile_from_costs
+from deployments.config import SpecServeConfig
+from engine.calibration.measure import measure_draft_costs, measure_target_costs, profile_from_costs
 from engine.factory import build_proposer, build_target, capture_graphs
-from engine.policy import choose_k
-
-from .config import SpecServeConfig
+from engine.spec.policy import choose_k
 
 ACCEPTANCES = (0.5, 0.7, 0.9)
 

@@ -10,9 +10,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.cost_cache import DEFAULT_DIR as DEFAULT_COST_CACHE
+from engine.calibration.store import DEFAULT_DIR as DEFAULT_COST_CACHE
 from engine.factory import DraftMethod, EngineConfig
-from engine.loading import DTYPES
+from engine.models.loading import DTYPES
 
 # Ray Serve's AutoscalingConfig.metrics_interval_s default: how often load reports reach the autoscaler
 RAY_METRICS_INTERVAL_S = 10.0
@@ -64,14 +64,14 @@ class SpeculationSection(StrictModel):
     )
     adaptive: bool = Field(
         True, description="choose each request's K per round from its observed acceptance and the measured cost "
-                          "of drafting and verifying at the current batch size (engine/policy.py); "
+                          "of drafting and verifying at the current batch size (engine/spec/policy.py); "
                           "num_speculative_tokens is then the upper bound")
     calibration: str | None = Field(
         None, description="cost profile written by `specserve-calibrate` for this model pair and machine; "
                           "None: each Draft/Target replica measures its own costs at start (a few seconds)")
     cost_cache: str | None = Field(
         DEFAULT_COST_CACHE, description="directory where replicas keep the costs they measure at start "
-        "(keyed by model, dtype, runner settings, threads and hardware; engine/cost_cache.py): a restart on the same "
+        "(keyed by model, dtype, runner settings, threads and hardware; engine/calibration/store.py): a restart on the same "
         "machine reads them instead of measuring again (~10 s of a Target's start on a 2-core CPU). None: always "
         "measure. Tensor-parallel targets always measure (their ranks measure together)")
     overlap: bool = Field(
@@ -80,12 +80,12 @@ class SpeculationSection(StrictModel):
     decode_ahead: bool = Field(
         True, description="for rounds of rows that will not draft next round (plain decoding), the target decodes "
                           "each row's next token right after answering, while the router handles the answer "
-                          "(deployments/decode_ahead.py): the router's hop overlaps the model's step. The output "
+                          "(deployments/workers/decode_ahead.py): the router's hop overlaps the model's step. The output "
                           "does not change; a guess that does not hold costs one step")
 
 
 class RunnerSection(StrictModel):
-    """The model runner of the Draft and Target workers (engine/runner.py)."""
+    """The model runner of the Draft and Target workers (engine/models/runner.py)."""
 
     kind: Literal["auto", "static", "transformers"] = Field(
         "auto", description="'static': the compiled Llama-family runner over a preallocated KV cache (an error for "
@@ -138,7 +138,7 @@ class LimitsSection(StrictModel):
     max_live_sequences_per_router: int = Field(64, ge=1, description="admission limit; beyond it 503")
     max_queue_wait_s: float = Field(
         30.0, ge=0, description="how long a request waits for a free KV-cache slot on a Target replica before it is "
-                                "answered 503 with Retry-After (deployments/admission.py)")
+                                "answered 503 with Retry-After (deployments/router/admission.py)")
 
 
 class ScalingSection(StrictModel):
@@ -206,7 +206,7 @@ class SpecServeConfig(StrictModel):
         if self.speculation.ngram_min > self.speculation.ngram_max:
             raise ValueError("speculation.ngram_min must be <= ngram_max")
         if self.speculation.calibration is not None:
-            from engine.policy import CostProfile
+            from engine.spec.policy import CostProfile
 
             try:
                 CostProfile.from_json(self.speculation.calibration)

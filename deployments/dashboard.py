@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from .metrics import EXPORTED_PREFIX as P
+from deployments.metrics import EXPORTED_PREFIX as P
 
 UID = "specserve-overview"
 TITLE = "specserve: speculative decoding"
@@ -79,7 +79,7 @@ def panels() -> list[dict]:
         _panel("Speculation: K and on/off", [(f"max({P}spec_decode_k{SEL})", "mean K per round (max over routers)"),
                                              (f"min({P}spec_decode_enabled{SEL})", "on (min over routers)")],
                "short", "The K policy's choice: per request from its acceptance, and 0 once the batch is past the "
-                        "measured knee (engine/policy.py)."),
+                        "measured knee (engine/spec/policy.py)."),
         _panel("Replicas per deployment",
                [('count by (deployment)(ray_serve_replica_processing_queries{application=~"$application"})',
                  "{{deployment}} running"),

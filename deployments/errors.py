@@ -19,17 +19,19 @@ class Overloaded(RuntimeError):
 
 
 class ReplicaFull(Overloaded):
-    """A replica refused a lease: its KV cache holds as many sequences as it has slots for (deployments/admission.py).
+    """A replica refused a lease: its KV cache holds as many sequences as it has slots for
+    (deployments/router/admission.py).
     The request waits for space and tries again; past its wait it is answered like any overload (503)."""
 
 
 class TensorParallelBroken(RuntimeError):
     """A target rank's tensor-parallel group cannot compute any more (a peer died): the replica must go. Raised by
-    the worker (deployments/workers.py), it crosses the channel to the lease, which takes it as ReplicaGone."""
+    the worker (deployments/workers/draft.py), it crosses the channel to the lease, which takes it as ReplicaGone."""
 
 
 class RequestFailed(RuntimeError):
-    """One request failed on a worker after admission (a deployments/messages.RowFailure: its grammar would not
+    """One request failed on a worker after admission (a deployments/transport/messages.RowFailure: its grammar would
+    not
     compile there, say). The round loop ends that request with this error and goes on with the others; the router
     answers it as a 500 with the failure's code (router.Router.run)."""
 
@@ -46,7 +48,7 @@ class StartupError(RuntimeError):
     """A Draft or Target worker cannot start with this configuration (its KV-cache budget holds no sequence, a model
     path does not exist): the one-line message names the cause and the setting to change. Retrying cannot help, so
     the replica raises this instead of Ray's report of a dead worker actor, and Serve's status shows it
-    (deployments/app.py bounds the retries; deployments/readiness.py puts it in /health's 503)."""
+    (deployments/app.py bounds the retries; deployments/api/readiness.py puts it in /health's 503)."""
 
     MARK = "StartupError: "
 

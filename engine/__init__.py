@@ -3,14 +3,16 @@
 Pure torch / numpy / transformers; never imports ray (tests/engine/test_purity.py checks).
 """
 
-from .factory import EngineConfig, build_engine
-from .model_runner import ContextWindowError, ModelRunner
-from .proposers import DraftModelProposer, IncompatibleDraftError, NgramProposer, Proposal, Proposer
-from .rejection import RejectionResult, greedy_accept, rejection_sample
-from .sampling import BatchSampling, SamplingParams, logits_to_probs
-from .sequence import EmptyPromptError, PromptTooLongError, RequestOutput, SequenceState
-from .speculative import Completion, SpeculativeEngine
-from .stats import EngineTimings, SpecStats
+from engine.factory import EngineConfig, build_engine
+from engine.models.transformers_runner import ContextWindowError, ModelRunner
+from engine.proposers.base import IncompatibleDraftError, Proposal, Proposer
+from engine.proposers.draft_model import DraftModelProposer
+from engine.proposers.ngram import NgramProposer
+from engine.request.sampling import BatchSampling, SamplingParams, logits_to_probs
+from engine.request.sequence import EmptyPromptError, PromptTooLongError, RequestOutput, SequenceState
+from engine.spec.rejection import RejectionResult, greedy_accept, rejection_sample
+from engine.spec.stats import EngineTimings, SpecStats
+from engine.speculative import Completion, SpeculativeEngine
 
 __all__ = [
     "BatchSampling", "Completion", "ContextWindowError", "DraftModelProposer", "EmptyPromptError", "EngineConfig",

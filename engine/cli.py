@@ -9,8 +9,8 @@ import time
 
 from tqdm import tqdm
 
-from .factory import EngineConfig, build_engine
-from .sampling import SamplingParams
+from engine.factory import EngineConfig, build_engine
+from engine.request.sampling import SamplingParams
 
 
 def _parser() -> argparse.ArgumentParser:

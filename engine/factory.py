@@ -9,15 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_extension
-from .grammar import GrammarCompiler, SequenceGrammars
-from .loading import DEFAULT_MODEL, eos_token_ids, load_causal_lm, load_tokenizer, resolve
-from .model_runner import ModelRunner
-from .proposers import DraftModelProposer, NgramProposer, Proposer, check_tokenizers_compatible
-from .runner import Runner, cpu_computes_bf16, resolve_dtype
-from .speculative import SpeculativeEngine
-from .static_llama import why_unsupported
-from .static_runner import KVBudget, StaticRunner, step_mode
+from engine.models.cpu import extension as cpu_extension
+from engine.models.loading import DEFAULT_MODEL, eos_token_ids, load_causal_lm, load_tokenizer, resolve
+from engine.models.runner import Runner, cpu_computes_bf16, resolve_dtype
+from engine.models.static.forward import why_unsupported
+from engine.models.static.runner import KVBudget, StaticRunner, step_mode
+from engine.models.transformers_runner import ModelRunner
+from engine.proposers.base import Proposer, check_tokenizers_compatible
+from engine.proposers.draft_model import DraftModelProposer
+from engine.proposers.ngram import NgramProposer
+from engine.request.grammar import GrammarCompiler, SequenceGrammars
+from engine.speculative import SpeculativeEngine
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +30,8 @@ class DraftMethod(str, enum.Enum):
     "ngram" or "none": `EngineConfig.draft_method`). A new kind of proposer is a member here, a branch in
     `build_proposer`, and its module in engine/."""
 
-    MODEL = "model"  # a draft model (engine/proposers.DraftModelProposer), served by Draft workers
-    NGRAM = "ngram"  # prompt lookup (engine/proposers.NgramProposer), in the router: no model, no worker
+    MODEL = "model"  # a draft model (engine/proposers/draft_model.DraftModelProposer), served by Draft workers
+    NGRAM = "ngram"  # prompt lookup (engine/proposers/ngram.NgramProposer), in the router: no model, no worker
     NONE = "none"  # no drafts: plain decoding
 
     @classmethod
@@ -52,7 +54,7 @@ class EngineConfig:
     max_model_len: int | None = 2048
     device: str = "cpu"
     trust_remote_code: bool = False
-    # the model runner (engine/runner.py): the compiled static path for the Llama family, else transformers'
+    # the model runner (engine/models/runner.py): the compiled static path for the Llama family, else transformers'
     runner: str = "auto"  # "auto" (static where supported), "static" (an error where not), "transformers"
     # how the static runner runs its steps (static_runner.step_mode): "auto" = CUDA graphs on CUDA, eager on CPU;
     # "on" = CUDA graphs on CUDA, torch.compile (inductor) on CPU, whose shapes compile for minutes on a small CPU;
@@ -62,13 +64,14 @@ class EngineConfig:
     kv_cache_fraction: float = 0.2
     max_num_seqs: int = 32  # KV-cache slots at most (sequences a worker holds at once)
     prefill_chunk: int = 256  # prompt tokens per forward; the scheduler sends a long prompt this much per round
-    # keep finished sequences' keys/values in free slots for new ones that start the same way (engine/prefix_cache.py):
+    # keep finished sequences' keys/values in free slots for new ones that start the same way
+    # (engine/models/static/prefix_cache.py):
     # "auto" (where hits are exact), "on" (an error where they would not be), "off"
     prefix_caching: str = "auto"
     # the KV cache's dtype (kv_cache_dtype_for): "auto" (the model's weight dtype: bf16 for a bf16 model, whose
     # steps compute in fp32 on CPU), "float32", "bfloat16"
     kv_cache_dtype: str = "auto"
-    cost_cache: str | None = None  # where workers keep their start-up cost measurements (engine/cost_cache.py)
+    cost_cache: str | None = None  # where workers keep their start-up cost measurements (engine/calibration/store.py)
 
     @property
     def draft_method(self) -> DraftMethod:
@@ -119,7 +122,7 @@ def cpu_step_dtypes(model: torch.nn.Module, compile: bool) -> tuple[torch.dtype 
 
     On CPU, a bf16 model (a bf16 target, or an int8 draft's other weights) runs with bf16 weights and fp32
     activations where specserve's CPU operators load: each product is a bf16 product (activations rounded to bf16,
-    fp32 sums; engine/cpu_kernels.linear), while norms, residuals, RoPE and attention compute in fp32 on the fused
+    fp32 sums; engine/models/cpu/linear.linear), while norms, residuals, RoPE and attention compute in fp32 on the fused
     operators, which ATen's bf16 operators do not match at decode sizes (the KV cache holds bf16 unless configured:
     `kv_cache_dtype_for`). SmolLM2-135M, 2 threads, on this
     project's avx512_bf16 machine (bench/RESULTS.md, sessions 16-17): a decode step at batch 1 took 36.5 ms with

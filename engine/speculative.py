@@ -1,11 +1,12 @@
 """The speculative decoding loop over many sequences: draft, verify, rejection-sample, stop, stream.
 
 One `step()` is one round for every live sequence (Leviathan et al. 2022, arXiv 2211.17192, Algorithm 1,
-batched): the round plan gives each sequence its K (engine/round_plan.py, the served round's planner), the proposer
-drafts, the target scores all of them in one batched forward, and engine/accept.py (the served target worker's
+batched): the round plan gives each sequence its K (engine/spec/plan.py, the served round's planner), the proposer
+drafts, the target scores all of them in one batched forward, and engine/spec/accept.py (the served target worker's
 accept step too) keeps the agreeing prefix plus one recovered or bonus token, on the logits' device, and commits it.
 Every request has a seed (its own, or one drawn at admission: SequenceState.seed), and every random number is a
-function of it and the token position (engine/randomness.py), so no generator state lives here. Sequences join and leave
+function of it and the token position (engine/spec/randomness.py), so no generator state lives here. Sequences join and
+leave
 between rounds. k = 0 (or speculation off for a sequence) is plain target decoding through the same path.
 """
 
@@ -15,18 +16,19 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .accept import RowVerify, Verdict, commit, row_scheme, verify_rows
-from .grammar import GrammarCompiler, GrammarError, SequenceGrammars
-from .loading import tokenizer_eos_ids
-from .model_runner import ModelRunner
-from .policy import AcceptanceTracker, CostProfile
-from .prompt_logprobs import score_prefill
-from .proposal import CompactProposal
-from .proposers import DraftModelProposer, DraftRequest, Proposer
-from .round_plan import RowOutlook, plan_ks
-from .sampling import SamplingParams
-from .sequence import RequestOutput, SequenceState
-from .stats import EngineTimings, SpecStats
+from engine.models.loading import tokenizer_eos_ids
+from engine.models.transformers_runner import ModelRunner
+from engine.proposers.base import DraftRequest, Proposer
+from engine.proposers.draft_model import DraftModelProposer
+from engine.request.grammar import GrammarCompiler, GrammarError, SequenceGrammars
+from engine.request.prompt_logprobs import score_prefill
+from engine.request.sampling import SamplingParams
+from engine.request.sequence import RequestOutput, SequenceState
+from engine.spec.accept import RowVerify, Verdict, commit, row_scheme, verify_rows
+from engine.spec.plan import RowOutlook, plan_ks
+from engine.spec.policy import AcceptanceTracker, CostProfile
+from engine.spec.proposal import CompactProposal
+from engine.spec.stats import EngineTimings, SpecStats
 
 
 class SpeculativeEngine:
@@ -48,17 +50,18 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
-        self.max_batch_for_speculation = max_batch_for_speculation  # without a profile (engine/policy.py)
-        self.profile = profile  # the costs K is planned with (engine/calibrate.measure_profile); None: the threshold
-        self.eos_token_ids = frozenset(eos_token_ids) | tokenizer_eos_ids(tokenizer)  # see engine.loading
+        self.max_batch_for_speculation = max_batch_for_speculation  # without a profile (engine/spec/policy.py)
+        self.profile = profile  # the costs K is planned with (engine/calibration/measure.measure_profile); None: the threshold
+        self.eos_token_ids = frozenset(eos_token_ids) | tokenizer_eos_ids(tokenizer)  # see engine.models.loading
         self.timings = EngineTimings()
         self.stats = SpecStats()
         self._seqs: dict[str, SequenceState] = {}
         self.population = AcceptanceTracker()  # acceptance over all requests (a new request's prior)
-        self._trackers: dict[str, AcceptanceTracker] = {}  # each request's own acceptance (engine/policy.py)
+        self._trackers: dict[str, AcceptanceTracker] = {}  # each request's own acceptance (engine/spec/policy.py)
         self._draft_read: dict[str, int] = {}  # committed tokens the draft model has read, by request
         self._fixed_k: set[str] = set()  # requests that asked for exactly their K every round
-        # structured outputs: the target's matcher per constrained request (engine/grammar.py); the proposer keeps
+        # structured outputs: the target's matcher per constrained request (engine/request/grammar.py); the proposer
+        # keeps
         # its own
         self.grammars = SequenceGrammars(GrammarCompiler(tokenizer, target.vocab_size, self.eos_token_ids))
 
@@ -81,7 +84,7 @@ class SpeculativeEngine:
         k = self.num_speculative_tokens if k is None else k
         seq = SequenceState.create(request_id, prompt_ids, params, k if self.proposer is not None else 0,
                                    self.target.max_model_len, self.eos_token_ids, self.tokenizer)
-        if params.grammar is not None:  # a bad grammar raises engine.grammar.GrammarError here
+        if params.grammar is not None:  # a bad grammar raises engine.request.grammar.GrammarError here
             try:
                 self.grammars.track(request_id, params.grammar, len(seq.prompt_ids))
             except GrammarError:
@@ -142,7 +145,7 @@ class SpeculativeEngine:
         return feed
 
     def plan(self, seqs: list[SequenceState]) -> list[int]:
-        """Each row's draft length this round, from the planner the served round uses (engine/round_plan.py): with
+        """Each row's draft length this round, from the planner the served round uses (engine/spec/plan.py): with
         a cost profile, planned for the batch as a whole; else the fixed `max_batch_for_speculation` threshold."""
         reads_context = isinstance(self.proposer, DraftModelProposer)  # n-gram lookup reads nothing ahead
         k_max = self.num_speculative_tokens  # a request's own k never exceeds the engine's

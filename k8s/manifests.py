@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import yaml
+
 from deployments.config import ScalingSection, SpecServeConfig
 from deployments.dashboard import build_dashboard
 from deployments.ray_env import SERVE_ENV
@@ -44,7 +45,7 @@ RAYLET_HEALTH = _HEALTH.format(port=AGENT_PORT, path="api/local_raylet_healthz")
 GCS_HEALTH = _HEALTH.format(port=DASHBOARD_PORT, path="api/gcs_healthz")
 SERVE_PROXY_HEALTH = _HEALTH.format(port=SERVE_PORT, path="-/healthz")  # Serve's proxy alone, whatever the app's state
 # the application's readiness: 200 once the router can lease the Draft and Target replicas, 503 while they start
-# (deployments/readiness.py); wget exits non-zero on a 503
+# (deployments/api/readiness.py); wget exits non-zero on a 503
 APP_READY = f"wget -T 2 -q -O /dev/null http://localhost:{SERVE_PORT}/health"
 APP_START_PROBES = 360  # x 5 s: how long the application may take to start (load its models) before a restart
 def workers_per_pod(cfg: SpecServeConfig, group: str) -> int:

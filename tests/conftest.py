@@ -9,11 +9,12 @@ import os
 import pytest
 import torch
 
-# Without a GPU, Triton's kernels (engine/attention_kernels.py) run in its CPU interpreter, which Triton reads from the
+# Without a GPU, Triton's kernels (engine/models/static/attention.py) run in its CPU interpreter, which Triton reads
+# from the
 # environment when it is first imported: set here, before any test module imports engine
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 TINY_VOCAB = 64
@@ -30,8 +31,18 @@ def make_tiny_tokenizer(vocab: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
 
 
 def make_tiny_model(family: str = "llama", vocab: int = TINY_VOCAB, seed: int = 0, layers: int = 2):
-    from transformers import (GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                              LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (
+        GemmaConfig,
+        GemmaForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,

@@ -6,8 +6,8 @@ import asyncio
 import httpx
 
 from bench import load_bench
-from deployments.openai_api import create_app
-from deployments.router import Router
+from deployments.api.routes import create_app
+from deployments.router.router import Router
 from tests.deployments.conftest import TINY_CHAT_TEMPLATE, LocalBroker, tiny_config
 
 

@@ -8,7 +8,7 @@ import json
 import yaml
 
 from bench import overload_bench
-from deployments.router import Router
+from deployments.router.router import Router
 from tests.deployments.conftest import TINY_CHAT_TEMPLATE, LocalBroker, http_server, tiny_config
 
 

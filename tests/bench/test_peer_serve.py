@@ -91,7 +91,7 @@ def test_peer_dtype_follows_ours():
     assert peer_serve.peer_dtype("bf16") == "bfloat16" and peer_serve.peer_dtype("bfloat16") == "bfloat16"
     assert peer_serve.peer_dtype("int8") == "float32"
     with pytest.raises(ValueError):
-        peer_serve.peer_dtype("auto")  # resolved by engine.runner.resolve_dtype first
+        peer_serve.peer_dtype("auto")  # resolved by engine.models.runner.resolve_dtype first
 
 
 def test_derived_config_overrides_and_validates():

@@ -8,11 +8,12 @@ import itertools
 
 import pytest
 
-from deployments.admission import refusal
 from deployments.config import SpecServeConfig
 from deployments.errors import ChainBroken, DraftGone, ReplicaFull, ReplicaGone
-from deployments.messages import DraftResult, VerifyResult
-from deployments.workers import DraftWorkerCore, TargetWorkerCore
+from deployments.router.admission import refusal
+from deployments.transport.messages import DraftResult, VerifyResult
+from deployments.workers.draft import DraftWorkerCore
+from deployments.workers.target import TargetWorkerCore
 from tests.conftest import BYTE_VOCAB, make_byte_tokenizer, make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
 
@@ -217,7 +218,7 @@ class _BoundedRunner:
         self._runner, self.capacity = runner, capacity
 
     def add(self, seq_id, *args, **kwargs):
-        from engine.runner import KVCacheFull
+        from engine.models.runner import KVCacheFull
 
         if self._runner.num_live >= self.capacity:
             raise KVCacheFull(f"all {self.capacity} KV-cache slots are taken")
@@ -241,7 +242,7 @@ def http_server(router):
 
     import uvicorn
 
-    from deployments.openai_api import create_app
+    from deployments.api.routes import create_app
 
     uv = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=lambda: asyncio.run(uv.serve()), daemon=True)
@@ -257,7 +258,7 @@ def http_server(router):
 
 def write_profile(path, knee_batch: int, prefill_per_token: float = 0.0) -> str:
     """A cost profile where drafting pays up to `knee_batch` sequences and extra verify tokens are ruinous above."""
-    from engine.policy import CostProfile
+    from engine.spec.policy import CostProfile
 
     sizes = (1, 2, 4, 8)
     verify = tuple(tuple(0.01 * (1 + (w * 10 if b > knee_batch else w * 0.05)) for w in range(4)) for b in sizes)

@@ -4,7 +4,7 @@ from ray import serve
 
 from deployments.app import CONSTRUCTOR_RETRIES, deployment_options
 from deployments.config import SpecServeConfig
-from deployments.router import RETRY_AFTER_S
+from deployments.router.router import RETRY_AFTER_S
 
 
 class _Stand:
@@ -27,7 +27,7 @@ def test_every_deployment_sheds_with_503_and_retry_after_and_ray_accepts_the_opt
 
 
 def test_model_workers_spin_briefly_unless_the_operator_says_otherwise(monkeypatch):
-    from deployments import model_deployments
+    from deployments.workers import replicas as model_deployments
 
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     options = model_deployments._actor_options({"num_cpus": 1, "num_gpus": 0, "resources": {}}, 1, "w")
@@ -74,7 +74,7 @@ def test_a_thread_s_niceness_is_its_own_and_a_refusal_is_a_warning(monkeypatch, 
     import os
     import threading
 
-    from deployments import worker_base
+    from deployments.workers import base as worker_base
 
     def in_thread(fn, *args):
         out = []

@@ -3,7 +3,7 @@
 import yaml
 
 from deployments.calibrate import main
-from engine.policy import CostProfile
+from engine.spec.policy import CostProfile
 from tests.deployments.conftest import tiny_config
 
 

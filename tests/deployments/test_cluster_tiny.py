@@ -73,7 +73,6 @@ def live_sequences_of_every_worker() -> dict[str, tuple[int, list[str]]]:
     """Sequences each model worker actor of the cluster holds now, and the first ids (found by their actor names,
     every app's)."""
     import ray
-
     from ray.exceptions import RayActorError
 
     live = {}
@@ -129,7 +128,7 @@ def test_tp2_matches_tp1_and_each_rank_holds_a_shard(ray_cluster, tiny_model_dir
     assert len({r["pid"] for r in ranks}) == 2, "two worker processes"
     for r in ranks:
         assert r["parameters"] < 0.55 * r["full_parameters"], r  # a shard, not a full copy
-        assert r["runner"] == "StaticRunner", r  # the static runner over the rank's shard (engine/static_tp.py)
+        assert r["runner"] == "StaticRunner", r  # the static runner over the rank's shard (engine/models/static/tp.py)
         assert r["gomp_spincount"] == "20000", r  # the worker processes got their environment
     assert_no_sequence_outlives_its_request()
     serve.delete("tp1")
@@ -226,9 +225,9 @@ def test_health_check_answers_during_a_long_model_call_and_fails_a_hung_one(ray_
 
     import ray
 
-    from deployments import model_deployments
-    from deployments.worker_base import BusyClock
-    from deployments.workers import ray_actor_classes
+    from deployments.workers import replicas as model_deployments
+    from deployments.workers.actors import ray_actor_classes
+    from deployments.workers.base import BusyClock
 
     # the real workers answer pings on their "control" thread (an unknown group would raise here)
     engine_config = tiny_config(tiny_model_dirs).engine_config()
@@ -307,8 +306,8 @@ def test_a_full_target_replica_refuses_leases_and_takes_one_again_once_a_lease_e
 
     from deployments.app import worker_spec
     from deployments.errors import ReplicaFull
-    from deployments.leases import RayLeaseBroker
-    from deployments.model_deployments import TargetServer
+    from deployments.router.leases import RayLeaseBroker
+    from deployments.workers.replicas import TargetServer
 
     class OneSlotTarget(TargetServer):  # as if its workers' KV caches held one sequence
         def __init__(self, *args) -> None:
@@ -342,10 +341,10 @@ def test_a_full_target_replica_refuses_leases_and_takes_one_again_once_a_lease_e
     assert stats["kv_capacity"] == 1 and "kv_capacity" in stats["ranks"][0]  # the workers report their runner's
     assert stats["swept"] == 0
     # a call reaching the worker after the lease of "a" ended creates the sequence again (the README's known leak):
-    # the replica's health checks find it and release it (deployments/lease_ledger.py)
+    # the replica's health checks find it and release it (deployments/workers/lease_ledger.py)
     import ray
 
-    from deployments.messages import SeqDelta, VerifyCall
+    from deployments.transport.messages import SeqDelta, VerifyCall
 
     worker = first.workers[0]
     ray.get(worker.verify.remote([VerifyCall(SeqDelta("a", 0, [5, 6, 7], 0.0, 0, 1.0, 0), []).wire()]))

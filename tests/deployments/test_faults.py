@@ -22,7 +22,7 @@ LONG = {"model": "tiny", "prompt": PROMPT, "max_tokens": 240, "temperature": 0, 
         "speculative": {"enabled": False}}
 SHORT = {**LONG, "max_tokens": 16}
 # seeded sampling with n-gram drafts at a pinned K: its text must be plain decoding's with that seed (Gumbel coupling,
-# engine/accept.py), also when a re-prefill on a new Target replica continues it after a failure
+# engine/spec/accept.py), also when a re-prefill on a new Target replica continues it after a failure
 SEEDED = {**LONG, "temperature": 1.0, "seed": 1234, "speculative": {"k": 3, "adaptive": False}}
 NO_HANG_S = 180  # a request still unanswered after this long counts as hung
 

@@ -4,9 +4,9 @@ import asyncio
 from collections import defaultdict
 
 from deployments.metrics import ServingMetrics
-from deployments.router import Router
+from deployments.router.router import Router
 from tests.deployments.conftest import LocalBroker, tiny_config, write_profile
-from tests.deployments.test_router import client, complete
+from tests.deployments.router.test_router import client, complete
 
 
 class _Metric:

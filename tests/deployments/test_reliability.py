@@ -6,7 +6,7 @@ import time
 
 import httpx
 
-from deployments.router import Router
+from deployments.router.router import Router
 from tests.deployments.conftest import LocalBroker, http_server, tiny_config
 
 BODY = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 40, "temperature": 0, "ignore_eos": True}

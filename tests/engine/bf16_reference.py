@@ -1,4 +1,4 @@
-"""The arithmetic of engine/csrc/bf16_gemm.cpp in torch, for tests: what its products must equal bit for bit."""
+"""The arithmetic of engine/models/cpu/csrc/bf16_gemm.cpp in torch, for tests: what its products must equal bit for bit."""
 
 import torch
 

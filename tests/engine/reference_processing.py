@@ -1,12 +1,12 @@
 """A dense, one-position reference of vLLM's request-level logits processing (its v1 Sampler's order: min_tokens,
 logit_bias, then the repetition, frequency and presence penalties over the whole vocabulary), written from the
-definitions and independent of engine/builtin_processors.py, and plain decoding with it over a Hugging Face model."""
+definitions and independent of engine/request/builtin_processors.py, and plain decoding with it over a Hugging Face model."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.sampling import SamplingParams
+from engine.request.sampling import SamplingParams
 
 
 def reference_logits(

@@ -9,7 +9,7 @@ import pytest
 
 from engine import cli
 from engine.factory import EngineConfig, build_engine
-from engine.loading import eos_token_ids, resolve
+from engine.models.loading import eos_token_ids, resolve
 from tests.conftest import make_tiny_model, make_tiny_tokenizer
 
 

@@ -3,7 +3,8 @@
 import pytest
 
 from engine.factory import DraftMethod, EngineConfig, build_proposer
-from engine.proposers import DraftModelProposer, NgramProposer
+from engine.proposers.draft_model import DraftModelProposer
+from engine.proposers.ngram import NgramProposer
 
 
 @pytest.mark.parametrize("draft, method", [("ngram", DraftMethod.NGRAM), ("none", DraftMethod.NONE),
@@ -21,7 +22,7 @@ def test_the_serving_config_parses_the_same_method():
 
 
 def test_proposers_are_built_by_method(tmp_path):
-    from engine.loading import load_tokenizer, resolve
+    from engine.models.loading import load_tokenizer, resolve
     from tests.conftest import make_tiny_model
     from tests.deployments.conftest import save_model_pair
 
@@ -40,7 +41,8 @@ def test_proposers_are_built_by_method(tmp_path):
 def test_bf16_models_on_cpu_run_bf16_weights_with_fp32_activations_where_the_operators_load(monkeypatch):
     import torch
 
-    from engine import cpu_extension, factory
+    from engine import factory
+    from engine.models.cpu import extension as cpu_extension
     from tests.conftest import make_tiny_model
 
     bf16, fp32 = make_tiny_model(seed=0).to(torch.bfloat16), make_tiny_model(seed=0)
@@ -60,7 +62,7 @@ def test_the_kv_cache_holds_the_models_weight_dtype_unless_configured():
     import torch
 
     from engine import factory
-    from engine.static_llama import StaticLlama
+    from engine.models.static.forward import StaticLlama
     from tests.conftest import make_tiny_model
 
     bf16, fp32 = make_tiny_model(seed=0).to(torch.bfloat16), make_tiny_model(seed=0)
@@ -87,7 +89,7 @@ def test_the_kv_cache_holds_the_models_weight_dtype_unless_configured():
 
 def test_the_in_process_engine_captures_graph_steps_and_leaves_other_runners_alone(monkeypatch):
     from engine import factory
-    from engine.static_runner import KVBudget, StaticRunner
+    from engine.models.static.runner import KVBudget, StaticRunner
     from tests.conftest import make_tiny_model
 
     model = make_tiny_model("llama", seed=0)

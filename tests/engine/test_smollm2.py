@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from engine import EngineConfig, SamplingParams
+from engine.cli import encode_prompt
 from engine.factory import build_proposer, build_target
 from engine.speculative import SpeculativeEngine
-from engine.cli import encode_prompt
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,8 @@ def test_bf16_prompts_prefilled_together_give_the_bits_each_gives_alone():
 
 
 def test_a_bf16_prompts_logits_do_not_depend_on_how_it_was_split_into_forwards():
-    """The layout invariance exact prefix caching relies on (engine/prefix_cache.py), on the real model, where a
+    """The layout invariance exact prefix caching relies on (engine/models/static/prefix_cache.py), on the real model,
+    where a
     last-bit difference in attention reaches the logits (prompt chunks through SDPA gave logits up to 0.3 apart when
     the prompt was cut): fed whole, or as a prefix and then the rest (a chunk, a verify-width step, a decode step),
     the last token's logits are the same bits."""
@@ -99,7 +100,7 @@ def test_a_bf16_prompts_logits_do_not_depend_on_how_it_was_split_into_forwards()
 
     runner, _ = build_target(EngineConfig(target_dtype="bfloat16", kv_cache_gib=0.5, max_num_seqs=2,
                                           prefix_caching="off"))
-    from engine.prefix_cache import why_layout_variant
+    from engine.models.static.prefix_cache import why_layout_variant
 
     if why_layout_variant(runner.model) is not None:
         pytest.skip(why_layout_variant(runner.model))

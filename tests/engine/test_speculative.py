@@ -4,9 +4,16 @@
 import pytest
 import torch
 
-from engine import (DraftModelProposer, EmptyPromptError, ModelRunner, NgramProposer, PromptTooLongError,
-                    SamplingParams, SpeculativeEngine)
-from engine.policy import CostProfile
+from engine import (
+    DraftModelProposer,
+    EmptyPromptError,
+    ModelRunner,
+    NgramProposer,
+    PromptTooLongError,
+    SamplingParams,
+    SpeculativeEngine,
+)
+from engine.spec.policy import CostProfile
 from tests.conftest import make_tiny_model, perturbed_copy, third_token_marginals, total_variation_bound
 
 PROMPTS = [

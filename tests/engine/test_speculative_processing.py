@@ -6,10 +6,10 @@ as the target does; stop_token_ids and min_tokens end sequences as vLLM's do."""
 import pytest
 import torch
 
-import engine.logits_processing as logits_processing
-import engine.proposers as proposers
+import engine.proposers.draft_model as proposers
+import engine.request.logits_processing as logits_processing
 from engine import DraftModelProposer, ModelRunner, NgramProposer, SamplingParams, SpeculativeEngine
-from engine.logits_processing import RowContext
+from engine.request.logits_processing import RowContext
 from tests.conftest import make_tiny_model, perturbed_copy, total_variation_bound
 from tests.engine.reference_processing import reference_greedy, reference_logits
 

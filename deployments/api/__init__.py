@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: routes, request parameters, response bodies, errors, health."""

@@ -1,0 +1,315 @@
+"""One speculative round for the live requests leased to one Target replica, top to bottom.
+
+1. Plan: each row's K (engine/spec/plan.plan_ks, the in-process engine's planner too: with a cost profile, else
+   the fixed `max_batch_for_speculation` threshold); rows drafting for the first time take their Draft lease
+   (deployments/router/recovery.py).
+2. Draft: drafts at hand need no call (made ahead during the last round's verify: deployments/router/draft_ahead.py, or
+n-gram
+   lookup); the others come from the rows' Draft workers.
+3. Verify: with one Draft worker and no overlap, one chained call (the Draft worker drafts and hands its tokens to
+   the Target worker, which verifies and answers: channel_client.AsyncChannels.chain); else one draft call per
+   Draft lease, then one verify call (with `overlap`, while the next round's drafts are made ahead).
+4. Accept: the target worker has sampled on its device (engine/spec/accept.verify_rows, the in-process engine's accept
+   step too: greedy rows compare tokens, seeded rows by Gumbel coupling, the others by the rejection sampler) and
+   answered tokens; each row commits them here (engine/spec/accept.commit) and the outputs are delivered. The router
+   never holds a probability tensor: the compact proposals of drafts made ahead or by several Draft leases pass
+   through it unread, inside the VerifyCalls.
+A dead Target replica ends the round for its rows (they re-lease and re-prefill); a dead Draft replica's rows verify
+without drafts. A row a worker failed (a RowFailure in its reply: its grammar would not compile there, say) ends its
+own request with that error (RequestFailed), and commits nothing; the round's other rows go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from deployments.errors import ChainBroken, DraftGone, ReplicaGone, RequestFailed
+from deployments.metrics import NullMetrics, observe
+from deployments.router.draft_ahead import AheadDrafts
+from deployments.router.live import DraftLease, LiveRequest
+from deployments.router.recovery import Recovery
+from deployments.router.round_costs import RoundCosts
+from deployments.transport.messages import (
+    CostObservation,
+    DraftCall,
+    DraftResult,
+    RowFailure,
+    VerifyCall,
+    VerifyResult,
+    WireProposal,
+    head,
+)
+from engine.factory import DraftMethod
+from engine.proposers.base import DraftRequest
+from engine.proposers.ngram import NgramProposer
+from engine.request.sequence import RequestOutput
+from engine.spec.accept import commit
+from engine.spec.plan import RowOutlook, plan_ks
+from engine.spec.policy import AcceptanceTracker
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class Drafts:
+    """A round's drafts by row, as they come in: made ahead or looked up, then each draft call's result."""
+
+    tokens: list[list[int]]  # per row, its draft (empty: the row verifies without drafts)
+    # row -> the compact proposal of its model drafts (unseeded sampled rows), forwarded unread to the target
+    proposals: dict[int, WireProposal] = field(default_factory=dict)
+    by_lease: dict[str, list[int]] = field(default_factory=dict)  # rows still to draft, by Draft lease key
+    compute_seconds: float = 0.0  # the draft workers' own compute
+    costs: list[CostObservation] = field(default_factory=list)  # the draft calls' measured costs
+    failed: dict[int, RowFailure] = field(default_factory=dict)  # rows whose draft worker failed them (a grammar)
+
+    def take(self, rows: list[LiveRequest], members: list[int], calls: list[DraftCall], result: DraftResult) -> None:
+        """A draft call's result for rows `members` (call i drafted for row members[i])."""
+        lease = rows[members[0]]
+        self.costs.append(CostObservation(lease.draft, lease.target, "draft", calls, max(c.k for c in calls),
+                                          result.seconds))
+        self.compute_seconds += result.seconds
+        for i, b in enumerate(members):
+            self.tokens[b] = result.drafts[i]
+            if i in result.proposals:
+                self.proposals[b] = result.proposals[i]
+        for i, failure in result.failed.items():
+            self.failed[members[i]] = failure
+
+
+@dataclass
+class RoundResult:
+    """What one group's round did."""
+
+    drafts: list[list[int]]  # per row, the drafts it verified
+    outputs: list[RequestOutput | RequestFailed]  # per row, what it emitted, or why its request failed (a worker's
+    # RowFailure: that request ends with the error, the round's other rows go on)
+    accepted: list[int]  # per row, drafts accepted
+    chained: bool  # drafted and verified in one chained call
+    draft_seconds: float  # from the round's start to the drafts in hand
+    verify_seconds: float  # from there to the verify's answer
+    draft_compute: float  # the draft workers' own compute
+    verify_compute: float  # the target worker's own compute
+
+
+def ended(out: RequestOutput | RequestFailed) -> bool:
+    """A row's request ends with this round's output (finished, or failed)."""
+    return isinstance(out, RequestFailed) or out.finished
+
+
+class GroupRound:
+    """Runs rounds for groups of live requests that share a Target replica (the scheduler's round loop runs one per
+    group at once)."""
+
+    def __init__(self, config, stats, costs: RoundCosts, population: AcceptanceTracker, recovery: Recovery,
+                 deliver: Callable[[list[LiveRequest], list[RequestOutput | RequestFailed]], Awaitable[None]]
+                 ) -> None:
+        self.config = config  # scheduler.SchedulerConfig
+        self.stats = stats  # scheduler.SchedulerStats
+        self.costs = costs
+        self.population = population  # acceptance over all requests (a new request's prior)
+        self.recovery = recovery
+        self._deliver = deliver  # hands the rows' outputs to their requests (and ends finished ones)
+        self.metrics = NullMetrics()
+        # n-gram lookup runs here, in the router (no worker); a draft model's proposer runs in the Draft workers
+        self.ngram = (NgramProposer(config.ngram_min, config.ngram_max)
+                      if config.draft_mode is DraftMethod.NGRAM else None)
+        self.ahead = AheadDrafts(stats, recovery.replace_live_drafts)
+        self._unchainable: set[tuple[str, str]] = set()  # (Draft, Target) replica keys whose chained round failed
+
+    # ---- 1. plan ------------------------------------------------------------------------------------------------
+    def plan(self, rows: list[LiveRequest], joining: int, live_now: int) -> list[int]:
+        """Each row's draft length this round: with a cost profile, planned for the group as a whole
+        (engine/spec/plan.py), else the fixed `max_batch_for_speculation` threshold over `live_now` sequences.
+
+        The batch the costs are taken at counts the `joining` requests (admitted, taking their leases): they join
+        the next round, and a draft started now (its prefill first) would pay only at the batch size they make.
+        """
+        profile = self.costs.policy_profile(self.group_draft(rows), rows[0].target)
+        model = self.config.draft_mode is DraftMethod.MODEL
+        outlooks = [RowOutlook(acceptance=live.tracker.acceptance, cap=live.seq.k if self._may_draft(live) else 0,
+                               # tokens the draft worker has not read yet (all, before the first Draft lease; n-gram
+                               # lookup reads nothing)
+                               behind=live.seq.num_tokens - live.draft_sent if model else 0,
+                               remaining=live.seq.remaining(), fixed=live.fixed_k, wants_probe=live.tracker.wants_probe)
+                    for live in rows]
+        ks = plan_ks(profile, outlooks, len(rows) + joining, live_now, self.config.max_batch_for_speculation)
+        return [live.seq.draft_len(k) for live, k in zip(rows, ks)]
+
+    def _may_draft(self, live: LiveRequest) -> bool:
+        if self.config.draft_mode is not DraftMethod.MODEL or live.draft is not None:
+            return True
+        return time.monotonic() >= live.draft_retry_at  # a Draft lease can be taken when the plan wants drafts
+
+    def group_draft(self, rows: list[LiveRequest]) -> DraftLease | None:
+        """The Draft lease a group's costs are planned with: one of its rows', else the last one this router took
+        (Draft replicas of one deployment measure alike); None before any."""
+        return next((live.draft for live in rows if live.draft is not None), self.recovery.last_draft)
+
+    # ---- the round ----------------------------------------------------------------------------------------------
+    async def run(self, rows: list[LiveRequest], ks: list[int]) -> RoundResult | None:
+        """One round for `rows` (all leased to one Target replica) with `ks` drafts each; None when the Target
+        replica failed (the rows re-lease and re-prefill: deployments/router/recovery.py)."""
+        if self.ngram is None and any(ks):  # rows drafting for the first time take their Draft lease (set-up work,
+            start = time.perf_counter()  # once per request: counted apart from the round's orchestration)
+            await self.recovery.lease_drafts([live for live, k in zip(rows, ks)
+                                              if k > 0 and live.ready is None and live.draft is None])
+            self.stats.draft_lease_seconds += time.perf_counter() - start
+        t0 = time.perf_counter()
+        drafts = self._drafts_at_hand(rows, ks)
+        target = rows[0].target
+        verified: VerifyResult | None = None
+        aheads = []
+        by_lease = list(drafts.by_lease.values())
+        members = by_lease[0] if len(by_lease) == 1 and not self.config.overlap else None
+        if members is not None and self._chainable(rows[members[0]]):
+            calls = [VerifyCall(live.delta(live.target_sent), []) for live in rows]  # drafts are filled in there
+            try:  # one draft worker: it hands its drafts straight to the target worker
+                verified = await self._chained(rows, ks, members, calls, drafts)
+            except ReplicaGone:
+                await self.recovery.replace_target(rows)
+                return None
+            t1 = t0 + drafts.compute_seconds  # the router sees no boundary between drafting and verifying
+        else:
+            await self._draft_calls(rows, ks, drafts)
+            t1 = time.perf_counter()
+        chained = verified is not None
+        if verified is None:
+            calls = [VerifyCall(live.delta(live.target_sent), drafts.tokens[b], drafts.proposals.get(b),
+                                self._decodes_ahead(live)) for b, live in enumerate(rows)]
+            aheads = self.ahead.start(rows, drafts.tokens) if self.config.overlap else []
+            try:
+                verified = await target.verify(calls)
+            except ReplicaGone:
+                await self.ahead.settle(aheads, rows, drafts.tokens, None, None)
+                await self.recovery.replace_target(rows)
+                return None
+            except BaseException:
+                await self.ahead.settle(aheads, rows, drafts.tokens, None, None)
+                raise
+        else:
+            self.stats.chained_rounds += 1
+        for live in rows:
+            live.target_sent = live.seq.num_tokens
+        t2 = time.perf_counter()
+        verify_seen = [] if verified.ahead_rows else [  # a step decoded ahead ran in another round's batch
+            CostObservation(self.group_draft(rows), target, "verify", calls, max(len(d) for d in drafts.tokens),
+                            verified.seconds)]
+        for seen in drafts.costs + verify_seen:
+            self.costs.observe(seen)
+        outputs, accepted = self._accept(rows, drafts, verified)
+        await self._deliver(rows, outputs)
+        await self.ahead.settle(aheads, rows, drafts.tokens, accepted, [ended(out) for out in outputs])
+        result = RoundResult(drafts.tokens, outputs, accepted, chained, t1 - t0, t2 - t1, drafts.compute_seconds,
+                             verified.seconds)
+        self._record(rows, result, time.perf_counter() - t2)
+        return result
+
+    # ---- 2. draft -----------------------------------------------------------------------------------------------
+    def _drafts_at_hand(self, rows: list[LiveRequest], ks: list[int]) -> Drafts:
+        """The round's drafts that need no draft call (made ahead, or n-gram lookup), and the rows that draft by
+        Draft lease."""
+        drafts = Drafts([[] for _ in rows])
+        ready = [live.ready for live in rows]
+        for live in rows:
+            live.ready = None  # a draft made ahead serves the round right after it, or nobody
+        if not any(ks):
+            return drafts
+        if self.ngram is not None:
+            asked = [b for b, k in enumerate(ks) if k > 0]
+            proposal = self.ngram.propose([DraftRequest(rows[b].seq.request_id, rows[b].seq.tokens, ks[b],
+                                                        rows[b].seq.params) for b in asked])  # deterministic
+            for i, b in enumerate(asked):
+                drafts.tokens[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
+            return drafts
+        for b, (live, k) in enumerate(zip(rows, ks)):
+            if k > 0 and ready[b] is not None:
+                self.stats.ahead_used += 1
+                drafts.tokens[b] = ready[b][0][:k]
+                if ready[b][1] is not None:
+                    drafts.proposals[b] = head(ready[b][1], 0, k)
+            elif k > 0 and live.draft is not None:
+                drafts.by_lease.setdefault(live.draft.key, []).append(b)
+        return drafts
+
+    async def _draft_calls(self, rows: list[LiveRequest], ks: list[int], drafts: Drafts) -> None:
+        """Each Draft lease's rows drafted by a call of their own."""
+        for members in drafts.by_lease.values():
+            calls = [DraftCall(rows[b].draft_delta([]), ks[b]) for b in members]
+            try:
+                result = await rows[members[0]].draft.propose(calls)
+            except ReplicaGone:
+                await self.recovery.replace_draft([rows[b] for b in members])
+                continue  # these rows verify without drafts this round: output unchanged
+            drafts.take(rows, members, calls, result)
+
+    # ---- 3. verify (chained) ------------------------------------------------------------------------------------
+    async def _chained(self, rows: list[LiveRequest], ks: list[int], members: list[int],
+                       verify_calls: list[VerifyCall], drafts: Drafts) -> VerifyResult | None:
+        """Draft `members` and verify every row in one chained call (the draft worker hands its drafts straight to
+        the target worker, which answers). None when the draft worker failed, and the round must verify without
+        its drafts. Raises ReplicaGone when the target worker failed."""
+        lease = rows[members[0]].draft
+        calls = [DraftCall(rows[b].draft_delta([]), ks[b]) for b in members]
+        try:
+            result = await lease.chain(calls, rows[0].target, verify_calls, members)
+        except DraftGone:
+            await self.recovery.replace_draft([rows[b] for b in members])
+            return None
+        except ChainBroken as exc:  # the draft is fine but cannot reach the target: a verify of its own tells more
+            logger.warning("chained round failed (%s); this Draft/Target pair's rounds make two calls from now on",
+                           exc)
+            self._unchainable.add((lease.key, rows[0].target.key))
+            return None
+        drafts.take(rows, members, calls, result.draft)
+        return result
+
+    def _decodes_ahead(self, live: LiveRequest) -> bool:
+        """Whether the target may decode the row's next token ahead (deployments/workers/decode_ahead.py): the row never
+        drafts (plain decoding), has no grammar or prompt tokens to score, and goes on after this round."""
+        return (self.config.decode_ahead and live.seq.k == 0 and live.seq.params.grammar is None
+                and not live.seq.wants_prompt_logprobs() and live.seq.remaining() > 1)
+
+    def _chainable(self, live: LiveRequest) -> bool:
+        return (live.draft.key, live.target.key) not in self._unchainable
+
+    # ---- 4. accept ----------------------------------------------------------------------------------------------
+    def _accept(self, rows: list[LiveRequest], drafts: Drafts, verified: VerifyResult
+                ) -> tuple[list[RequestOutput | RequestFailed], list[int]]:
+        """Each row's commit of the verdict the target worker sampled (engine/spec/accept.py), after the prompt logprobs
+        it scored (a request's first output carries them); for a row a worker failed (its draft's or its target's
+        grammar), the error its request ends with: nothing of it is committed."""
+        failed = {**drafts.failed, **verified.failed}
+        for b, run in verified.prompt_logprobs.items():
+            if b not in failed:
+                rows[b].seq.add_prompt_logprobs(run)
+        self.stats.note_cached(rows, verified.cached_tokens)
+        outputs: list[RequestOutput | RequestFailed] = []
+        accepted = []
+        for b, live in enumerate(rows):
+            verdict = verified.verdicts[b]
+            if b in failed or verdict is None:
+                outputs.append(RequestFailed.of(failed[b]))
+                accepted.append(0)
+                continue
+            outputs.append(commit(live.seq, len(drafts.tokens[b]), verdict, self.stats.spec,
+                                  (live.tracker, self.population)))
+            accepted.append(verdict.num_accepted)
+        return outputs, accepted
+
+    def _record(self, rows: list[LiveRequest], result: RoundResult, delivery_seconds: float) -> None:
+        """The round's timings into the scheduler's statistics, the costs' overhead correction and the metrics."""
+        self.stats.timings.record(len(rows), result.draft_seconds, result.verify_seconds, delivery_seconds)
+        # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
+        # (never below 0: a step decoded ahead computed while the router worked, deployments/workers/decode_ahead.py)
+        orchestration = max(0.0, (result.draft_seconds + result.verify_seconds) - result.draft_compute
+                            - result.verify_compute)
+        self.stats.orchestration_seconds += orchestration
+        self.costs.observe_overhead(self.group_draft(rows), rows[0].target, orchestration,
+                                    drafted=any(len(d) for d in result.drafts))
+        observe(self.metrics.round, [len(d) for d in result.drafts], result.accepted, result.draft_seconds,
+                result.verify_seconds, orchestration)
+        self.stats.draft_compute_seconds += result.draft_compute
+        self.stats.verify_compute_seconds += result.verify_compute

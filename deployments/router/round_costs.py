@@ -1,0 +1,104 @@
+"""The costs a Draft/Target replica pairing's rounds are planned with; engine/spec/policy.py chooses K from them.
+
+With the adaptive policy a pairing's costs are those its replicas measured at start (engine/calibration/measure.py),
+corrected online by what its steady-state rounds really cost (engine.spec.policy.CostCorrection: the workers' compute
+in rounds that carry no prompt, and the per-round overhead outside the models); or a calibration file's costs,
+taken as given. Without the adaptive policy there are none, and K follows `max_batch_for_speculation`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from deployments.transport.messages import CostObservation
+from engine.calibration.measure import profile_from_costs
+from engine.factory import DraftMethod
+from engine.spec.policy import CostCorrection, CostProfile
+
+logger = logging.getLogger("ray.serve")
+
+
+def pair_key(draft, target) -> tuple:
+    """A pairing's key: the leased Draft replica's (None without one) and the Target replica's."""
+    return (draft.key if draft is not None else None, target.key)
+
+
+class RoundCosts:
+    def __init__(self, adaptive: bool, draft_mode: DraftMethod | str, calibration: CostProfile | None = None) -> None:
+        self.adaptive = adaptive
+        self.draft_mode = DraftMethod(draft_mode)
+        self.calibration = calibration
+        self._measured: dict[tuple, CostProfile | None] = {}
+        self._corrections: dict[tuple, CostCorrection] = {}
+
+    @property
+    def corrects(self) -> bool:
+        """Whether rounds feed cost corrections: with the adaptive policy on measured costs (a calibration file is
+        taken as given)."""
+        return self.adaptive and self.calibration is None
+
+    def policy_profile(self, draft, target) -> CostProfile | None:
+        """The costs a pairing's K is chosen by: the calibration file's, else the replicas' own as corrected."""
+        if not self.adaptive:
+            return None
+        if self.calibration is not None:
+            return self.calibration
+        profile = self.measured(draft, target)
+        return None if profile is None else self._correction(draft, target).apply(profile)
+
+    def measured(self, draft, target) -> CostProfile | None:
+        """The costs the leased replicas measured at start (None: none reported, or no Draft lease taken yet)."""
+        if draft is None and self.draft_mode is DraftMethod.MODEL:
+            return None  # the router has not leased a Draft replica yet: nothing known of the draft's costs
+        key = pair_key(draft, target)
+        if key not in self._measured:
+            draft_costs = draft.costs if draft is not None else None
+            profile = None
+            if target.costs is not None and (draft_costs is not None or self.draft_mode is not DraftMethod.MODEL):
+                profile = profile_from_costs(target.costs, draft_costs)
+            if profile is None:
+                logger.warning("no measured costs for replicas %s; K follows max_batch_for_speculation", key)
+            self._measured[key] = profile
+        return self._measured[key]
+
+    def observe(self, seen: CostObservation) -> None:
+        """Feed a round's measured draft or verify seconds to the pairing's correction.
+
+        Calls that carry a prompt (a new or re-sent sequence: a prefill) are not a round's steady-state cost and
+        are left out.
+        """
+        if not self.corrects or not seen.seconds or any(len(call.seq.tokens) > seen.k + 2 for call in seen.calls):
+            return
+        profile = self.measured(seen.draft, seen.target)
+        if profile is not None:
+            correction = self._correction(seen.draft, seen.target)
+            observe = correction.observe_draft if seen.kind == "draft" else correction.observe_verify
+            observe(profile, len(seen.calls), seen.k, seen.seconds)
+
+    def observe_overhead(self, draft, target, seconds: float, drafted: bool = False) -> None:
+        """A round's time outside the workers' own compute (RPC, serialization, event-loop hops, the router's n-gram
+        lookups); `drafted`: whether any row of it drafted."""
+        if self.corrects:
+            self._correction(draft, target).observe_overhead(seconds, drafted)
+
+    def shown(self) -> dict[str, dict | None]:
+        """The costs K is chosen by (for /stats), in milliseconds: the calibration file's, or per pairing the
+        measured ones with what steady rounds observed against them."""
+        def show(profile: CostProfile | None, correction: CostCorrection | None) -> dict | None:
+            if profile is None:
+                return None
+            return {"batch_sizes": list(profile.batch_sizes),
+                    "verify_ms": [[round(1000 * t, 2) for t in row] for row in profile.verify_seconds],
+                    "draft_step_ms": [round(1000 * t, 2) for t in profile.draft_step_seconds],
+                    "observed_over_profile": None if correction is None else {
+                        "draft": round(correction.draft, 3), "verify": round(correction.verify, 3),
+                        "verify_wide": round(correction.verify_wide, 3),
+                        "draft_overhead_ms": round(1000 * correction.draft_overhead, 2),
+                        "round_overhead_ms": round(1000 * correction.overhead, 2)}}
+        if self.calibration is not None:
+            return {"calibration file": show(self.calibration, None)}
+        return {f"{draft} / {target}": show(p, self._corrections.get((draft, target)))
+                for (draft, target), p in self._measured.items()}
+
+    def _correction(self, draft, target) -> CostCorrection:
+        return self._corrections.setdefault(pair_key(draft, target), CostCorrection())

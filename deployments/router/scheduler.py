@@ -1,0 +1,306 @@
+"""The router's round loop: batches live requests into speculative rounds over their leased Draft/Target workers.
+
+One asyncio task per router replica. Each round groups the live sequences by the Target replica they are pinned to
+and runs one round per group at once (deployments/router/round.py: plan, draft, verify, accept, top to bottom); a
+long prompt is sent one `prefill_chunk` per round instead. A request is admitted under the router's limit
+(deployments/router/admission.py), leases its Target replica when it starts (waiting while its KV cache is full) and its
+Draft replica on the first round its plan gives it drafts: one that never drafts (under load the plan keeps K at 0)
+never holds a Draft lease. Requests join between rounds and leave when finished or cancelled, closing their leases,
+which frees their caches at once. A replica that dies mid-request is replaced by a new lease and the sequence is
+re-sent from token 0 (re-prefill: deployments/router/recovery.py); committed tokens never change, so the output does not
+either.
+
+Each request's K comes from engine/spec/policy.py: with `adaptive`, from its observed acceptance and the measured cost
+of a round at the group's batch size (the replicas measure their costs at start, or a calibration file gives
+them: deployments/router/round_costs.py); otherwise the fixed `max_batch_for_speculation` threshold.
+
+With `overlap`, the draft worker drafts round r+1 while the target verifies round r (deployments/router/draft_ahead.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from deployments.errors import ReplicaGone, RequestFailed
+from deployments.metrics import observe
+from deployments.router.admission import Admission, AdmissionSlot
+from deployments.router.live import LeaseBroker, LiveRequest
+from deployments.router.recovery import Recovery
+from deployments.router.round import GroupRound, ended
+from deployments.router.round_costs import RoundCosts
+from deployments.transport.messages import DraftCall, DraftResult, VerifyCall
+from engine.factory import DraftMethod
+from engine.request.sampling import SamplingParams
+from engine.request.sequence import RequestOutput, SequenceState
+from engine.spec.policy import AcceptanceTracker, CostProfile
+from engine.spec.stats import EngineTimings, SpecStats
+
+logger = logging.getLogger("ray.serve")
+
+GAUGE_REFRESH_S = 1.0  # while idle, the load gauges are set again this often
+
+
+@dataclass
+class SchedulerConfig:
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    num_speculative_tokens: int
+    draft_mode: DraftMethod
+    ngram_min: int = 2
+    ngram_max: int = 4
+    max_batch_for_speculation: int = 4  # without `adaptive`
+    max_live_sequences: int = 64
+    adaptive: bool = False  # K per request from acceptance and measured costs (engine/spec/policy.py)
+    profile: CostProfile | None = None  # costs from a calibration file; None: the leased replicas' own
+    overlap: bool = False  # draft round r+1 during round r's verify
+    decode_ahead: bool = False  # mark rows that will not draft next round for the target to decode ahead
+    max_queue_wait_s: float = 30.0  # how long a request waits for a free KV-cache slot (admission.py), then 503
+    prefill_chunk: int = 256  # prompt tokens sent per round: a long prompt stalls running streams one chunk a round
+
+
+@dataclass
+class SchedulerStats:
+    spec: SpecStats = field(default_factory=SpecStats)
+    timings: EngineTimings = field(default_factory=EngineTimings)
+    orchestration_seconds: float = 0.0  # round wall time minus the workers' own compute, summed
+    draft_lease_seconds: float = 0.0  # rounds' waits for requests' first Draft leases (not in orchestration)
+    draft_compute_seconds: float = 0.0  # the draft workers' own compute, summed
+    verify_compute_seconds: float = 0.0  # the target workers' own compute (rank 0), summed
+    prefill_chunks: int = 0  # prompt chunks sent ahead of a long prompt's first round
+    draft_prefill_chunks: int = 0  # of those, the ones its Draft worker read too
+    replica_failures: int = 0
+    ahead_drafts: int = 0  # rows drafted ahead (overlap)
+    ahead_used: int = 0  # of those, rows whose guess was right and whose next round used the draft
+    ahead_cancelled: int = 0  # ahead draft calls stopped early because no row could use them
+    chained_rounds: int = 0  # round groups whose draft worker handed its drafts straight to the target worker
+    prompt_tokens: int = 0  # of admitted requests
+    cached_prompt_tokens: int = 0  # of those, the ones the target workers read from their prefix caches
+
+    def note_cached(self, rows: list[LiveRequest], cached: dict[int, int]) -> None:
+        """A verify call's prefix-cache hits (VerifyResult.cached_tokens) to its rows' requests and the totals."""
+        for b, count in cached.items():
+            before = rows[b].seq.num_cached_tokens
+            rows[b].seq.add_cached_tokens(count)
+            self.cached_prompt_tokens += rows[b].seq.num_cached_tokens - before
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, tokenizer, broker: LeaseBroker) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.broker = broker
+        self.stats = SchedulerStats()
+        self._live: dict[str, LiveRequest] = {}
+        self.admission = Admission(config.max_live_sequences, config.max_queue_wait_s)
+        self.space = self.admission.space  # requests waiting for a free KV-cache slot
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._ids = itertools.count()
+        self.costs = RoundCosts(config.adaptive, config.draft_mode, config.profile)
+        # acceptance over all requests: a new request's prior, so it starts where its predecessors ended
+        self.population = AcceptanceTracker()
+        self.recovery = Recovery(broker, self._live, self.space, self.stats, lambda: self._wakeup.set())
+        self.round = GroupRound(config, self.stats, self.costs, self.population, self.recovery, self._deliver)
+        self.last_mean_k = 0.0  # mean K over the last round's rows (the `spec_decode_k` gauge)
+
+    @property
+    def metrics(self):
+        """The Serve router replaces it with deployments.metrics.ServingMetrics."""
+        return self.round.metrics
+
+    @metrics.setter
+    def metrics(self, metrics) -> None:
+        self.round.metrics = metrics
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def current_k(self) -> float:
+        """Mean K of the last round's rows (0 while rounds decode plainly)."""
+        return self.last_mean_k if self._live else 0.0
+
+    def cost_profiles(self) -> dict[str, dict | None]:
+        """The costs K is chosen by, for /stats (round_costs.RoundCosts.shown)."""
+        return self.costs.shown()
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def admit(self) -> AdmissionSlot:
+        """Take a place under the admission limit now (raises Overloaded when there is none)."""
+        return self.admission.slot(len(self._live))
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, k: int | None = None,
+                       request_id: str | None = None, adaptive: bool | None = None, overlap: bool | None = None,
+                       slot: AdmissionSlot | None = None) -> AsyncIterator[RequestOutput]:
+        """Admit a request and yield its per-round outputs; closing the iterator aborts it.
+
+        `adaptive=False` pins the request to exactly `k` drafts per round (no acceptance or load adaptation);
+        `overlap=False` turns drafting ahead off for it (on a server that overlaps). A held `slot` (from `admit`)
+        is the request's admission; without one it is admitted here.
+        """
+        request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
+        if slot is not None and slot.held:
+            slot.release()  # becomes a waiting sequence below, with no await in between
+        else:
+            self.admission.check(len(self._live))
+        k = self.config.num_speculative_tokens if k is None else k
+        # the request's seed is fixed here, at admission (its own, or drawn: SequenceState.seed); every worker that
+        # ever serves it, after a failover too, draws its random numbers from it (engine/spec/randomness.py)
+        seq = SequenceState.create(request_id, prompt_ids, params, k, self.config.max_model_len,
+                                   self.config.eos_token_ids, self.tokenizer)
+        self.stats.prompt_tokens += len(seq.prompt_ids)
+        self.admission.waiting += 1
+        try:
+            live = await self._open(seq)
+        finally:
+            self.admission.waiting -= 1
+        live.fixed_k = adaptive is False
+        live.overlap = self.config.overlap and overlap is not False
+        self._live[request_id] = live
+        self._ensure_running()
+        self._wakeup.set()
+        try:
+            while True:
+                item = await live.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            await self._finish(request_id)
+
+    async def _open(self, seq: SequenceState) -> LiveRequest:
+        """A request's Target lease; its Draft lease comes with its first drafting round (recovery.lease_drafts)."""
+        target = await self.space.lease(lambda: self.broker.target(seq.request_id))
+        return LiveRequest(seq=seq, queue=asyncio.Queue(), target=target,
+                           tracker=AcceptanceTracker(prior=self.population.acceptance))
+
+    async def _deliver(self, rows: list[LiveRequest], outputs: list[RequestOutput | RequestFailed]) -> None:
+        """A round's outputs to their requests; finished ones leave now, not when their consumer next runs (no
+        round for a finished request), and so do failed ones (their consumer raises the RequestFailed)."""
+        finished = []
+        for live, out in zip(rows, outputs):
+            if live.seq.request_id in self._live:  # not aborted while the round was in flight
+                live.queue.put_nowait(out)
+                if ended(out):
+                    finished.append(live.seq.request_id)
+        # at once, not one after another: each tells its Target worker through the channel (a round trip)
+        await asyncio.gather(*(self._finish(request_id, after_round=True) for request_id in finished))
+
+    async def _finish(self, request_id: str, after_round: bool = False) -> None:
+        """End a request: close its leases, which frees its sequences on the workers. `after_round`: it ended with
+        a round that came back, so none of its round's calls is on the way, and its Target and Draft workers are told
+        at once through their channels too (README, "Limits": a lease's release through Serve was seen to go
+        missing). A draft drafted ahead may still be on the way to the Draft worker; should it re-create the sequence,
+        the replica's sweep frees it (lease_ledger.py)."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        if after_round:  # the Draft worker too: a CI run saw a Draft replica count leases whose ends it never saw
+            held = [lease for lease in (None if live.reletting else live.target, live.draft) if lease is not None]
+            await asyncio.gather(*(lease.release() for lease in held))
+        if not live.reletting:  # a dead replica's lease was closed already
+            await live.target.close()
+            self.space.freed()
+        if live.draft is not None:
+            await live.draft.close()
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._wakeup = asyncio.Event()  # a fresh one: the last loop's may be bound to a loop that is gone
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    # ---- rounds ---------------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            if not any(not live.reletting for live in self._live.values()):  # nothing can run a round now
+                observe(self.metrics.load, len(self._live), self.admission.waiting, 0.0)
+                self._wakeup.clear()
+                try:  # Ray ages out a gauge that is not set again within ~2 export intervals: refresh while idle
+                    await asyncio.wait_for(self._wakeup.wait(), GAUGE_REFRESH_S)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            try:
+                await self._round()
+            except Exception as exc:  # a bug must not leave requests hanging: fail them all, keep serving
+                logger.exception("speculative round failed")
+                for live in list(self._live.values()):
+                    live.queue.put_nowait(RuntimeError(f"internal error in the speculative round: {exc}"))
+                    await self._finish(live.seq.request_id)
+
+    async def _round(self) -> None:
+        groups: dict[str, list[LiveRequest]] = {}
+        prefilling: dict[str, list[LiveRequest]] = {}
+        for live in self._live.values():
+            if live.reletting:
+                continue
+            if live.seq.num_tokens - live.target_sent > self.config.prefill_chunk:
+                # a long prompt (or a re-prefill): one chunk this round, no token yet
+                prefilling.setdefault(live.target.key, []).append(live)
+            else:
+                groups.setdefault(live.target.key, []).append(live)
+        plans = [(rows, self._ks(rows)) for rows in groups.values()]
+        all_ks = [k for _, ks in plans for k in ks]
+        self.last_mean_k = sum(all_ks) / len(all_ks) if all_ks else 0.0
+        observe(self.metrics.load, len(self._live), self.admission.waiting, self.last_mean_k)
+        await asyncio.gather(*(self.round.run(rows, ks) for rows, ks in plans),
+                             *(self._prefill_chunks(lives) for lives in prefilling.values()))
+
+    def _ks(self, rows: list[LiveRequest]) -> list[int]:
+        """Each row's draft length this round (GroupRound.plan), counting the requests about to join."""
+        joining = self.admission.joining()
+        return self.round.plan(rows, joining, len(self._live) + joining)
+
+    async def _prefill_chunks(self, lives: list[LiveRequest]) -> None:
+        """Send the next `prefill_chunk` tokens of each long prompt leased to one Target replica to its worker, in
+        one call (chunked prefill, as vLLM's and SGLang's schedulers do): the worker takes turns between this call
+        and the running rows' round, so those wait for one chunk per prompt per round instead of whole prompts, and
+        the prompts' chunks share forwards there (engine/models/static/runner.prefill_groups). The chunks' sampled
+        tokens
+        are not needed; a request that asked for prompt logprobs gets its chunk's (engine/request/prompt_logprobs.py)."""
+        ends = [live.target_sent + self.config.prefill_chunk for live in lives]
+        calls = [VerifyCall(live.delta(live.target_sent, end), []) for live, end in zip(lives, ends)]
+        try:
+            result, *drafted = await asyncio.gather(
+                lives[0].target.verify(calls), *(self._draft_reads_chunk(live, end) for live, end in zip(lives, ends)))
+        except ReplicaGone:
+            await self.recovery.replace_target(lives)
+            return
+        self.stats.note_cached(lives, result.cached_tokens)
+        ended_now = []
+        for b, (live, end) in enumerate(zip(lives, ends)):
+            if b in result.prompt_logprobs:
+                live.seq.add_prompt_logprobs(result.prompt_logprobs[b])
+            live.target_sent = end
+            failure = result.failed.get(b) or (drafted[b].failed.get(0) if drafted[b] is not None else None)
+            if failure is not None:  # a worker failed this request (its grammar): it ends with the error
+                ended_now.append((live, RequestFailed.of(failure)))
+        self.stats.prefill_chunks += len(lives)
+        if ended_now:
+            await self._deliver([live for live, _ in ended_now], [error for _, error in ended_now])
+
+    async def _draft_reads_chunk(self, live: LiveRequest, end: int) -> DraftResult | None:
+        """With a draft model, the same chunk goes to the row's Draft worker (a draft call for 0 tokens: it only
+        reads), so the draft too reads a long prompt one chunk a round instead of all of it in the row's first
+        drafting round. The Draft lease is taken here; a row without one (none to be had, or its worker died)
+        reads the rest when it next drafts."""
+        if self.config.draft_mode is not DraftMethod.MODEL or live.seq.k == 0:
+            return None
+        if live.draft is None and time.monotonic() >= live.draft_retry_at:
+            await self.recovery.lease_drafts([live])
+        if live.draft is None or live.draft_sent >= end:
+            return None
+        try:
+            result = await live.draft.propose([DraftCall(live.draft_delta([], end), 0)])
+        except ReplicaGone:
+            await self.recovery.replace_draft([live])
+            return None
+        self.stats.draft_prefill_chunks += 1
+        return result

@@ -1,0 +1,229 @@
+"""What the round loop and the model workers say to each other, as plain typed dataclasses.
+
+A round's calls and replies cross the worker channel (deployments/transport/channel.py) as plain tuples (`wire()`,
+`from_wire`): a worker unpickles a call right after its compute, with its caches cold, and there plain tuples load
+~4x faster than dataclass instances (bench/RESULTS.md). So they are converted at the edges only: the worker cores
+read calls `from_wire` and answer a result's `wire()`; the leases (deployments/router/leases.py, or the tests'
+in-process
+ones) turn the replies back into results. Everything between, the round loop included, sees these types.
+
+A round sends only token deltas: each call names a sequence, the position `start` from which the router's
+committed tokens are new to the worker, and those tokens, with its sampling settings and seed (and, in its first
+delta to a worker, its grammar). The target worker
+samples (engine/spec/accept.py, on its device) and answers per row the tokens to emit, how many drafts it accepted and,
+when asked, their logprobs (and a prefilling row's prompt logprobs, engine/request/prompt_logprobs.py): a few dozen
+bytes
+per token, never a probability tensor. A row a worker cannot serve (its grammar fails there) is answered as a
+RowFailure in the reply, by call index, so one request's failure never fails the call's other rows. The only
+distributions on the wire are
+the draft's compact proposals of unseeded sampled rows ([K, N] token ids and probabilities, engine/spec/proposal.py):
+in a chained round they go from the draft worker straight to the target worker; when the router holds drafts made
+ahead (deployments/router/draft_ahead.py) or drafted by several Draft leases, it forwards each row's compact proposal
+unchanged
+inside its VerifyCall (router -> target), never reading it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.request.grammar import GrammarSpec
+from engine.request.prompt_logprobs import PromptLogprobs
+from engine.request.sampling import SamplingParams
+from engine.spec.accept import TokenLogprob, Verdict
+from engine.spec.proposal import CompactProposal
+
+# a compact proposal on the wire: ([K, N] int32 token ids, [K, N] float32 probabilities)
+WireProposal = tuple[np.ndarray, np.ndarray]
+
+
+def proposal_to_wire(proposal: CompactProposal | None) -> WireProposal | None:
+    return None if proposal is None else (proposal.token_ids.numpy(), proposal.probs.numpy())
+
+
+def proposal_from_wire(wire: WireProposal | None) -> CompactProposal | None:
+    return None if wire is None else CompactProposal(torch.from_numpy(wire[0]), torch.from_numpy(wire[1]))
+
+
+def head(wire: WireProposal | None, start: int, end: int | None = None) -> WireProposal | None:
+    """Draft positions [start, end) of a wire proposal (an ahead draft's, cut to a round's K)."""
+    return None if wire is None else (wire[0][start:end], wire[1][start:end])
+
+
+@dataclass(frozen=True)
+class SeqDelta:
+    seq_id: str
+    start: int  # committed tokens [0, start) were sent to this worker before
+    tokens: list[int]  # committed tokens [start, ...)
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int  # the request's own seed or the one drawn for it at admission (engine/spec/randomness.py)
+    coupled: bool = False  # the request brought its seed: Gumbel-coupled sampling (engine/spec/accept.py)
+    logprobs: int | None = None  # SamplingParams.logprobs
+    min_p: float = 0.0  # SamplingParams.min_p
+    # the sequence's logits processing (engine/request/builtin_processors.LogitsSettings.wire(): its prompt length,
+    # penalties, logit_bias, min_tokens), sent with a sequence's first call only (start == 0): the worker keeps it
+    # with the sequence's tokens (worker_base.KnownTokens) and counts the penalties from the tokens it holds
+    logits: tuple | None = None
+    # structured outputs: the request's GrammarSpec.wire(), on a sequence's first delta to a worker only (start 0:
+    # the worker keeps a matcher from then on, engine/request/grammar.py), and where its output begins (the prompt's
+    # length)
+    grammar: tuple | None = None
+    output_start: int = 0
+    # prompt logprobs (SamplingParams.prompt_logprobs), while the target has prompt tokens to score: the top n, and
+    # the prompt token after `tokens` when they end inside the prompt (a chunk: its last position's logits score it)
+    prompt_logprobs: int | None = None
+    prompt_next: int | None = None
+
+    def sampling(self) -> SamplingParams:
+        """The settings the sampler needs each round (the logits processors come from `logits`, kept)."""
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              seed=self.seed if self.coupled else None, logprobs=self.logprobs, min_p=self.min_p)
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        return GrammarSpec.from_wire(self.grammar)
+
+    def wire(self) -> tuple:
+        return (self.seq_id, self.start, self.tokens, self.temperature, self.top_k, self.top_p, self.seed,
+                self.coupled, self.logprobs, self.min_p, self.logits, self.grammar, self.output_start,
+                self.prompt_logprobs, self.prompt_next)
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    seq: SeqDelta
+    k: int  # drafts wanted (0: only read the tokens, a long prompt's chunk)
+
+    def wire(self) -> tuple:
+        return (self.seq.wire(), self.k)
+
+    @staticmethod
+    def from_wire(wire: tuple) -> "DraftCall":
+        return DraftCall(SeqDelta(*wire[0]), wire[1])
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    seq: SeqDelta
+    draft: list[int]  # the draft tokens to score (may be empty: plain decoding)
+    proposal: WireProposal | None = None  # unseeded sampled model drafts: the compact proposal they came from
+    # the row will not draft next round: the target may decode its next token ahead
+    # (deployments/workers/decode_ahead.py)
+    ahead: bool = False
+
+    def wire(self) -> tuple:
+        return (self.seq.wire(), self.draft, self.proposal, self.ahead)
+
+    @staticmethod
+    def from_wire(wire: tuple) -> "VerifyCall":
+        return VerifyCall(SeqDelta(*wire[0]), wire[1], wire[2], bool(wire[3]) if len(wire) > 3 else False)
+
+
+@dataclass(frozen=True)
+class RowFailure:
+    """One row's failure on a worker after admission (its grammar would not compile or broke there, say): that
+    row's request ends with this error (deployments/errors.RequestFailed: a 500 naming the cause), while the call's
+    other rows go on. A typed reply, not an exception: one row must not fail the whole call."""
+
+    code: str  # OpenAI error JSON's `code`, e.g. "structured_outputs_failed"
+    message: str  # for the client: what failed, and where
+
+    def wire(self) -> tuple:
+        return (self.code, self.message)
+
+
+def failures_to_wire(failed: dict[int, RowFailure]) -> dict[int, tuple]:
+    return {i: f.wire() for i, f in failed.items()}
+
+
+def failures_from_wire(wire: dict[int, tuple]) -> dict[int, RowFailure]:
+    return {i: RowFailure(*f) for i, f in wire.items()}
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    """A draft worker's answer to a list of DraftCalls, by call index."""
+
+    drafts: list[list[int]]  # per call, the drafted token ids
+    # unseeded sampled calls only: the compact proposals their drafts were drawn from (for the target's sampler;
+    # a chained round's reply to the router comes without them)
+    proposals: dict[int, WireProposal]
+    seconds: float  # the worker's own compute, so the router can tell the round's overhead apart
+    cancelled: bool = False  # an ahead draft stopped early (`DraftWorkerCore.cancel`): `drafts` is empty
+    failed: dict[int, RowFailure] = field(default_factory=dict)  # calls that failed (their drafts are empty)
+
+    def wire(self) -> tuple:
+        return (self.drafts, self.proposals, self.seconds, self.cancelled, failures_to_wire(self.failed))
+
+    @staticmethod
+    def from_wire(wire: tuple) -> "DraftResult":
+        drafts, proposals, seconds, cancelled, failed = wire
+        return DraftResult(drafts, proposals, seconds, cancelled, failures_from_wire(failed))
+
+    def without_proposals(self) -> "DraftResult":
+        return DraftResult(self.drafts, {}, self.seconds, self.cancelled, self.failed)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """A target worker's (rank 0's) answer to a list of VerifyCalls, by call index: each row's verdict (its tokens
+    to emit, drafts accepted, logprobs if asked), computed on the target's device by engine/spec/accept.verify_rows."""
+
+    verdicts: list[Verdict | None]  # None: the row failed (`failed`)
+    seconds: float  # the worker's own compute
+    draft: DraftResult | None = None  # a chained round's draft result, without proposals (DraftLease.chain)
+    # by call index: the prompt logprobs the call's prompt tokens were scored with (rows that asked, while prefilling)
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    failed: dict[int, RowFailure] = field(default_factory=dict)  # rows that failed on the target, by call index
+    # by call index: tokens of the call's feed whose keys/values came from the prefix cache
+    # (engine/models/static/prefix_cache.py)
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+    ahead_rows: int = 0  # rows answered from a step decoded ahead (deployments/workers/decode_ahead.py)
+
+    def wire(self) -> tuple:
+        rows = [None if v is None else
+                (v.tokens, v.num_accepted, None if v.logprobs is None else [tuple(lp) for lp in v.logprobs])
+                for v in self.verdicts]
+        return (rows, self.seconds, None if self.draft is None else self.draft.wire(),
+                {b: run.wire() for b, run in self.prompt_logprobs.items()}, failures_to_wire(self.failed),
+                self.cached_tokens, self.ahead_rows)
+
+    @staticmethod
+    def from_wire(wire: tuple) -> "VerifyResult":
+        rows, seconds, draft, prompt, failed, cached, ahead = wire
+        verdicts = [None if row is None else
+                    Verdict(row[0], row[1], None if row[2] is None else [TokenLogprob(*lp) for lp in row[2]])
+                    for row in rows]
+        return VerifyResult(verdicts, seconds, None if draft is None else DraftResult.from_wire(draft),
+                            {b: PromptLogprobs.from_wire(run) for b, run in prompt.items()},
+                            failures_from_wire(failed), cached, ahead)
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """A replica's grant of a lease (the first item of its lease stream, deployments/workers/replicas.py)."""
+
+    replica: str  # the replica's unique id: its key in the router (a failed one is remembered by it)
+    workers: list  # its worker actors' handles (cancels go to workers[0]'s "control" thread)
+    endpoint: Any  # channel.Endpoint of the worker every round calls (a target's rank 0)
+    # measured by the replica at start for the K policy, or None: {"batch_sizes", "draft_step_seconds"} (a draft),
+    # {"batch_sizes", "verify_seconds"} (a target); engine/calibration/measure.py
+    costs: dict | None = None
+
+
+@dataclass(frozen=True)
+class CostObservation:
+    """What one draft or verify call of a round cost: fed to the pairing's cost correction
+    (round_costs.RoundCosts.observe) once the round's result is in hand."""
+
+    draft: Any  # the pairing's DraftLease (None: no Draft lease taken yet)
+    target: Any  # its TargetLease
+    kind: str  # "draft" | "verify"
+    calls: list  # the call's DraftCalls or VerifyCalls (a prompt among them makes it no steady-state round)
+    k: int  # the call's longest draft
+    seconds: float  # the worker's own compute

@@ -1,0 +1,1 @@
+"""The model workers (draft, target) and the Serve deployments that own and lease them."""

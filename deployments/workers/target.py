@@ -1,0 +1,316 @@
+"""The target's model worker: verifies each round's rows (with their drafts) and samples on its own device.
+
+Each call names rows by sequence and sends only what is new (deployments/transport/messages.py); `Runner.sync` rolls the
+KV
+cache back to what agrees with the committed tokens, so rejected drafts disappear without bookkeeping. The accept
+step (engine/spec/accept.verify_rows) runs here, so only tokens go back to the router. Plain rows the router marks are
+decoded one step ahead while the router handles the reply (deployments/workers/decode_ahead.py).
+
+Tensor parallelism: rank 0 is the target's only entry point. It forwards each verify and release to the other
+ranks over one ordered channel connection each, then runs its own share, so every rank applies the same calls in
+the same order (rows are paired by position in the collectives) however many routers call the replica at once.
+A collective that fails (a peer died) marks the rank broken: its calls and health pings fail from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+
+from deployments.errors import TensorParallelBroken
+from deployments.transport.channel import ChannelSender
+from deployments.transport.messages import DraftResult, VerifyCall, VerifyResult, proposal_from_wire
+from deployments.transport.wire import ChannelClosed, Endpoint
+from deployments.workers.base import ModelWorker, cpu_startup_turn, startup_errors, warm_up
+from deployments.workers.decode_ahead import DecodeAhead, merged, next_calls
+from deployments.workers.grammars import grammar_failure, prepare_grammars
+from engine.calibration.measure import measure_target_costs
+from engine.calibration.store import cached_costs, costs_key
+from engine.factory import EngineConfig, build_target, make_runner
+from engine.models.loading import eos_token_ids, load_tokenizer, resolve
+from engine.models.runner import Runner, resolve_dtype
+from engine.models.shard_loading import load_shard, rank_device
+from engine.models.tensor_parallel import CollectiveError, full_num_parameters, num_parameters
+from engine.request.grammar import GrammarCompiler, GrammarError, SequenceGrammars
+from engine.request.prompt_logprobs import PromptLogprobs, score_prefill, score_tokens
+from engine.spec.accept import RowVerify, row_scheme, verify_rows
+
+log = logging.getLogger(__name__)
+
+
+class TargetWorkerCore(ModelWorker):
+    """One tensor-parallel rank of the target: a shard of the weights and of every KV cache."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, world: int = 1, torch_threads: int | None = None,
+                 concurrent_workers: int | None = None, niceness: int | None = None) -> None:
+        super().__init__({"verify": self.verify, "verify_chained": self.verify_chained,
+                          "verify_ahead": self.verify_ahead}, torch_threads, concurrent_workers or world, niceness)
+        self.ahead = DecodeAhead()  # rows decoded ahead of the router's next call (deployments/workers/decode_ahead.py)
+        self._peers: list[ChannelSender] = []  # rank 0 only: the other ranks, in rank order
+        self.broken: str | None = None  # why this rank's group can no longer compute
+        self.rank, self.world = rank, world
+        self.config = config
+        self.runner: Runner | None = None
+        self.costs: dict | None = None
+        self.grammars: SequenceGrammars | None = None  # rank 0: structured outputs' matchers (made at load)
+        if world == 1:
+            with startup_errors("target"), cpu_startup_turn(config):
+                self.on_model_thread(self.load)
+
+    def model_runner(self) -> Runner | None:
+        return self.runner
+
+    # ---- tensor-parallel set-up (world > 1) -------------------------------------------------------------------
+    @staticmethod
+    def rendezvous_address() -> tuple[str, int]:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return socket.gethostbyname(socket.gethostname()), port
+
+    def init_distributed(self, address: str, port: int, timeout_s: float | None = None) -> None:
+        """Join the replica's process group (`join_process_group`), then load this rank's shard."""
+        join_process_group(self.config.device, self.rank, self.world, address, port, timeout_s,
+                           lambda: self.on_model_thread(rank_device, self.config.device))
+        with startup_errors("target"):
+            self.on_model_thread(self.load)
+
+    def load(self) -> None:
+        """The whole target (world 1), or this rank's shard read straight from the safetensors files
+        (engine/models/shard_loading.py): no rank ever holds the full weights."""
+        if self.world == 1:
+            self.runner, tokenizer = build_target(self.config)
+            self.full_parameters = num_parameters(self.runner.model)
+            self._start_grammars(tokenizer)
+            warm_up(self.runner, self.config.num_speculative_tokens, "target")
+            return
+        # a shard runs on the static runner (its heads' fused weights and KV cache, collectives inside the step:
+        # engine/models/static/tp.py) where the family is covered and runner is auto/static; on transformers' otherwise.
+        # Every rank builds the same runner at the same time (the static one agrees on its slot count).
+        dtype = resolve_dtype(self.config.target_dtype, self.config.device)
+        model = load_shard(resolve(self.config.target), dtype, self.config.device, self.rank, self.world,
+                           trust_remote_code=self.config.trust_remote_code)
+        self.full_parameters = full_num_parameters(model, self.world)
+        self.runner = make_runner(model, self.config, vocab_size=model.config.vocab_size)
+        # every rank captures its CUDA graphs now, the same shapes in the same order (their collectives pair up)
+        warm_up(self.runner, self.config.num_speculative_tokens, "target")
+        if self.rank == 0:
+            self._start_grammars(load_tokenizer(resolve(self.config.target), self.config.trust_remote_code))
+
+    def _start_grammars(self, tokenizer) -> None:
+        """Rank 0's structured-output matchers, their tokenizer table built now (prepare_grammars)."""
+        eos = eos_token_ids(resolve(self.config.target).directory, tokenizer)
+        self.grammars = SequenceGrammars(GrammarCompiler(tokenizer, self.runner.vocab_size, eos))
+        prepare_grammars(self.grammars, "target")
+
+    def connect_peers(self, endpoints: list[Endpoint]) -> None:
+        """Rank 0: connect to ranks 1.. (in order), which from then on take their calls from rank 0 alone."""
+        assert self.rank == 0 and len(endpoints) == self.world - 1
+        self._peers = [ChannelSender(e) for e in endpoints]
+
+    def calibrate(self, max_k: int) -> dict:
+        """Verify costs by batch size and draft count (every rank must run it at once: collectives; at start-up,
+        before any router calls)."""
+        # with several ranks only rank 0 takes the node's turn: the others must not block its collectives
+        with startup_errors("target"), cpu_startup_turn(self.config) if self.rank == 0 else contextlib.nullcontext():
+            measure = lambda: self.on_model_thread(measure_target_costs, self.runner, max_k)  # noqa: E731
+            if self.world > 1:  # every rank must run the measurement's collectives: none may read a cache alone
+                self.costs = measure()
+            else:
+                key = self.on_model_thread(lambda: costs_key(  # torch's thread count as the model thread sees it
+                    "target", resolve(self.config.target).directory, self.config.target_dtype, self.runner,
+                    max_k=max_k, prefill_chunk=self.config.prefill_chunk))
+                self.costs = cached_costs(self.config.cost_cache, key, measure)
+        return self.costs
+
+    def _in_group(self, method: str, args: tuple, run):
+        """Run a call on this rank's model thread; rank 0 first forwards it to the other ranks (the one ordering
+        source), in the same turn."""
+        return self.on_model_thread(self._forward_and_run, method, args, run)
+
+    def _forward_and_run(self, method: str, args: tuple, run):
+        if self.broken is not None:
+            raise TensorParallelBroken(self.broken)
+        try:
+            for peer in self._peers:
+                peer.send(method, *args)
+            return run(*args)
+        except (CollectiveError, ChannelClosed) as exc:
+            self.broken = f"tensor-parallel rank {self.rank} of {self.world}: {exc}"
+            raise TensorParallelBroken(self.broken) from exc
+
+    # ---- the round ------------------------------------------------------------------------------------------
+    def verify(self, calls: list[tuple]) -> tuple | None:
+        """Verify `calls` (VerifyCall.wire() each; the other ranks get them in that form too); a VerifyResult's
+        wire() (None on the other ranks)."""
+        return self._in_group("verify", (calls,), self._timed_verify)
+
+    def verify_chained(self, calls: list[tuple], members: list[int], draft: tuple) -> tuple:
+        """A chained round's last step, from the draft worker (`DraftWorkerCore.propose_chained`): verify `calls`
+        with call i of the draft (a DraftResult's wire()) for row members[i], its compact proposal included; the
+        reply (to the router) carries the draft's tokens too, without the proposals."""
+        calls = list(calls)
+        result = DraftResult.from_wire(draft)
+        for i, b in enumerate(members):
+            calls[b] = (calls[b][0], result.drafts[i], result.proposals.get(i), *calls[b][3:])
+        rows, seconds, _, prompt, failed, cached, ahead = self.verify(calls)
+        return rows, seconds, result.without_proposals().wire(), prompt, failed, cached, ahead
+
+    def _timed_verify(self, calls: list[tuple]) -> tuple | None:
+        with self.busy:
+            result = self._verify([VerifyCall.from_wire(call) for call in calls])
+        return None if result is None else result.wire()
+
+    def _verify(self, calls: list[VerifyCall]) -> VerifyResult | None:
+        """Rows decoded ahead exactly as asked are answered from there (every rank takes the same ones), the others
+        computed; rank 0 then queues the next round's step for a round of plain rows (deployments/workers/decode_ahead.py)."""
+        served = self.ahead.take(calls)
+        for b in served:
+            self._known.apply(calls[b].seq)  # the tokens the step ahead assumed
+        rest = [b for b in range(len(calls)) if b not in served]
+        computed = self._compute([calls[b] for b in rest]) if rest else None
+        result = computed if not served else merged(len(calls), served, rest, computed, self.rank)
+        if result is not None and (upcoming := next_calls(calls, result)) is not None:
+            self.later(self._decode_ahead, upcoming)
+        return result
+
+    def _decode_ahead(self, calls: list[VerifyCall]) -> None:
+        """Rank 0, after replying: the next round's step for the rows still where it assumed, on every rank."""
+        current = self.ahead.current(calls, self._known.tokens)
+        if current:
+            with contextlib.suppress(TensorParallelBroken):  # the group's next call fails with it
+                self.verify_ahead([call.wire() for call in current])
+
+    def verify_ahead(self, calls: list[tuple]) -> None:
+        """A step decoded ahead (rank 0 runs it and forwards it to the other ranks, in order with the verifies)."""
+        self._in_group("verify_ahead", (calls,), self._timed_ahead)
+
+    def _timed_ahead(self, calls: list[tuple]) -> None:
+        with self.busy:
+            start = time.perf_counter()
+            parsed = [VerifyCall.from_wire(call) for call in calls]
+            self.ahead.keep(parsed, self._compute(parsed), time.perf_counter() - start)
+
+    def _compute(self, calls: list[VerifyCall]) -> VerifyResult | None:
+        start = time.perf_counter()
+        runner = self.runner
+        seq_ids, feeds, widths, positions = [], [], [], []
+        prompt: dict[int, PromptLogprobs | None] = {}  # rows scoring prompt tokens (engine/request/prompt_logprobs.py)
+        for b, call in enumerate(calls):
+            known = self._known.apply(call.seq)
+            if not runner.has(call.seq.seq_id):
+                runner.add(call.seq.seq_id)
+            seq_ids.append(call.seq.seq_id)
+            positions.append(len(known))  # the absolute position of the row's first scored token
+            feed = runner.sync(call.seq.seq_id, known)
+            if call.seq.prompt_logprobs is not None:  # the LM head over its prompt positions, fed first
+                feed, prompt[b] = score_prefill(runner, call.seq.seq_id, known, feed, call.seq.output_start,
+                                                call.seq.prompt_logprobs, reduce=self.rank == 0)
+            feeds.append(feed + list(call.draft))
+            widths.append(len(call.draft) + 1)
+        logits = runner.forward(seq_ids, feeds, widths)  # [B, K+1, V]; every rank runs it (collectives)
+        cached = dict(getattr(runner, "last_prefix_hits", {}))  # row -> tokens read from the prefix cache
+        self._counted(len(calls))
+        if self.rank != 0:
+            return None
+        for b, run in list(prompt.items()):  # a prompt chunk's last logits score the next chunk's first token
+            call = calls[b]
+            if call.seq.prompt_next is not None:
+                end = PromptLogprobs(positions[b], score_tokens(logits[b, :1], [call.seq.prompt_next],
+                                                                call.seq.prompt_logprobs))
+                run = end if run is None else PromptLogprobs(run.first, run.entries + end.entries)
+            prompt[b] = run
+        rows, kept, failed = [], [], {}
+        for b, (call, position) in enumerate(zip(calls, positions)):
+            try:
+                allowed = self._grammar_masks(call)
+            except GrammarError as exc:  # this row's request fails (a 500 naming structured outputs); the others go on
+                failed[b] = grammar_failure("target", call.seq.seq_id, exc)
+                continue
+            params = call.seq.sampling()
+            kept.append(b)
+            rows.append(RowVerify(params, row_scheme(params, call.seq.seed, call.seq.coupled, position), call.draft,
+                                  proposal_from_wire(call.proposal), self._known.processing(call.seq.seq_id),
+                                  allowed))
+        # the accept step on the target's device (engine/spec/accept.py, the in-process engine's too): tokens come back
+        verdicts: list = [None] * len(calls)
+        if rows:
+            for b, verdict in zip(kept, verify_rows(logits[kept] if failed else logits, rows)):
+                verdicts[b] = verdict
+                if self.grammars is not None:  # a grammar keeps the accepted drafts and the token after them
+                    with contextlib.suppress(GrammarError):  # remembered: the row's next call fails
+                        self.grammars.matcher(calls[b].seq.seq_id, self._known.tokens[calls[b].seq.seq_id]
+                                              + verdict.tokens)
+        return VerifyResult(verdicts, time.perf_counter() - start, failed=failed,
+                            prompt_logprobs={b: run for b, run in prompt.items() if run is not None},
+                            cached_tokens=cached)
+
+    def _grammar_masks(self, call: VerifyCall):  # [K+1, V] bool, or None: the row has no grammar
+        """The row's grammar masks at each verify position (engine/request/grammar.py): its matcher, made from the
+        grammar
+        its sequence's first delta carried, synced to the committed tokens, probes the drafts. GrammarError when
+        the grammar cannot be compiled here (the router compiled it before admission: a tokenizer mismatch, or no
+        tokenizer table) or its matcher broke."""
+        spec = call.seq.grammar_spec()
+        if spec is not None:
+            if self.grammars is None:
+                raise GrammarError("this target worker has no grammar compiler")
+            self.grammars.track(call.seq.seq_id, spec, call.seq.output_start)
+        if self.grammars is None:
+            return None
+        return self.grammars.masks(call.seq.seq_id, self._known.tokens[call.seq.seq_id], call.draft)
+
+    def release(self, seq_ids: list[str]) -> None:
+        """Rank 0 passes the release on to the other ranks, in order with the verifies."""
+        self._in_group("release", (seq_ids,), self._release)
+
+    def _forget(self, seq_id: str) -> None:
+        super()._forget(seq_id)
+        self.ahead.forget(seq_id)
+        if self.grammars is not None:
+            self.grammars.release(seq_id)
+
+    def stats(self) -> dict:
+        return {"rank": self.rank, **super().stats(), "parameters": num_parameters(self.runner.model),
+                "full_parameters": self.full_parameters, "decode_ahead": self.ahead.stats.as_dict(),
+                "grammar": None if self.grammars is None else self.grammars.compiler.stats.as_dict()}
+
+    def ping(self) -> float:
+        """As ModelWorker.ping; a rank whose group broke fails its health check at once."""
+        if self.broken is not None:
+            raise TensorParallelBroken(self.broken)
+        return super().ping()
+
+
+def join_process_group(device: str, rank: int, world: int, address: str, port: int, timeout_s: float | None,
+                       device_id: Callable[[], object]) -> None:
+    """Join a Target replica's torch.distributed group: NCCL on CUDA (this rank's device from `device_id()`, made
+    current on the model thread), gloo on CPU.
+
+    A dead peer's process fails gloo collectives at once (its sockets close: 0.04 s measured); `timeout_s` bounds
+    a peer that is alive but never joins (stopped, stuck), after which the rank is broken and Serve replaces the
+    replica. Default SPECSERVE_COLLECTIVE_TIMEOUT_S, else 30 s on GPU and 60 s on CPU (was 120 s): verifies take
+    well under a second, but on CPU the start-up calibration's collectives wait while rank 0 queues for the
+    node's start-up turn (`cpu_startup_turn`) behind the draft's load and calibration, 23 s measured here under
+    load. NCCL: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 lets torch's watchdog abort a collective stuck past the timeout
+    and end the process (a dead worker fails the health check at once); TORCH_NCCL_BLOCKING_WAIT stays off (the
+    host would wait on every collective: no overlap, no CUDA graphs). The operator's own env settings win.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    cuda = device.startswith("cuda")
+    backend = "nccl" if cuda else "gloo"
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("SPECSERVE_COLLECTIVE_TIMEOUT_S", 30.0 if cuda else 60.0))
+    options = {}
+    if cuda:
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        options["device_id"] = device_id()
+    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s), **options)

@@ -1,0 +1,1 @@
+"""Start-up cost measurements the draft-length policy decides with, and their on-disk cache."""

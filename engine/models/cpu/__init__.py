@@ -1,0 +1,1 @@
+"""specserve's CPU operators (csrc/) and the small-batch linear layer built on them."""

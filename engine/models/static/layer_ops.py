@@ -1,0 +1,170 @@
+"""A static decoder layer's elementwise work and attention, the ways a step can run them
+(engine/models/static/forward.py).
+
+- ATen operators (CUDA, compiled steps, CPUs without specserve's operators);
+- on CPU, in fp32, engine/models/cpu/csrc/layer_ops.cpp's fused operators: one call each for a norm, a residual add with
+the
+  next norm, SwiGLU, and RoPE with the KV-cache write, where ATen takes 3-20 calls (at decode sizes their dispatch,
+  not their arithmetic, is the cost), and `cache_attention`, whose result for a query does not depend on the step's
+  width or chunk (prefix caching relies on it);
+- a CUDA graph's step: every index a device tensor, attention by engine/models/static/attention.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.cpu import extension as cpu_extension
+from engine.models.llama_fast import _rope  # x [B, heads, W, D] rotated by cos/sin [B, 1, W, D]
+from engine.models.static import attention as attention_kernels
+from engine.models.static.attention import RowIndex
+
+if TYPE_CHECKING:
+    from engine.models.static.forward import StaticLlama
+
+# the fused fp32 layer operators of engine/models/cpu/csrc/layer_ops.cpp an eager CPU step runs (`LayerOps`)
+FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_mul", "rope_to_cache", "cache_attention")
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., H], weight [H] fp32
+    """RMSNorm computed in float32 (as transformers does for every family here), back in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight).to(x.dtype)
+
+
+def grouped_attention(
+    q: torch.Tensor,  # [B, H, W, D]
+    keys: torch.Tensor,  # [B, KVH, L, D] (a view of the cache)
+    values: torch.Tensor,  # [B, KVH, L, D]
+    visible: torch.Tensor,  # [B, 1, W, L] bool: key t is visible to query w of row b (`visible_keys`)
+    scale: float,
+) -> torch.Tensor:  # [B, H, W, D]
+    """Causal attention over each row's own prefix, GQA without repeating keys/values.
+
+    Query heads h = g*i + j (j < g) share key/value head i, as in transformers' `repeat_kv`, so the queries are
+    viewed as [B, KVH, g*W, D] and multiplied with the cache directly. Rows of different lengths share the call,
+    each sees only its own keys (positions past a row's length hold stale or zero entries that `visible` hides).
+    """
+    batch, heads, width, dim = q.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    groups = heads // kv_heads
+    qg = q.reshape(batch, kv_heads, groups * width, dim)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, KVH, g*W, L]
+    scores = scores.view(batch, kv_heads, groups, width, length)
+    scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+    probs = scores.softmax(dim=-1).to(values.dtype).view(batch, kv_heads, groups * width, length)
+    return torch.matmul(probs, values).view(batch, heads, width, dim)
+
+
+def visible_keys(positions: torch.Tensor, kv_len: int) -> torch.Tensor:  # positions [B, W] -> [B, 1, W, L] bool
+    """Key position t is visible to a query at position p iff t <= p (built once per step, shared by the layers)."""
+    return torch.arange(kv_len, device=positions.device)[None, None, None, :] <= positions[:, None, :, None]
+
+
+def use_fused_attention(device: torch.device, batch: int, width: int) -> bool:
+    """Eager CPU steps of one token per row, or of at most 2 rows, run attention as one SDPA call (its fused CPU
+    kernel with native GQA); other shapes keep `grouped_attention`. SmolLM2-135M's shapes (9 heads, 3 KV heads,
+    256 keys, 2 threads), per layer: width 1 at batch 1 / 8 / 32: 43 / 221 / 761 us against 131 / 288 / 818 us;
+    width 4 at batch 1: 80 against 166 us, but at batch 8: 477 against 405 us (bench/RESULTS.md, session 15).
+    CUDA and compiled steps keep `grouped_attention` (measured there; the compiled graph fuses it)."""
+    return device.type == "cpu" and (width == 1 or batch <= 2) and not torch.compiler.is_compiling()
+
+
+class LayerOps:
+    """A layer's elementwise work: ATen operators, or on CPU in fp32 engine/models/cpu/csrc/layer_ops.cpp's fused ones
+    (one call
+    each for a norm, a residual add with the next norm, SwiGLU, and RoPE with the KV-cache write, where ATen takes
+    3-20 calls; at decode sizes their dispatch, not their arithmetic, is the cost). Compiled steps keep ATen's
+    (inductor fuses them itself)."""
+
+    def __init__(self, model: "StaticLlama", fused: dict | None, positions: torch.Tensor, first_slot: int,
+                 kv_len: int, rows: RowIndex | None = None) -> None:
+        self.model, self.fused = model, fused
+        self.positions, self.first_slot, self.kv_len = positions, first_slot, kv_len  # the step's, [B, W] positions
+        self.rows = rows  # a graph step's slots and key limits as device tensors (`StaticLlama.forward_rows`)
+        self._visible: torch.Tensor | None = None
+
+    @classmethod
+    def for_step(cls, model: "StaticLlama", positions: torch.Tensor, first_slot: int, kv_len: int) -> "LayerOps":
+        fused = None
+        if (positions.device.type == "cpu" and model.dtype == torch.float32
+                and model.k_cache_0.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()):
+            fused = {name: cpu_extension.op(name) for name in FUSED_OPS}
+            fused = fused if all(fused.values()) else None
+        return cls(model, fused, positions, first_slot, kv_len)
+
+    def visible(self) -> torch.Tensor:  # [B, 1, W, L]: built once per step, and only where a path masks
+        if self._visible is None:
+            self._visible = visible_keys(self.positions, self.kv_len)
+        return self._visible
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [B, W, H]
+        if self.fused is not None:
+            return self.fused["rms_norm"](x, weight, self.model.eps)
+        return _rms_norm(x, weight, self.model.eps)
+
+    def add_norm(self, hidden: torch.Tensor, delta: torch.Tensor,
+                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, W, H] hidden + delta, its norm)
+        if self.fused is not None:  # adds in place: `hidden` is the step's own tensor
+            return hidden, self.fused["add_rms_norm"](hidden, delta.contiguous(), weight, self.model.eps)
+        hidden = hidden + delta
+        return hidden, _rms_norm(hidden, weight, self.model.eps)
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:  # [B, W, 2I] -> [B, W, I]
+        if self.fused is not None and not self.model.gelu:
+            return self.fused["silu_mul"](gate_up.contiguous())
+        gate, up = gate_up.chunk(2, dim=-1)
+        return (F.gelu(gate, approximate="tanh") if self.model.gelu else F.silu(gate)) * up
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor) -> torch.Tensor:  # q [B, H, W, D] -> [B, H, W, D]
+        """Causal GQA attention over each row's cached keys: by `cache_attention` where the fused operators run (each
+        row reads only its own keys, nothing is materialized, and a query's result does not depend on the step's
+        width or on the chunk it falls in: `layout_invariant`); else one SDPA call (`use_fused_attention`) or
+        `grouped_attention`."""
+        m, (batch, _, width, _) = self.model, q.shape
+        first, kv_len = self.first_slot, self.kv_len
+        if self.rows is not None:
+            return attention_kernels.cache_attention(q, k_cache, v_cache, self.rows, m.scale)
+        if self.fused is not None and m.head_dim % 8 == 0:
+            return self.fused["cache_attention"](q.contiguous(), k_cache, v_cache, first, self.positions, kv_len,
+                                                 m.scale)
+        keys = k_cache[first : first + batch, :, :kv_len].to(q.dtype)
+        values = v_cache[first : first + batch, :, :kv_len].to(q.dtype)
+        if self.fused is not None and batch > 1:
+            # prompt chunks on the CPU operators: one SDPA call per row, so a row's prefill is the same computation
+            # whatever prompts share the forward (with bf16 products a last-bit difference here becomes a bf16
+            # rounding step: grouped and alone prefills of SmolLM2 gave first-token logits 0.07-0.24 apart)
+            visible = self.visible()
+            return torch.cat([F.scaled_dot_product_attention(q[b : b + 1], keys[b : b + 1], values[b : b + 1],
+                                                             attn_mask=visible[b : b + 1], scale=m.scale,
+                                                             enable_gqa=True) for b in range(batch)])
+        if use_fused_attention(q.device, batch, width):
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.visible(), scale=m.scale,
+                                                  enable_gqa=True)
+        return grouped_attention(q, keys, values, self.visible(), m.scale)
+
+    def rope_to_cache(self, qkv: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> torch.Tensor:  # qkv [B, W, ...] -> q [B, H, W, D]
+        """RoPE on the queries and keys; keys and values written to the cache at (first_slot + b, :, position)."""
+        m, positions, first_slot = self.model, self.positions, self.first_slot
+        if self.fused is not None:
+            return self.fused["rope_to_cache"](qkv.contiguous(), m.cos, m.sin, positions, k_cache, v_cache,
+                                               first_slot, m.num_heads, m.num_kv_heads)
+        batch, width = positions.shape
+        cos, sin = m.cos[positions][:, None], m.sin[positions][:, None]  # [B, 1, W, D]
+        q = qkv[..., : m.q_size].view(batch, width, -1, m.head_dim).transpose(1, 2)
+        k = qkv[..., m.q_size : m.q_size + m.kv_size].view(batch, width, -1, m.head_dim)
+        v = qkv[..., m.q_size + m.kv_size :].view(batch, width, -1, m.head_dim)
+        q, k = _rope(q, cos, sin), _rope(k.transpose(1, 2), cos, sin)
+        if self.rows is not None:
+            slots = self.rows.slots[:, None]  # [B, 1]
+        else:
+            slots = torch.arange(first_slot, first_slot + batch, device=qkv.device)[:, None]
+        k_cache[slots, :, positions] = k.transpose(1, 2).to(k_cache.dtype)  # [B, W, KVH, D] at (slot, pos)
+        v_cache[slots, :, positions] = v.to(v_cache.dtype)
+        return q

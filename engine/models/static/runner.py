@@ -1,0 +1,370 @@
+"""The fast model runner: `StaticLlama` over a KV cache preallocated within a byte budget, compiled per shape bucket.
+
+- **Slots.** The cache holds `num_slots` sequences of `max_model_len` positions (plus a scratch tail), allocated
+  once at start from the byte budget (`plan_num_slots`); `add` raises `KVCacheFull` when every slot is taken.
+  Slots stay compact (a released slot takes the last one's keys/values, a copy made once per release), so a
+  forward over the live sequences is a contiguous range of slots: views of the cache, never a per-step gather.
+- **Shapes.** A step runs `B` consecutive slots at width `W` (the new tokens per row: 1 to decode, K+1 to verify).
+  Under CUDA graphs both are rounded up to buckets (elsewhere they are exact); a bucket's padding rows feed dummy
+  tokens into the scratch tail past `max_model_len`, which no real row ever reads, and attend to no key.
+  Rows shorter than `W` are right-padded: their pad tokens land past the row's length and are overwritten by its
+  next tokens. Long rows (prompts) run in chunks of at most `prefill_chunk` tokens on their own, never padded;
+  their last tokens join the batched step.
+- **Step modes** (`runner.compile`, `step_mode`). On CUDA (`auto`, `on`) decode and verify steps replay CUDA graphs
+  captured at start per (batch bucket, width) (engine/models/static/cuda_graphs.py); each row's slot, start and key
+  limit are
+  device tensors there, so a graph serves any context length and its attention reads only the row's own keys
+  (engine/models/static/attention.py). On CPU steps run eagerly (`auto`, `off`), or through `torch.compile`'s inductor
+  with frozen, prepacked weights and dynamic sizes (`on`; inductor keeps its compiled code in its on-disk cache,
+  `TORCHINDUCTOR_CACHE_DIR`, so a restart compiles faster). Prefill chunks always run eagerly on CUDA.
+- **No host sync inside a step.** Inputs are built on the host and copied in one go; the step itself never reads
+  a device value back (tests/engine/models/static/test_runner.py runs it with host reads made to raise).
+- **Tensor parallelism.** Given a rank's shard (engine/models/shard_loading.py's `load_shard`), the runner holds that
+  rank's fused weights and its heads' KV cache only, so one slot costs 1/world of its single-rank bytes and the same
+  byte budget holds world times more sequences per rank (still at most `max_num_seqs`); the ranks agree on the
+  fewest slots any of them can hold. On CUDA the steps' NCCL collectives run inside the captured graphs; on CPU
+  (gloo) steps run eagerly (engine/models/static/tp.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from engine.models.kv_budget import KVBudget, plan_num_slots
+from engine.models.runner import ContextWindowError, SeqSlot, SlotTable, SlotTableAccess, config_context_window
+from engine.models.static.cuda_graphs import GraphSteps, estimate_graph_bytes
+from engine.models.static.forward import StaticLlama
+from engine.models.static.prefill_plan import PREFILL_TOKENS_PER_FORWARD, prefill_groups, shared_heads
+from engine.models.static.prefix_cache import runner_prefix_cache
+from engine.models.static.tp import agree_num_slots, shard_of
+
+MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks first
+
+
+STEP_MODES = ("eager", "inductor", "graphs")
+
+
+def step_mode(compile: bool | str, device: torch.device) -> str:
+    """How the static runner runs its decode and verify steps, from `runner.compile` (`auto | on | off`; True and
+    False read as on and off) and the device: `graphs` (CUDA graphs, engine/models/static/cuda_graphs.py) on CUDA unless
+    off;
+    on CPU `inductor` (torch.compile) when on, else `eager` (auto: compiling costs minutes per shape on a small CPU,
+    README). A mode's own name is taken as is (tests run the graph path's forward eagerly on a CPU)."""
+    setting = {True: "on", False: "off"}.get(compile, compile) if isinstance(compile, bool) else compile
+    if setting in STEP_MODES:
+        return setting
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"runner.compile must be auto, on or off, got {compile!r}")
+    if setting == "off":
+        return "eager"
+    return "graphs" if device.type == "cuda" else ("inductor" if setting == "on" else "eager")
+
+
+def buckets_up_to(limit: int, first: int = 1) -> list[int]:
+    """Powers of two from `first` below `limit`, then `limit` itself."""
+    out, size = [], first
+    while size < limit:
+        out.append(size)
+        size *= 2
+    return out + [limit]
+
+
+def bucket(value: int, sizes: Sequence[int]) -> int:
+    return next(s for s in sizes if s >= value)
+
+
+@contextlib.contextmanager
+def forbid_host_sync(device: torch.device) -> Iterator[None]:
+    """Make a device -> host read inside the block raise: CUDA's sync debug mode on CUDA; on CPU (no syncs to
+    catch) the tensor methods that read values back (`item`, `tolist`, `cpu`, `numpy`, `__bool__`) raise."""
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return
+    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def refuse(name: str) -> Callable:
+        def method(*args, **kwargs):
+            raise RuntimeError(f"host sync inside a model step: Tensor.{name}")
+        return method
+
+    for name in names:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+class StaticRunner(SlotTableAccess):
+    """Runner protocol (engine/models/runner.py) over `StaticLlama`."""
+
+    def __init__(self, model: torch.nn.Module, max_model_len: int | None = None, vocab_size: int | None = None,
+                 budget: KVBudget = KVBudget(), compile: bool | str = "auto", prefill_chunk: int = 256,
+                 dtype: torch.dtype | None = None, weight_dtype: torch.dtype | None = None,
+                 prefix_caching: str = "auto", cache_dtype: torch.dtype | None = None) -> None:
+        config = model.config
+        window = config_context_window(config)
+        self.max_model_len = min(window, max_model_len) if max_model_len else window
+        self.prefill_chunk = max(MAX_WIDTH, prefill_chunk)
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = dtype or (param.dtype if param.is_floating_point() else torch.float32)
+        capacity = self.max_model_len + self.prefill_chunk  # scratch tail for padded and dummy rows
+        shard = shard_of(model)
+        self.step_mode = step_mode(compile, self.device)
+        if shard is not None and self.step_mode == "inductor":
+            raise ValueError(
+                f"runner.compile: on is not supported for tensor-parallel targets on CPU (tp_size {shard.world}): "
+                f"gloo collectives do not run inside inductor graphs; use compile: auto or off (eager steps). On "
+                f"CUDA, tensor-parallel steps run as CUDA graphs")
+        self.kv_cache_dtype = cache_dtype or self.dtype
+        world = shard.world if shard else 1
+        slot_bytes = StaticLlama.slot_bytes(config, capacity, self.kv_cache_dtype, world)
+        reserve = 0
+        if self.step_mode == "graphs":
+            reserve = estimate_graph_bytes(config, budget.max_num_seqs, MAX_WIDTH, vocab_size or config.vocab_size,
+                                           world)
+        num_slots = plan_num_slots(slot_bytes, budget.bytes_for(self.device, reserve), budget.max_num_seqs,
+                                   f" of {self.max_model_len} tokens")
+        if shard is not None:
+            num_slots = agree_num_slots(num_slots, shard, self.device)
+        self.model = StaticLlama(model, num_slots=num_slots, capacity=capacity, dtype=self.dtype,
+                                 cache_dtype=self.kv_cache_dtype, weight_dtype=weight_dtype)
+        self.vocab_size = vocab_size or self.model.vocab_size
+        self.batch_buckets = buckets_up_to(num_slots)
+        self.width_buckets = buckets_up_to(MAX_WIDTH)
+        self.chunk_buckets = buckets_up_to(self.prefill_chunk, first=MAX_WIDTH * 2)
+        self.kv_buckets = buckets_up_to(capacity, first=256)  # key lengths of eager CUDA steps
+        self.compiled = self.step_mode != "eager"
+        self._step = _compile_step(self.model) if self.step_mode == "inductor" else self.model.forward
+        # CUDA graphs replay fixed shapes, so batch and width are padded to buckets there (each row's key length is a
+        # device tensor: engine/models/static/attention.py); eager steps and CPU's dynamic graph take any shape, so
+        # nothing
+        # is padded (an 87-token prompt computed as 128 cost 47% more)
+        self.graphs = None
+        if self.step_mode == "graphs":
+            self.graphs = GraphSteps(self.model, num_slots, MAX_WIDTH, scratch_start=self.max_model_len)
+        # prefill chunks are compute-bound: on CUDA they run eagerly (vLLM likewise captures graphs for decode
+        # batches only); on CPU the dynamic graph serves them too
+        self._prefill = self.model.forward if self.device.type == "cuda" else self._step
+        self._seqs = SlotTable(self.max_model_len, num_slots, self.model.move_slot)
+        self.prefix_cache = runner_prefix_cache(prefix_caching, self.model, self.compiled)
+        self.last_prefix_hits: dict[int, int] = {}  # the last forward's rows that read a prefix from the cache: tokens
+        self.forward_calls = 0
+        self.forward_rows = 0
+
+    # ---- sequence table -------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.model.num_slots
+
+    def add(self, seq_id: str) -> None:
+        if self.prefix_cache is not None and seq_id not in self._seqs:
+            self.prefix_cache.vacate(len(self._seqs), len(self._seqs))  # the new sequence's slot
+        self._seqs.add(seq_id)  # KVCacheFull when every slot is taken
+
+    def release(self, seq_id: str) -> None:
+        """Free a sequence's slot now; the last slot moves into the hole so slots stay compact. With the prefix
+        cache, the sequence's keys and values stay in a free slot first (engine/models/static/prefix_cache.py)."""
+        if self.prefix_cache is not None and seq_id in self._seqs:
+            self.prefix_cache.keep(self._seqs[seq_id], len(self._seqs))
+        self._seqs.release(seq_id)
+
+    def graph_stats(self) -> dict | None:
+        """The CUDA graphs' counters and step times (engine/models/static/cuda_graphs.py); None where steps are not graphs."""
+        return None if self.graphs is None else self.graphs.stats()
+
+    def prefix_cache_stats(self) -> dict | None:
+        return None if self.prefix_cache is None else self.prefix_cache.index.stats.as_dict()
+
+    @torch.inference_mode()
+    def forward(self, seq_ids: Sequence[str], new_tokens: Sequence[Sequence[int]],
+                num_logits: Sequence[int]) -> torch.Tensor:  # [B, max(num_logits), V] float32
+        assert len(seq_ids) == len(new_tokens) == len(num_logits)
+        states = [self._seqs[s] for s in seq_ids]
+        for state, toks, k in zip(states, new_tokens, num_logits):
+            if not 0 < k <= len(toks):
+                raise ValueError(f"num_logits {k} for {len(toks)} new tokens")
+            if len(state.tokens) + len(toks) > self.max_model_len:
+                raise ContextWindowError(
+                    f"sequence would reach {len(state.tokens) + len(toks)} tokens > {self.max_model_len}")
+        new_tokens = [list(toks) for toks in new_tokens]
+        if self.prefix_cache is not None:
+            self.last_prefix_hits = self.prefix_cache.reuse(states, new_tokens, num_logits)
+        # long rows: everything but their last num_logits tokens is prefilled first, in chunks; the rest joins the
+        # batch
+        heads, tails = [], []
+        for toks, k in zip(new_tokens, num_logits):
+            head = len(toks) - max(k, 1) if len(toks) > MAX_WIDTH else 0
+            if k > MAX_WIDTH:
+                raise ValueError(f"at most {MAX_WIDTH} logits per row, asked for {k}")
+            heads.append(list(toks[:head]))
+            tails.append(list(toks[head:]))
+        self._prefill_heads(states, heads)
+        logits = self._batched_step(states, tails, list(num_logits))
+        self.forward_calls += 1
+        self.forward_rows += len(states)
+        return logits
+
+    @torch.inference_mode()
+    def prompt_logits(self, seq_id: str, new_tokens: Sequence[int]) -> torch.Tensor:  # [N, V] float32
+        """Runner.prompt_logits: one row, logits at every position. Eager on every device: a rare request's path
+        must not compile graphs (CPU) or capture shapes (CUDA graphs) that other requests never use."""
+        state, tokens = self._seqs[seq_id], list(new_tokens)
+        start = len(state.tokens)
+        if start + len(tokens) > self.max_model_len:
+            raise ContextWindowError(f"sequence would reach {start + len(tokens)} tokens > {self.max_model_len}")
+        logits = self._run(torch.tensor([tokens]), torch.tensor([start]), state.slot,
+                           self._kv_len(start + len(tokens)), last_only=False, step=self.model.forward)
+        state.tokens.extend(tokens)
+        return logits[0]
+
+    def _prefill_heads(self, states: list[SeqSlot], heads: list[list[int]]) -> None:
+        """Feed each row's head (prompt tokens whose logits are not needed) in chunks of at most `prefill_chunk`
+        tokens. Rows in neighbouring slots share a forward (`prefill_groups`): 8 new prompts cost one pass over the
+        weights per chunk instead of 8, the projections run as larger matrix products, and each layer's fixed costs
+        are paid once (measured in bench/RESULTS.md, session 13). Rows whose cached tokens and head are the same
+        (the `n` choices of one request, one prompt sent twice) are computed once: the others copy its keys and
+        values."""
+        heads, copies = shared_heads(states, heads)
+        fed = [0] * len(states)
+        while True:
+            chunks = {b: heads[b][fed[b] : fed[b] + self.prefill_chunk] for b in range(len(states))
+                      if fed[b] < len(heads[b])}
+            if not chunks:
+                break
+            order = sorted(chunks, key=lambda b: states[b].slot)
+            for group in prefill_groups([states[b].slot for b in order], [len(chunks[b]) for b in order],
+                                        PREFILL_TOKENS_PER_FORWARD * self.prefill_chunk):
+                members = [order[i] for i in group]
+                self._prefill_rows([states[b] for b in members], [chunks[b] for b in members])
+                for b in members:
+                    fed[b] += len(chunks[b])
+        for leader, follower, head in copies:
+            self.model.move_slot(states[leader].slot, states[follower].slot, len(states[leader].tokens))
+            states[follower].tokens.extend(head)
+
+    def _prefill_rows(self, states: list[SeqSlot], chunks: list[list[int]]) -> None:
+        """One forward of prompt chunks for rows in consecutive slots; chunks never run as CUDA graphs (see
+        __init__), so only the shorter chunks are padded, to the longest (their padding writes past their own
+        tokens, which the next tokens overwrite and no query sees before that)."""
+        width = max(len(c) for c in chunks)
+        ids = torch.zeros(len(states), width, dtype=torch.long)
+        for r, chunk in enumerate(chunks):
+            ids[r, : len(chunk)] = torch.tensor(chunk)
+        starts = torch.tensor([len(state.tokens) for state in states])
+        kv_len = self._kv_len(max(len(state.tokens) for state in states) + width)
+        self._run(ids, starts, states[0].slot, kv_len, last_only=True, step=self._prefill)
+        for state, chunk in zip(states, chunks):
+            state.tokens.extend(chunk)
+
+    def _batched_step(self, states: list[SeqSlot], tails: list[list[int]],
+                      num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]
+        if self.graphs is not None:
+            return self._graph_step(states, tails, num_logits)
+        lo = min(s.slot for s in states)
+        rows = max(s.slot for s in states) - lo + 1
+        width = max(len(t) for t in tails)
+        lo = min(lo, self.model.num_slots - rows)  # the range must stay inside the cache
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        starts = torch.full((rows,), self.max_model_len, dtype=torch.long)  # dummy rows: the scratch tail
+        need = 1
+        for state, toks in zip(states, tails):
+            r = state.slot - lo
+            ids[r, : len(toks)] = torch.tensor(toks)
+            starts[r] = len(state.tokens)
+            need = max(need, len(state.tokens) + width)
+        logits = self._run(ids, starts, lo, self._kv_len(need), last_only=False)  # [rows, width, V]
+        for state, toks in zip(states, tails):
+            state.tokens.extend(int(t) for t in toks)
+        return pick_logits(logits, [s.slot - lo for s in states], [len(t) for t in tails], num_logits)
+
+    def _graph_step(self, states: list[SeqSlot], tails: list[list[int]],
+                    num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]
+        """The step as a CUDA graph's replay (engine/models/static/cuda_graphs.py): the rows in call order (any slots),
+        padded to
+        the batch and width buckets; each row's logits at its last num_logits positions."""
+        width = bucket(max(len(t) for t in tails), self.width_buckets)
+        rows = bucket(len(states), self.batch_buckets)
+        logits = self.graphs.step([s.slot for s in states], [len(s.tokens) for s in states], tails, rows, width)
+        for state, toks in zip(states, tails):
+            state.tokens.extend(toks)
+        return pick_logits(logits, range(len(states)), [len(t) for t in tails], num_logits)
+
+    def _kv_len(self, need: int) -> int:
+        """Keys read per row by an eager step or prompt chunk (graph steps read each row's own length): on CUDA
+        rounded up to a power of two, as when torch.compile's CUDA graphs took the steps (whether a multiple of 64
+        reads less there at no cost is not measured on a GPU); on CPU to a multiple of 64."""
+        if self.device.type == "cuda":
+            return bucket(need, self.kv_buckets)
+        return min(self.model.capacity, -(-need // 64) * 64)
+
+    def _run(self, ids: torch.Tensor, starts: torch.Tensor, first_slot: int, kv_len: int,
+             last_only: bool, step: Callable | None = None) -> torch.Tensor:
+        ids = ids.to(self.device, non_blocking=True)
+        starts = starts.to(self.device, non_blocking=True)
+        return (step or self._step)(ids, starts, first_slot, kv_len, last_only)
+
+    # ---- start-up -------------------------------------------------------------------------------------------
+    def warm_up(self, max_k: int, progress: Callable[[str], None] | None = None) -> int:
+        """Capture (CUDA graphs) or compile (inductor, or load from its cache) every step shape the serving loop
+        uses: each batch bucket at width 1 and K+1 (CUDA graphs: every width bucket up to K+1's, as rounds whose
+        rows draft fewer tokens are narrower), and under inductor each prefill chunk bucket. Returns the number of
+        shapes."""
+        if self.graphs is not None:
+            top = bucket(max_k + 1, self.width_buckets)
+            shapes = [(rows, width) for width in self.width_buckets if width <= top for rows in self.batch_buckets]
+            if self.device.type == "cuda":
+                self.graphs.capture(shapes, progress)
+            return len(shapes)
+        shapes = [(rows, width) for width in sorted({1, bucket(max_k + 1, self.width_buckets)})
+                  for rows in self.batch_buckets]
+        if self._prefill is self._step:
+            shapes += [(1, -chunk) for chunk in self.chunk_buckets]
+        with torch.inference_mode():
+            for done, (rows, width) in enumerate(shapes, 1):
+                if width < 0:
+                    ids, last_only = torch.zeros(1, -width, dtype=torch.long), True
+                else:
+                    ids, last_only = torch.zeros(rows, width, dtype=torch.long), False
+                starts = torch.full((ids.shape[0],), self.max_model_len, dtype=torch.long)
+                # CUDA: the smallest key-length bucket here; longer ones are captured when first reached
+                self._run(ids, starts, 0, self._kv_len(ids.shape[1]), last_only)
+                if progress is not None:
+                    progress(f"compiled {done}/{len(shapes)}: batch {ids.shape[0]} width {ids.shape[1]}")
+        return len(shapes)
+
+
+def pick_logits(logits: torch.Tensor,  # [rows, width, V]: a step's output (a graph's own buffer on CUDA)
+                rows: Sequence[int], lengths: Sequence[int], num_logits: Sequence[int]
+                ) -> torch.Tensor:  # [B, max(num_logits), V]
+    """Call row b's logits, from step row rows[b], at the last num_logits[b] of its lengths[b] new positions (a
+    row asking fewer repeats its last one), gathered into a new tensor (a graph's buffer is free again)."""
+    lengths_np = np.asarray(lengths)
+    firsts = lengths_np - np.asarray(num_logits)
+    index = np.minimum(firsts[:, None] + np.arange(max(num_logits))[None, :], (lengths_np - 1)[:, None])
+    index = torch.from_numpy(index).to(logits.device, non_blocking=True)
+    picked = torch.as_tensor(np.asarray(rows), dtype=torch.long).to(logits.device, non_blocking=True)
+    return logits[picked[:, None], index]
+
+
+def _compile_step(model: StaticLlama) -> Callable:
+    """The CPU step through inductor (`runner.compile: on` on a CPU)."""
+    import torch._dynamo
+
+    # dynamo specializes sizes 0 and 1: more graphs than its default 8 per function, which would fall back to eager
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
+    # frozen weights (constants, prepacked where the kernels allow), symbolic sizes: one graph serves every
+    # batch, width and key length (dynamo still specializes sizes 0 and 1)
+    return torch.compile(model.forward, dynamic=True, fullgraph=True, options={"freezing": True})

@@ -1,0 +1,1 @@
+"""Draft proposers behind one Protocol: where a round's draft tokens come from."""

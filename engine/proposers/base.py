@@ -1,0 +1,79 @@
+"""What every draft proposer shares: the request it drafts for, the proposal it returns, and the Protocol.
+
+A new proposer (EAGLE heads, say) implements `Proposer` in its own module here and is built by engine/factory.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.request.grammar import GrammarSpec
+from engine.request.logits_processing import RowProcessing
+from engine.request.sampling import SamplingParams
+from engine.spec.proposal import CompactProposal, RowScheme
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    seq_id: str
+    tokens: Sequence[int]  # the committed tokens: prompt + output so far (the first draft's position is len(tokens))
+    k: int  # how many tokens to propose (>= 1)
+    sampling: SamplingParams
+    seed: int = 0  # the request's seed (its own or drawn at admission): engine/spec/randomness.py
+    coupled: bool = False  # the request brought its seed: Gumbel-coupled drafts (engine/spec/proposal.py)
+    # the request's logits processors (engine/request/logits_processing.py), applied at each draft step with the tokens
+    # drafted so far: the draft's distribution is processed as the target's is at that position
+    processing: RowProcessing | None = None
+    grammar: GrammarSpec | None = None  # structured outputs: the draft masks its proposals (engine/request/grammar.py)
+    output_start: int = 0  # where the output begins in `tokens` (the grammar covers the output only)
+
+    def scheme(self, step: int) -> RowScheme:
+        return RowScheme(self.sampling.greedy, self.coupled, self.seed, len(self.tokens) + step)
+
+    @property
+    def ships_proposal(self) -> bool:
+        """Unseeded sampled rows send the proposal their drafts were drawn from; the others only tokens."""
+        return not self.sampling.greedy and not self.coupled
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_ids: torch.Tensor  # [B, K] int64, -1 past num_tokens[b]
+    num_tokens: torch.Tensor  # [B] int64, may be below the asked k (n-gram found nothing, say)
+    # rows whose request `ships_proposal`: the compact proposals their drafts were drawn from, else None
+    proposals: list[CompactProposal | None] | None = None  # None: no row has one (n-gram, greedy, seeded)
+
+    def proposal(self, row: int) -> CompactProposal | None:
+        if self.proposals is None or self.proposals[row] is None:
+            return None
+        return self.proposals[row].head(int(self.num_tokens[row]))
+
+
+class Proposer(Protocol):
+    def propose(self, requests: Sequence[DraftRequest], stop: Callable[[], bool] | None = None) -> Proposal: ...
+
+    def release(self, seq_id: str) -> None: ...
+
+
+class IncompatibleDraftError(ValueError):
+    """The draft model cannot speculate for this target (different tokenizer)."""
+
+
+def check_tokenizers_compatible(target_tokenizer, draft_tokenizer) -> None:
+    """Refuse drafts whose token ids mean something else; vocabularies may differ only in padding rows."""
+    target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    shared = min(len(target_vocab), len(draft_vocab))
+    target_by_id = {i: t for t, i in target_vocab.items() if i < shared}
+    draft_by_id = {i: t for t, i in draft_vocab.items() if i < shared}
+    mismatched = [i for i, tok in target_by_id.items() if draft_by_id.get(i) != tok]
+    if mismatched or target_tokenizer.eos_token_id != draft_tokenizer.eos_token_id:
+        example = mismatched[0] if mismatched else target_tokenizer.eos_token_id
+        raise IncompatibleDraftError(
+            "draft and target tokenizers differ (e.g. token id "
+            f"{example}: target {target_by_id.get(example)!r} vs draft {draft_by_id.get(example)!r}); "
+            "speculative decoding needs a draft that shares the target's tokenizer"
+        )

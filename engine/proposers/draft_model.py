@@ -1,0 +1,158 @@
+"""Draft-model speculation: a small model of the target's family proposes K tokens a round.
+
+Leviathan et al. 2022 (arXiv 2211.17192); the tokens are picked as engine/spec/proposal.py says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+
+from engine.models.transformers_runner import ModelRunner
+from engine.proposers.base import DraftRequest, Proposal
+from engine.request.grammar import GrammarError, GrammarMatcher, SequenceGrammars
+from engine.request.logits_processing import process_logits
+from engine.request.sampling import BatchSampling, logits_to_probs
+from engine.spec.proposal import TOP_N, CompactProposal, choose_draft_tokens
+
+
+def fit_vocab(
+    probs: torch.Tensor,  # [..., V_draft]
+    target_vocab: int,
+) -> torch.Tensor:  # [..., V_target]
+    """Draft and target of one family may pad their embedding tables to different sizes."""
+    draft_vocab = probs.shape[-1]
+    if draft_vocab == target_vocab:
+        return probs
+    if draft_vocab > target_vocab:
+        return probs[..., :target_vocab]
+    pad = probs.new_zeros(*probs.shape[:-1], target_vocab - draft_vocab)
+    return torch.cat([probs, pad], dim=-1)
+
+
+class DraftModelProposer:
+    """Proposes k tokens per sequence by running the draft model autoregressively, batched over sequences."""
+
+    def __init__(self, runner: ModelRunner, target_vocab_size: int, top_n: int = TOP_N,
+                 grammars: SequenceGrammars | None = None) -> None:
+        self.runner = runner
+        self.target_vocab_size = target_vocab_size
+        self.top_n = top_n
+        # structured outputs: the draft's own matcher per sequence, so its drafts stay in the grammar and are
+        # accepted; None: drafts unmasked (the target's mask alone keeps the output right)
+        self.grammars = grammars
+
+    def propose(self, requests: Sequence[DraftRequest], stop: Callable[[], bool] | None = None) -> Proposal:
+        """Draft up to k tokens per request; `stop()`, checked between steps, ends drafting early (the caller
+        no longer wants the result; `num_tokens` then counts the steps done)."""
+        batch, k_max = len(requests), max(r.k for r in requests)
+        token_ids = torch.full((batch, k_max), -1, dtype=torch.long)
+        num_tokens = torch.tensor([r.k for r in requests], dtype=torch.long)
+        n = min(self.top_n, self.target_vocab_size)
+        top_ids = torch.zeros(batch, k_max, n, dtype=torch.int32)
+        top_probs = torch.zeros(batch, k_max, n)
+        feeds = self._feeds(requests)
+        matchers = self._matchers(requests)
+        active = list(range(batch))
+        for step in range(k_max):
+            logits = self.runner.forward([requests[i].seq_id for i in active], [feeds[i] for i in active],
+                                         [1] * len(active))  # [A, 1, V_draft]
+            # the draft's logits beyond the target vocabulary can never be proposed
+            step_logits = mask_draft_logits(logits[:, :, : self.target_vocab_size], [matchers[i] for i in active])
+            if any(requests[i].processing is not None for i in active):  # step j sees the j tokens drafted so far
+                step_logits = process_logits(step_logits, [requests[i].processing for i in active],
+                                             [token_ids[i, :step].tolist() for i in active], [step] * len(active))
+            sampling = BatchSampling.from_params([requests[i].sampling for i in active])
+            # sampled on the draft's device with counter-based random numbers; only tokens and top-N leave it
+            step_probs = fit_vocab(logits_to_probs(step_logits, sampling), self.target_vocab_size)[:, 0]
+            tokens, ids, values = choose_draft_tokens(step_probs, [requests[i].scheme(step) for i in active], n)
+            tokens = tokens.cpu()
+            rows = torch.tensor(active)
+            token_ids[rows, step] = tokens
+            top_ids[rows, step] = ids.cpu()
+            top_probs[rows, step] = values.cpu()
+            active_next = []
+            for pos, i in enumerate(active):
+                feeds[i] = [int(tokens[pos])]
+                if matchers[i] is not None:
+                    try:
+                        matchers[i].advance(feeds[i])  # the next draft step's state (rolled back by the next sync)
+                    except GrammarError as exc:  # remembered: the caller finds it with grammars.check
+                        self.grammars.fail(requests[i].seq_id, exc)
+                        matchers[i] = None
+                if requests[i].k > step + 1:
+                    active_next.append(i)
+            active = active_next
+            if not active:
+                break
+            if stop is not None and stop():
+                num_tokens = num_tokens.clamp(max=step + 1)
+                break
+        proposals = [CompactProposal(top_ids[b], top_probs[b]) if r.ships_proposal else None
+                     for b, r in enumerate(requests)]
+        return Proposal(token_ids=token_ids, num_tokens=num_tokens,
+                        proposals=proposals if any(p is not None for p in proposals) else None)
+
+    def _matchers(self, requests: Sequence[DraftRequest]) -> list[GrammarMatcher | None]:
+        """Each request's grammar matcher synced to its tokens (None: no grammar, or no grammars here, or a grammar
+        that failed: remembered by `grammars`, whose `check` the caller asks; engine/request/grammar.SequenceGrammars)."""
+        if self.grammars is None:
+            return [None] * len(requests)
+        self._track(requests)
+        matchers = []
+        for r in requests:
+            try:
+                matchers.append(self.grammars.matcher(r.seq_id, r.tokens))
+            except GrammarError:
+                matchers.append(None)
+        return matchers
+
+    def _track(self, requests: Sequence[DraftRequest]) -> None:
+        """Keep a matcher for each request that brings its grammar (a sequence's first call: it is sent once); one
+        that cannot be compiled is remembered as failed (`grammars.check`), the other rows draft on."""
+        if self.grammars is not None:
+            for r in requests:
+                if r.grammar is not None:
+                    with contextlib.suppress(GrammarError):
+                        self.grammars.track(r.seq_id, r.grammar, r.output_start)
+
+    def read(self, requests: Sequence[DraftRequest]) -> None:
+        """Bring each request's cache up to its tokens without drafting (a long prompt read one chunk per call,
+        between the rounds of running streams); the logits are not needed."""
+        feeds = self._feeds(requests)
+        self._track(requests)
+        self.runner.forward([r.seq_id for r in requests], feeds, [1] * len(requests))
+
+    def _feeds(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Each request's tokens its cache lacks (a slot given to new sequences; the cache rolled back to the
+        common prefix)."""
+        for r in requests:
+            if not self.runner.has(r.seq_id):
+                self.runner.add(r.seq_id)
+        return [self.runner.sync(r.seq_id, r.tokens) for r in requests]
+
+    def release(self, seq_id: str) -> None:
+        self.runner.release(seq_id)
+        if self.grammars is not None:
+            self.grammars.release(seq_id)
+
+
+def mask_draft_logits(
+    logits: torch.Tensor,  # [A, 1, V] one draft step's logits
+    matchers: Sequence[GrammarMatcher | None],  # A rows
+) -> torch.Tensor:  # [A, 1, V]: `logits` itself when no row is masked, else a copy
+    """The draft's own grammar masks (-inf where its grammar refuses, as the target does: engine/spec/accept.py). A row
+    off its grammar, or whose allowed tokens all lie past the draft's vocabulary, is left unmasked: the target's
+    mask rejects what the grammar refuses."""
+    masks = [None if m is None else m.allowed() for m in matchers]
+    if all(mask is None for mask in masks):
+        return logits
+    logits = logits.clone()
+    for a, mask in enumerate(masks):
+        if mask is not None:
+            mask = mask[: logits.shape[-1]].to(logits.device)
+            if bool(mask.any()):
+                logits[a, 0].masked_fill_(~mask, float("-inf"))
+    return logits

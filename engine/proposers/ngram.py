@@ -1,0 +1,53 @@
+"""N-gram prompt lookup: drafts copied from earlier in the sequence, no model at all.
+
+Saxena 2023, "Prompt Lookup Decoding" (the method behind HF's `prompt_lookup_num_tokens` and vLLM's `ngram`
+speculator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from engine.proposers.base import DraftRequest, Proposal
+
+
+class NgramProposer:
+    """Prompt lookup: find the last `n` tokens earlier in the sequence and propose what followed them.
+
+    Tries n = max_n down to min_n and takes the most recent earlier match. Stateless, so nothing to release.
+    """
+
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+        arr = np.asarray(tokens, dtype=np.int64)
+        length = len(arr)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = arr[length - n :]
+            # windows starting at 0 .. length-n-1 (the suffix itself excluded)
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return arr[start : start + k].tolist()
+        return []
+
+    def propose(self, requests: Sequence[DraftRequest], stop: Callable[[], bool] | None = None) -> Proposal:
+        batch, k_max = len(requests), max(r.k for r in requests)
+        token_ids = torch.full((batch, k_max), -1, dtype=torch.long)
+        num = torch.zeros(batch, dtype=torch.long)
+        for b, r in enumerate(requests):
+            found = self.lookup(r.tokens, r.k)
+            if found:
+                token_ids[b, : len(found)] = torch.tensor(found)
+                num[b] = len(found)
+        return Proposal(token_ids=token_ids, num_tokens=num)
+
+    def release(self, seq_id: str) -> None:
+        return None

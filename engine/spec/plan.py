@@ -1,0 +1,102 @@
+"""Each row's draft length for one round, chosen for the batch as a whole.
+
+The rows of a round share its time: one draft call (K steps over the rows that draft) and one verify pass as wide
+as the widest row. So a row's drafts pay only if the tokens they add outweigh what the longer round costs *every*
+row. Leviathan et al. 2022 (arXiv 2211.17192, Sec. 3.4) give one sequence's expected tokens per round,
+E(a, K) = (1 - a^(K+1)) / (1 - a); for a batch the plan maximizes the round's expected tokens per second,
+
+    (sum over drafting rows of E(a_b, K) + the other rows' one token each)
+    / (K draft steps over the m drafting rows + a verify of the batch at width K+1 + the round's overhead),
+
+over K in 1..k_max and the m rows with the best acceptance, against plain decoding (every K = 0). A rule per row
+(each row's own E against the round's cost) lets one request with good acceptance, or one probing request, make a
+whole batch wait for a draft call that pays only for itself.
+
+Two refinements: a row whose draft model is behind (it has not drafted yet, or drafted nothing for a while) must
+first read those tokens, a stall every row of the round waits through, so it joins only if its remaining tokens
+repay the stall for the whole batch; and a request whose drafts kept failing probes with K = 1 only where that is
+cheap: when the round drafts anyway, or when the load would let a row that drafts perfectly pay.
+
+`plan_ks` is the one entry point, for the in-process engine (engine/speculative.py) and the served round
+(deployments/router/round.py) alike: without a cost profile it falls back to `policy.load_adjusted_k`'s fixed
+threshold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.spec.policy import CostProfile, expected_tokens, load_adjusted_k, worth_starting
+
+TIE = 1.001  # a plan must beat the cheaper one by this factor (ties go to fewer drafts)
+
+
+@dataclass(frozen=True)
+class RowOutlook:
+    """What the plan knows of one row of the round."""
+
+    acceptance: float  # the request's estimated per-token acceptance (policy.AcceptanceTracker)
+    cap: int  # the most drafts this row may take (0: no draft model for it, or the request turned drafts off)
+    behind: int = 0  # committed tokens its draft model has not read yet
+    remaining: int = 1 << 30  # tokens the request may still generate
+    fixed: bool = False  # the request pinned its K: exactly `cap` drafts, whatever the costs
+    wants_probe: bool = False  # its drafts kept failing and it has drafted nothing for a while
+
+
+def plan_ks(profile: CostProfile | None, rows: Sequence[RowOutlook], batch: int, live_now: int,
+            max_batch_for_speculation: int | None) -> list[int]:
+    """K for every row of a round: `plan_round` at `batch` with a cost profile; without one (uncalibrated) each
+    row's cap up to `max_batch_for_speculation` live sequences (`live_now`) and 0 above, a pinned row its cap."""
+    if profile is not None:
+        return plan_round(profile, rows, batch)
+    return [row.cap if row.fixed else load_adjusted_k(row.cap, live_now, max_batch_for_speculation) for row in rows]
+
+
+def plan_round(profile: CostProfile, rows: Sequence[RowOutlook], batch: int | None = None) -> list[int]:
+    """K for every row of a round. `batch` (at least len(rows)) is the batch the costs are taken at: it may count
+    requests about to join, since a draft started now pays only at the size they make."""
+    n = len(rows)
+    batch = max(batch or n, n)
+    ks = [row.cap if row.fixed else 0 for row in rows]
+    fixed_rows = [b for b, k in enumerate(ks) if k > 0]
+    fixed_k = max(ks, default=0)
+    fixed_tokens = sum(expected_tokens(rows[b].acceptance, ks[b]) for b in fixed_rows)
+
+    def can_catch_up(row: RowOutlook, acceptance: float) -> bool:
+        """A row whose draft model is behind joins only if its remaining tokens repay the stall of reading them,
+        which every row of the batch waits through."""
+        return row.behind <= row.cap + 1 or worth_starting(profile, batch, acceptance, row.cap, row.behind * batch,
+                                                           row.remaining)
+
+    candidates = sorted((b for b, row in enumerate(rows)
+                         if not row.fixed and row.cap > 0 and can_catch_up(row, row.acceptance)),
+                        key=lambda b: -rows[b].acceptance)  # best acceptance first
+    base_tokens = fixed_tokens + n - len(fixed_rows)  # with no candidate drafting: fixed rows' E, 1 per other row
+    best_rate = base_tokens / profile.round_seconds(batch, fixed_k, drafting=len(fixed_rows))
+    best_k, best_m = 0, 0
+    for k in range(1, max((rows[b].cap for b in candidates), default=0) + 1):
+        gained = 0.0  # expected tokens of the first m candidates beyond the one each would emit anyway
+        for m, b in enumerate(candidates, start=1):
+            gained += expected_tokens(rows[b].acceptance, min(k, rows[b].cap)) - 1.0
+            tokens = base_tokens + gained
+            rate = tokens / profile.round_seconds(batch, max(k, fixed_k), drafting=len(fixed_rows) + m)
+            if rate > best_rate * TIE:
+                best_rate, best_k, best_m = rate, k, m
+    for b in candidates[:best_m]:
+        ks[b] = min(best_k, rows[b].cap)
+
+    # a probe (K = 1 for a request whose drafts kept failing) is cheap when the round drafts anyway, and worth its
+    # cost only where the load would let a row whose drafts all agree pay; never a long catch-up on a hunch
+    drafting = any(ks)
+    for b, row in enumerate(rows):
+        if row.wants_probe and ks[b] == 0 and row.cap > 0 and not row.fixed and can_catch_up(row, 1.0) and (
+                drafting or _a_perfect_row_pays(profile, batch, n, row.cap)):
+            ks[b] = 1
+    return ks
+
+
+def _a_perfect_row_pays(profile: CostProfile, batch: int, n: int, cap: int) -> bool:
+    """Whether one row whose drafts are all accepted would make this round beat plain decoding."""
+    plain = n / profile.round_seconds(batch, 0)
+    return any((n + k) / profile.round_seconds(batch, k, drafting=1) > plain * TIE for k in range(1, cap + 1))

@@ -1,0 +1,295 @@
+"""How many draft tokens a round uses: by load and by each request's observed acceptance.
+
+Leviathan et al. 2022 (arXiv 2211.17192), section 3.4: with per-token acceptance rate a and K drafts a round
+emits E(a, K) = (1 - a^(K+1)) / (1 - a) tokens in expectation, and costs K draft steps plus one verify pass of
+K+1 tokens. Speculation pays while E(a, K) / cost(K) beats plain decoding's 1 / cost(0). Both costs depend on the
+batch: at batch 1 verifying K+1 tokens costs little more than one decode step (memory-bound), but as the batch
+grows the verify pass becomes compute-bound and the drafts stop being free. `CostProfile` holds those costs as
+measured on one machine for one model pair (engine/calibration/measure.py), and `choose_k` picks the K with the most
+expected tokens per second: per request (its own acceptance) at the round's batch size (the load). With more
+live sequences than the knee, every request's K is 0 and rounds are plain batched decoding.
+
+`CostCorrection` pulls the profile toward the costs the rounds really see. `AcceptanceTracker` estimates a per
+request from recent rounds; a request whose drafts keep failing drops to
+K = 0 and probes with K = 1 every `PROBE_EVERY` rounds, so a request whose text turns predictable gets its
+drafts back. engine/spec/plan.py turns these per-request estimates into a round's K for the batch as a whole.
+Without a profile, `load_adjusted_k`'s fixed threshold is the (uncalibrated) fallback.
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PRIOR_ACCEPTANCE = 0.7  # a new request's assumed per-token acceptance (pulls the estimate for a few rounds)
+PRIOR_WEIGHT = 2.0  # in draft tokens: how quickly observations outweigh the prior
+DECAY = 0.8  # per round: the weight of older rounds (about the last 5 rounds count)
+PROBE_EVERY = 8  # rounds at K = 0 before a request asks for a probing round with K = 1 (round_plan.py decides)
+CORRECTION_WEIGHT = 0.1  # weight of one round's observed/predicted cost ratio once a few rounds are in
+
+
+def load_adjusted_k(k: int, num_live: int, max_batch: int | None) -> int:
+    """The uncalibrated fallback: K up to `max_batch` live sequences, 0 above."""
+    if max_batch is not None and num_live > max_batch:
+        return 0
+    return k
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """E(a, K): expected tokens one round emits (accepted drafts plus the recovered or bonus token)."""
+    if k <= 0:
+        return 1.0
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def cost_at(sizes: Sequence[int], values: Sequence[float], batch: int) -> float:
+    """A pass's cost at `batch` rows from its costs measured at the ascending batch `sizes`.
+
+    Between measured sizes: linear. Beyond the largest: along the last segment, never below the largest measured
+    cost (a bigger batch never costs less, even from a profile that is not monotone, such as a hand-edited
+    calibration file). Below the smallest: along the first segment, at least 0. From one measured size (a runner
+    of one slot): proportional to the rows.
+
+    A runner measures only the batches its KV cache holds (engine/calibration/measure.py), so a profile can end at 1 or
+    2
+    rows. The last segment is the local slope where the pass is as memory- or compute-bound as just beyond it; the
+    per-row cost of the largest measured batch instead would take every bigger pass as wholly compute-bound, which
+    on a GPU makes a few more rows look several times dearer than they are and stops speculation early. A single
+    point has no slope, and there the per-row reading is the cautious one (it never makes drafting look cheaper than
+    measured). Where either errs, `CostCorrection` pulls the costs toward what the rounds really take.
+    """
+    if len(sizes) != len(values) or not sizes:
+        raise ValueError("one cost per measured batch size")
+    if len(sizes) == 1:
+        return values[0] * batch / sizes[0]
+    i = min(max(bisect_left(sizes, batch), 1), len(sizes) - 1)
+    b0, b1 = sizes[i - 1], sizes[i]
+    v0, v1 = values[i - 1], values[i]
+    line = v0 + (v1 - v0) * (batch - b0) / (b1 - b0)
+    if batch > sizes[-1]:
+        return max(line, v1)
+    return max(line, 0.0)
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Measured seconds per round part, by batch size; the unit every `choose_k` decision is made in."""
+
+    batch_sizes: tuple[int, ...]  # ascending, e.g. (1, 2, 4, 8, 16)
+    verify_seconds: tuple[tuple[float, ...], ...]  # [batch][w]: one target pass over w+1 tokens per sequence
+    draft_step_seconds: tuple[float, ...]  # [batch]: one draft model step (0 for a proposer without a model)
+    draft_prefill_seconds_per_token: float = 0.0  # the draft reading a prompt it has not seen (0: no model)
+    round_overhead_seconds: float = 0.0  # per round outside the models (RPC, serialization); observed online
+    # more per round when it drafts (the router's n-gram lookups, the draft call's hops); observed online
+    draft_overhead_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or not self.batch_sizes:
+            raise ValueError("batch_sizes must be distinct and ascending")
+        if len(self.verify_seconds) != len(self.batch_sizes) or len(self.draft_step_seconds) != len(self.batch_sizes):
+            raise ValueError("one row of costs per batch size")
+        if any(len(row) != len(self.verify_seconds[0]) or len(row) < 2 for row in self.verify_seconds):
+            raise ValueError("every batch size needs verify costs for widths 1..K+1 (at least 2)")
+
+    @property
+    def max_k(self) -> int:
+        return len(self.verify_seconds[0]) - 1
+
+    def _at_batch(self, values: list[float], batch: int) -> float:
+        return cost_at(self.batch_sizes, values, batch)
+
+    def verify(self, batch: int, k: int) -> float:
+        """Seconds of a verify pass over `batch` sequences with k drafts each (k beyond the profile: linear)."""
+        widths = self.max_k
+        if k <= widths:
+            return self._at_batch([row[k] for row in self.verify_seconds], batch)
+        last, before = (self._at_batch([row[w] for row in self.verify_seconds], batch) for w in (widths, widths - 1))
+        return last + (last - before) * (k - widths)
+
+    def draft(self, batch: int, k: int) -> float:
+        return k * self._at_batch(list(self.draft_step_seconds), batch)
+
+    def scaled(self, draft: float, verify: float, overhead: float = 0.0, verify_wide: float | None = None,
+               draft_overhead: float = 0.0) -> "CostProfile":
+        """Costs times the given ratios: draft steps by `draft`, one-token verify passes by `verify`, wider ones by
+        `verify_wide` (default `verify`), never below the one-token pass of the same batch; the overheads given."""
+        wide = verify if verify_wide is None else verify_wide
+        rows = tuple((row[0] * verify, *(max(t * wide, row[0] * verify) for t in row[1:]))
+                     for row in self.verify_seconds)
+        return CostProfile(self.batch_sizes, rows, tuple(t * draft for t in self.draft_step_seconds),
+                           self.draft_prefill_seconds_per_token * draft, overhead, draft_overhead)
+
+    def round_seconds(self, batch: int, k: int, drafting: int | None = None) -> float:
+        """One round of `batch` sequences verified at width k+1, of which `drafting` (default: all) draft k tokens."""
+        drafting = batch if drafting is None else drafting
+        draft = self.draft(drafting, k) + self.draft_overhead_seconds if drafting and k else 0.0
+        return draft + self.verify(batch, k) + self.round_overhead_seconds
+
+    def knee(self, acceptance: float, k_max: int) -> int:
+        """The largest batch (up to 4x the largest measured) at which `choose_k` still drafts for this acceptance."""
+        last = 0
+        for batch in range(1, 4 * self.batch_sizes[-1] + 1):
+            if choose_k(self, batch, acceptance, k_max) > 0:
+                last = batch
+        return last
+
+    # ---- files (written by `python -m engine.calibration.measure`)
+    # -----------------------------------------------------
+    def to_json(self, path: str | Path, **meta) -> None:
+        Path(path).write_text(json.dumps({**asdict(self), "meta": meta}, indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "CostProfile":
+        data = json.loads(Path(path).read_text())
+        return cls(batch_sizes=tuple(data["batch_sizes"]),
+                   verify_seconds=tuple(tuple(row) for row in data["verify_seconds"]),
+                   draft_step_seconds=tuple(data["draft_step_seconds"]),
+                   draft_prefill_seconds_per_token=data.get("draft_prefill_seconds_per_token", 0.0))
+
+
+def worth_starting(profile: CostProfile, batch: int, acceptance: float, k: int, context: int,
+                   remaining: int) -> bool:
+    """Whether a request whose draft model is `context` tokens behind should start (or resume) drafting: the draft
+    must first read those tokens (a prefill: the whole context for a request that has not drafted yet, or what
+    was generated while it drafted nothing), which pays only if the rest of the request saves more than that at
+    the expected rate."""
+    if k <= 0:
+        return False
+    plain = profile.round_seconds(batch, 0)
+    speculative = profile.round_seconds(batch, k) / expected_tokens(acceptance, k)
+    return remaining * (plain - speculative) > context * profile.draft_prefill_seconds_per_token
+
+
+def choose_k(profile: CostProfile, batch: int, acceptance: float, k_max: int) -> int:
+    """The K in [0, k_max] with the most expected tokens per second for a request in a round of `batch` rows."""
+    best_k, best_rate = 0, 1.0 / profile.round_seconds(batch, 0)
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(acceptance, k) / profile.round_seconds(batch, k)
+        if rate > best_rate * 1.001:  # ties go to the smaller K (less work for the same tokens)
+            best_k, best_rate = k, rate
+    return best_k
+
+
+def _clamped_ratio(seconds: float, predicted: float) -> float:
+    """Observed over predicted, kept within 0.1-10 (one odd round does not swing the plan)."""
+    return min(max(seconds / predicted, 0.1), 10.0)
+
+
+class _RunningMean:
+    """A running mean of observations: the first few count as a plain mean, later ones with `CORRECTION_WEIGHT`."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.n = value, 0
+
+    def add(self, x: float) -> None:
+        self.value += max(1.0 / (self.n + 1), CORRECTION_WEIGHT) * (x - self.value)
+        self.n += 1
+
+
+class CostCorrection:
+    """What the rounds really cost against what the profile predicted, as running ratios.
+
+    A start-up measurement can be off (the machine was busy, the contexts are longer than the measured ones,
+    the draft computes alongside the verify): each round's own draft and verify seconds, reported by the
+    workers, pull the profile's draft and verify costs toward reality. The first few observations count as a
+    plain mean, later ones with weight `CORRECTION_WEIGHT`.
+
+    One-token passes (plain rounds) and wider ones (verifying drafts) have a ratio each once both are observed
+    (until then the one observed stands for both): the start-up profile is measured at short contexts, and a
+    verify pass's attention grows with its width times the context, so at long contexts verifying costs more
+    against a decode step than the profile says (950-token prompts, 8 streams: 48 ms a drafting round against
+    37 ms a plain one, where the profile had a 2-token verify at 1.41x a decode; bench/RESULTS.md, session 21).
+    The time outside the workers' compute is likewise kept per kind of round: a round that drafts also pays the
+    router's n-gram lookups and the draft call's hops (0.6-1.3 ms a round here, against 19-20 ms rounds at one
+    stream), which the profile does not hold; the difference is `draft_overhead_seconds`.
+    """
+
+    def __init__(self) -> None:
+        self._draft = _RunningMean(1.0)
+        self._verify: dict[bool, _RunningMean] = {}  # by "wider than one token": observed/profile ratio
+        self._overhead: dict[bool, _RunningMean] = {}  # by "the round drafted": seconds outside the workers' compute
+
+    @staticmethod
+    def _of_kind(means: dict[bool, "_RunningMean"], kind: bool, default: float) -> float:
+        """The mean for `kind`, the other kind's until `kind` is observed, `default` before either."""
+        seen = means.get(kind, means.get(not kind))
+        return default if seen is None else seen.value
+
+    @property
+    def draft(self) -> float:
+        return self._draft.value
+
+    @property
+    def verify(self) -> float:
+        """The ratio for one-token (plain) verify passes; the wide passes' until those are observed."""
+        return self._of_kind(self._verify, False, 1.0)
+
+    @property
+    def verify_wide(self) -> float:
+        """The ratio for verify passes over drafts; the plain passes' until those are observed."""
+        return self._of_kind(self._verify, True, 1.0)
+
+    @property
+    def overhead(self) -> float:
+        """Seconds per round outside the workers' compute: a plain round's (a drafting one's until one is seen)."""
+        return self._of_kind(self._overhead, False, 0.0)
+
+    @property
+    def draft_overhead(self) -> float:
+        """How much more a drafting round spends outside the workers' compute (0 until both kinds are seen)."""
+        if len(self._overhead) < 2:
+            return 0.0
+        return max(self._overhead[True].value - self._overhead[False].value, 0.0)
+
+    def observe_draft(self, profile: CostProfile, batch: int, k: int, seconds: float) -> None:
+        predicted = profile.draft(batch, k)
+        if k > 0 and predicted > 0 and seconds > 0:
+            self._draft.add(_clamped_ratio(seconds, predicted))
+
+    def observe_verify(self, profile: CostProfile, batch: int, k: int, seconds: float) -> None:
+        predicted = profile.verify(batch, k)
+        if predicted > 0 and seconds > 0:
+            self._verify.setdefault(k > 0, _RunningMean(1.0)).add(_clamped_ratio(seconds, predicted))
+
+    def observe_overhead(self, seconds: float, drafted: bool = False) -> None:
+        self._overhead.setdefault(drafted, _RunningMean(0.0)).add(max(seconds, 0.0))
+
+    def apply(self, profile: CostProfile) -> CostProfile:
+        return profile.scaled(self.draft, self.verify, self.overhead, verify_wide=self.verify_wide,
+                              draft_overhead=self.draft_overhead)
+
+
+class AcceptanceTracker:
+    """One request's per-token acceptance estimate (Leviathan et al.'s a, per request) and whether it wants a probe.
+
+    Each round contributes its accepted drafts and whether it ended in a rejection: a = accepted / (accepted +
+    rejections) is the maximum-likelihood estimate for the truncated geometric run lengths speculation produces.
+    Older rounds decay by `DECAY`, so the estimate follows the request's text as it changes.
+    """
+
+    def __init__(self, prior: float = PRIOR_ACCEPTANCE) -> None:
+        self.accepted = prior * PRIOR_WEIGHT
+        self.rejected = (1.0 - prior) * PRIOR_WEIGHT
+        self.rounds_without_drafts = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft == 0:
+            self.rounds_without_drafts += 1
+            return
+        self.rounds_without_drafts = 0
+        self.accepted = DECAY * self.accepted + num_accepted
+        self.rejected = DECAY * self.rejected + (1 if num_accepted < num_draft else 0)
+
+    @property
+    def wants_probe(self) -> bool:
+        """Drafted nothing for PROBE_EVERY rounds: worth a look with K = 1 where that is cheap (round_plan.py)."""
+        return self.rounds_without_drafts >= PROBE_EVERY

@@ -1,0 +1,193 @@
+"""The Draft/Target replicas' own logic without a cluster: lease accounting against the KV-cache capacity."""
+
+import asyncio
+import time
+
+from deployments.router.admission import LeaseRefused
+from deployments.transport.messages import LeaseInfo
+from deployments.workers.replicas import _LeasedReplica
+
+
+class _Worker:
+    """A model worker whose `release.remote()` is awaited by the replica; records what it released."""
+
+    def __init__(self) -> None:
+        self.released = []
+        self.release = self
+
+    def remote(self, seq_ids):
+        async def run():
+            await asyncio.sleep(0.01)  # the release reaches the worker a little later
+            self.released.extend(seq_ids)
+        return run()
+
+
+def test_a_replica_refuses_leases_past_its_capacity_and_frees_the_slot_once_the_worker_released():
+    replica, worker = _LeasedReplica(), _Worker()
+    replica.capacity = 1
+
+    async def go():
+        first = replica._hold("a", [worker], "endpoint")
+        grant = await first.__anext__()
+        refused = [item async for item in replica._hold("b", [worker], "endpoint")]
+        held = asyncio.ensure_future(first.__anext__())  # the lease stays open until the router cancels it
+        await asyncio.sleep(0)
+        held.cancel()
+        await asyncio.sleep(0.002)
+        releasing = (list(worker.released), replica.leases)  # the release is on its way to the worker
+        await asyncio.gather(held, return_exceptions=True)
+        released = (list(worker.released), replica.leases)
+        third = replica._hold("c", [worker], "endpoint")
+        again = await third.__anext__()
+        return grant, refused, releasing, released, again, replica.leases
+
+    grant, refused, releasing, released, again, leases = asyncio.run(go())
+    assert grant == LeaseInfo(replica.replica_id, [worker], "endpoint", None)
+    assert refused == [LeaseRefused(replica.replica_id, 1, 1)], "refused, and the refusal ends the stream"
+    assert releasing == ([], 1), "the slot stays taken until the worker has released the sequence"
+    assert released == (["a"], 0)
+    assert again.replica == replica.replica_id and leases == 1, "the freed slot is leased again"
+
+
+def test_an_unbounded_replica_never_refuses():
+    replica = _LeasedReplica()
+
+    async def go():
+        holds = [replica._hold(f"s{i}", [_Worker()], "e") for i in range(5)]
+        return [await hold.__anext__() for hold in holds], replica.leases
+
+    grants, leases = asyncio.run(go())
+    assert all(isinstance(g, LeaseInfo) for g in grants) and leases == 5
+
+
+class _ReleasingWorker(_Worker):
+    """Also answers `released_ago` from the release times a test sets (time.monotonic() values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released_at: dict[str, float] = {}
+        self.released_ago = self._AgoCall(self)
+        self.release_stale = self._AgoCall(self, stale=True)
+
+    class _AgoCall:
+        def __init__(self, worker, stale=False):
+            self.worker, self.stale = worker, stale
+
+        def remote(self, seq_ids, *args):
+            async def run():
+                if self.stale:
+                    return []
+                now = time.monotonic()
+                return {s: now - self.worker.released_at[s] for s in seq_ids if s in self.worker.released_at}
+            return run()
+
+
+def test_the_sweep_closes_a_lease_whose_sequence_was_released_after_it_began(monkeypatch):
+    """A lease whose generator never reaches its `finally` (it is left suspended, as seen under load) is closed once
+    its worker says the sequence was released after the lease was granted; an older release (before a re-lease) and
+    young leases are left alone, and the abandoned generator's `finally`, should it run later, changes nothing."""
+    import deployments.workers.replicas as md
+
+    monkeypatch.setattr(md, "RECLAIM_AFTER_S", 0.0)
+    replica, worker = _LeasedReplica(), _ReleasingWorker()
+    replica.capacity = 2
+
+    async def go():
+        worker.released_at["b"] = time.monotonic() - 60  # a sequence released a minute before its re-lease
+        abandoned, relet = replica._hold("a", [worker], "e"), replica._hold("b", [worker], "e")
+        await abandoned.__anext__()
+        await relet.__anext__()
+        refused = [item async for item in replica._hold("c", [worker], "e")]
+        await asyncio.sleep(0.01)
+        worker.released_at["a"] = time.monotonic()  # the router's direct release, at the request's end
+        replica._sweep(worker)
+        await replica._sweeping
+        after_sweep = (replica.leases, replica.reclaimed, sorted(replica.ledger.held))
+        third = replica._hold("c", [worker], "e")
+        granted = await third.__anext__()
+        await abandoned.aclose()  # the late `finally`: the lease is closed already
+        return refused, after_sweep, granted, replica.leases
+
+    refused, after_sweep, granted, leases = asyncio.run(go())
+    assert isinstance(refused[0], LeaseRefused)
+    assert after_sweep == (1, 1, ["b"]), "a's lease closed; b's (released before it was granted) kept"
+    assert isinstance(granted, LeaseInfo)
+    assert leases == 2, "b and c: a's late finally did not count its lease off a second time"
+    assert "a" not in worker.released, "a closed lease's late finally sends no second release"
+
+
+def test_young_leases_are_not_checked(monkeypatch):
+    import deployments.workers.replicas as md
+
+    replica, worker = _LeasedReplica(), _ReleasingWorker()
+
+    async def go():
+        await replica._hold("a", [worker], "e").__anext__()
+        worker.released_at["a"] = time.monotonic() + 10  # released "after" the lease; but the lease is young
+        replica._sweep(worker)
+        return replica._sweeping, replica.leases
+
+    sweeping, leases = asyncio.run(go())
+    assert md.RECLAIM_AFTER_S >= 1.0 and sweeping is None and leases == 1
+
+
+def test_a_release_that_never_answers_still_ends_the_lease(monkeypatch):
+    """Seen under load: the worker's answer to a lease's release never came back, and each such lease stayed counted
+    until the replica refused every new lease as full. The lease is counted off after RELEASE_WAIT_S."""
+    import deployments.workers.replicas as md
+
+    monkeypatch.setattr(md, "RELEASE_WAIT_S", 0.05)
+
+    class _Silent:
+        def __init__(self):
+            self.release = self
+
+        def remote(self, seq_ids):
+            return asyncio.Event().wait()  # never answers
+
+    replica = _LeasedReplica()
+    replica.capacity = 1
+
+    async def go():
+        hold = replica._hold("a", [_Silent()], "e")
+        await hold.__anext__()
+        held = asyncio.ensure_future(hold.__anext__())
+        await asyncio.sleep(0)
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        return replica.leases, await replica._hold("b", [_Silent()], "e").__anext__()
+
+    leases, again = asyncio.run(go())
+    assert leases == 0 and isinstance(again, LeaseInfo)
+
+
+RAY_REPORT = """The actor died because of an error raised in its creation task, ray::DraftWorkerCore.__init__() (pid=7)
+  File "deployments/workers/base.py", line 190, in startup_errors
+    raise error from exc
+deployments.errors.StartupError: Draft worker cannot start: the KV-cache budget (0.000 GiB) does not hold one \
+sequence: raise kv_cache_gib / kv_cache_fraction or lower max_model_len"""
+
+
+def test_a_workers_startup_error_is_raised_as_itself_and_other_failures_as_ray_raised_them(monkeypatch):
+    import pytest
+    import ray
+
+    from deployments.errors import StartupError
+    from deployments.workers import replicas as model_deployments
+
+    def fail_with(text):
+        def get(refs):
+            raise ray.exceptions.RayError(text)
+        return get
+
+    monkeypatch.setattr(model_deployments.ray, "get", fail_with(RAY_REPORT))
+    with pytest.raises(StartupError) as raised:
+        model_deployments.started(["ref"])
+    assert str(raised.value) == ("Draft worker cannot start: the KV-cache budget (0.000 GiB) does not hold one "
+                                 "sequence: raise kv_cache_gib / kv_cache_fraction or lower max_model_len")
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__, "no dead-actor report chained on"
+    monkeypatch.setattr(model_deployments.ray, "get", fail_with("The actor died unexpectedly: node lost"))
+    with pytest.raises(ray.exceptions.RayError, match="node lost"):
+        model_deployments.started(["ref"])
+    monkeypatch.setattr(model_deployments.ray, "get", lambda refs: ["stats"])
+    assert model_deployments.started(["ref"]) == ["stats"]

@@ -1,0 +1,86 @@
+"""A round's K for the batch as a whole (engine/spec/plan.py)."""
+
+import pytest
+
+from engine.spec.plan import RowOutlook, plan_round
+from engine.spec.policy import CostProfile, choose_k
+from tests.engine.spec.test_policy import cpu_like_profile
+
+
+def test_a_row_alone_gets_the_k_a_single_request_would_choose():
+    profile = cpu_like_profile()
+    for acceptance in (0.05, 0.3, 0.6, 0.8, 0.95):
+        for k_max in (1, 2, 4):
+            assert plan_round(profile, [RowOutlook(acceptance, k_max)]) == [choose_k(profile, 1, acceptance, k_max)]
+
+
+def test_one_good_row_does_not_make_a_batch_wait_for_a_draft_call_that_pays_only_for_itself():
+    # at 8 rows a verify of width 4 costs 25% more than plain, a draft step a little
+    profile = CostProfile((1, 8), ((0.040, 0.041, 0.042, 0.043), (0.080, 0.090, 0.095, 0.100)), (0.004, 0.006))
+    rows = [RowOutlook(0.95, 3)] + [RowOutlook(0.05, 3)] * 7
+    assert choose_k(profile, 8, 0.95, 3) == 3, "judged alone, the good row's drafts pay for its own round"
+    assert plan_round(profile, rows) == [0] * 8, "but the eight rows would wait for them: nobody drafts"
+    assert plan_round(profile, [RowOutlook(0.95, 3)] * 8) == [3] * 8, "when all agree, all draft"
+
+
+def test_rows_that_agree_all_draft_when_drafting_is_nearly_free():
+    flat = CostProfile((1, 8), ((0.01, 0.0101, 0.0102), (0.01, 0.0101, 0.0102)), (0.0001, 0.0002))
+    assert plan_round(flat, [RowOutlook(0.8, 2)] * 8) == [2] * 8
+
+
+def test_the_plan_picks_the_rows_whose_drafts_agree_best():
+    # verify cost grows with width, drafts are cheap per row: a few good rows pay, bad ones do not
+    sizes = (1, 4)
+    verify = ((0.040, 0.044, 0.048, 0.052), (0.045, 0.050, 0.055, 0.060))
+    profile = CostProfile(sizes, verify, (0.004, 0.008))
+    rows = [RowOutlook(0.9, 3), RowOutlook(0.1, 3), RowOutlook(0.95, 3), RowOutlook(0.1, 3)]
+    ks = plan_round(profile, rows)
+    assert ks[0] > 0 and ks[2] > 0 and ks[1] == 0 and ks[3] == 0, ks
+
+
+def test_a_row_far_behind_its_draft_joins_only_if_the_rest_of_it_repays_the_stall_for_everyone():
+    from engine.spec.policy import worth_starting
+
+    flat = CostProfile((1, 8), ((0.040, 0.041, 0.042, 0.043), (0.080, 0.081, 0.082, 0.083)), (0.004, 0.006),
+                       draft_prefill_seconds_per_token=0.002)
+    assert plan_round(flat, [RowOutlook(0.95, 3, behind=200, remaining=400)]) == [3], "400 tokens repay reading 200"
+    assert plan_round(flat, [RowOutlook(0.95, 3, behind=200, remaining=10)]) == [0], "10 do not"
+    # in a batch of 8 that drafts anyway, the same row's reading of its 200 tokens stalls all 8 rows
+    late = RowOutlook(0.95, 3, behind=200, remaining=60)
+    assert worth_starting(flat, 8, 0.95, 3, context=200, remaining=60), "for itself alone it would pay"
+    ks = plan_round(flat, [RowOutlook(0.95, 3, behind=1)] * 7 + [late])
+    assert ks == [3] * 7 + [0], ks
+
+
+def test_probes_happen_where_they_are_cheap_and_never_on_a_busy_batch_that_drafts_nothing():
+    profile = cpu_like_profile()
+    prober = RowOutlook(0.05, 3, wants_probe=True)
+    assert plan_round(profile, [prober]) == [1], "alone: a probe is one cheap draft step"
+    assert plan_round(profile, [prober] + [RowOutlook(0.05, 3)] * 15) == [0] * 16, "16 rows wait for nobody"
+    flat = CostProfile((1, 8), ((0.01, 0.0101, 0.0102, 0.0103),) * 2, (0.0001, 0.0002))
+    ks = plan_round(flat, [RowOutlook(0.9, 3)] * 7 + [prober])
+    assert ks[:7] == [3] * 7 and ks[7] == 1, "the round drafts anyway: the probe rides along"
+    far_behind = RowOutlook(0.05, 3, behind=500, remaining=10, wants_probe=True)
+    slow_prefill = CostProfile(flat.batch_sizes, flat.verify_seconds, flat.draft_step_seconds, 0.01)
+    assert plan_round(slow_prefill, [RowOutlook(0.9, 3)] * 7 + [far_behind])[7] == 0, "no long catch-up on a hunch"
+
+
+def test_pinned_rows_get_their_k_and_the_plan_accounts_for_their_draft_call():
+    profile = cpu_like_profile()
+    rows = [RowOutlook(0.05, 3, fixed=True)] + [RowOutlook(0.9, 3)] * 3
+    ks = plan_round(profile, rows)
+    assert ks[0] == 3
+    assert plan_round(profile, [RowOutlook(0.05, 2, fixed=True)] * 16) == [2] * 16
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 16, 32])
+def test_the_plan_is_never_expected_to_be_slower_than_plain_decoding(batch):
+    from engine.spec.policy import expected_tokens
+
+    profile = cpu_like_profile()
+    rows = [RowOutlook(a, 4) for a in [0.2, 0.5, 0.7, 0.9, 0.95, 0.99, 0.6, 0.3] * 4][:batch]
+    ks = plan_round(profile, rows)
+    tokens = sum(expected_tokens(r.acceptance, k) for r, k in zip(rows, ks))
+    drafting = sum(1 for k in ks if k)
+    rate = tokens / profile.round_seconds(batch, max(ks), drafting=drafting)
+    assert rate >= batch / profile.round_seconds(batch, 0)
