@@ -44,7 +44,7 @@ def worker_spec(cfg: SpecServeConfig, role: str) -> dict:
     spec = cfg.speculation
     # with overlap the draft computes while the target's ranks do; without, they take turns
     concurrent = cfg.tp_size if role == "target" else 1
-    if spec.overlap and cfg.model.uses_draft_model:
+    if spec.overlap and cfg.draft_source().remote:
         concurrent += 1 if role == "target" else cfg.tp_size
     return {"num_cpus": s.num_cpus, "num_gpus": s.num_gpus, "resources": dict(s.resources),
             "torch_threads": s.torch_threads, "concurrent_workers": concurrent, "niceness": s.niceness,
@@ -69,7 +69,7 @@ def deployment_options(cfg: SpecServeConfig) -> dict[str, dict]:
             "placement_group_strategy": "STRICT_PACK",
         },
     }
-    if cfg.model.uses_draft_model:
+    if cfg.draft_source().remote:
         options["Draft"] = {
             **common(cfg.draft),
             "ray_actor_options": {"num_cpus": REPLICA_CPUS},

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.calibration.store import DEFAULT_DIR as DEFAULT_COST_CACHE
-from engine.factory import DraftMethod, EngineConfig
+from engine.factory import DraftSource, EngineConfig, draft_source
 from engine.models.loading import DTYPES
 
 # Ray Serve's AutoscalingConfig.metrics_interval_s default: how often load reports reach the autoscaler
@@ -30,7 +30,8 @@ class ModelSection(StrictModel):
     target_dtype: str = Field("auto", description="dtype of the target weights; 'auto': bfloat16 where the hardware "
                                                   "computes it natively (CUDA, a CPU with avx512_bf16 or AMX), else "
                                                   "float32")
-    draft: str = Field("smollm2", description="'ngram' (no draft model), 'none', or a draft model source")
+    draft: str = Field("ngram", description="'ngram' (n-gram prompt lookup, no draft model), 'none', or a draft "
+                                            "model source (alias, .gguf, HF directory or cached id)")
     draft_dtype: str = Field("int8", description="dtype of the draft ('int8' = weight-only int8)")
     served_model_name: str = Field("smollm2-135m-instruct", description="the `model` name clients send")
     max_model_len: int = Field(2048, ge=16, description="context window (prompt + output tokens)")
@@ -43,15 +44,6 @@ class ModelSection(StrictModel):
         if v not in DTYPES and v != "auto":
             raise ValueError(f"unknown dtype {v!r}; choose one of {sorted(DTYPES) + ['auto']}")
         return v
-
-    @property
-    def draft_method(self) -> DraftMethod:
-        """`draft` parsed: a draft model, n-gram lookup or none."""
-        return DraftMethod.of(self.draft)
-
-    @property
-    def uses_draft_model(self) -> bool:
-        return self.draft_method is DraftMethod.MODEL
 
 
 class SpeculationSection(StrictModel):
@@ -170,7 +162,8 @@ class ScalingSection(StrictModel):
                                          "run first (a 1-stream served step 14-19% faster on a dedicated 2-core "
                                          "machine), but a saturated node then starves the routers and Serve's "
                                          "control plane (an autoscaling test flapped). Lowering it needs "
-                                         "CAP_SYS_NICE; without it a warning is logged. None (default): Ray's")
+                                         "CAP_SYS_NICE; without it a warning is logged. None: Ray's. Default: 0 for "
+                                         "Draft and Target (ROLE_DEFAULTS)")
 
     @model_validator(mode="after")
     def _bounds(self) -> "ScalingSection":
@@ -184,6 +177,17 @@ class ScalingSection(StrictModel):
         return self
 
 
+# Each deployment's defaults where they differ from ScalingSection's: serve_config.yaml's one-machine values (a
+# test holds the two equal). A section given in a config is merged over its role's defaults, field by field.
+_MODEL_WORKER = {"niceness": 0, "target_ongoing_requests": 8, "max_queued_requests": 16}
+ROLE_DEFAULTS = {
+    "router": {"num_cpus": 0.25, "max_replicas": 2, "target_ongoing_requests": 16, "max_ongoing_requests": 64,
+               "max_queued_requests": 64},
+    "draft": _MODEL_WORKER,
+    "target": _MODEL_WORKER,
+}
+
+
 class SpecServeConfig(StrictModel):
     model: ModelSection = Field(default_factory=ModelSection)
     speculation: SpeculationSection = Field(default_factory=SpeculationSection)
@@ -191,15 +195,18 @@ class SpecServeConfig(StrictModel):
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     limits: LimitsSection = Field(default_factory=LimitsSection)
     tp_size: int = Field(1, ge=1, description="tensor-parallel workers per Target replica (one bundle each)")
-    router: ScalingSection = Field(default_factory=lambda: ScalingSection(num_cpus=0.25, max_ongoing_requests=64,
-                                                                          max_queued_requests=64,
-                                                                          target_ongoing_requests=16))
-    draft: ScalingSection = Field(default_factory=ScalingSection)
-    target: ScalingSection = Field(default_factory=ScalingSection)
+    router: ScalingSection = Field(default_factory=lambda: ScalingSection(**ROLE_DEFAULTS["router"]))
+    draft: ScalingSection = Field(default_factory=lambda: ScalingSection(**ROLE_DEFAULTS["draft"]))
+    target: ScalingSection = Field(default_factory=lambda: ScalingSection(**ROLE_DEFAULTS["target"]))
     api_key_env: str = Field("SPECSERVE_API_KEY", description="env var holding the API key (unset: no auth)")
     api_key_file: str | None = Field(None, description="file holding the API key (e.g. a mounted Kubernetes "
                                                        "Secret); used when the env var is unset")
     log_prompts: bool = Field(False, description="debug only: log prompt and completion text")
+
+    @field_validator("router", "draft", "target", mode="before")
+    @classmethod
+    def _role_defaults(cls, section, info):
+        return {**ROLE_DEFAULTS[info.field_name], **section} if isinstance(section, dict) else section
 
     @model_validator(mode="after")
     def _consistent(self) -> "SpecServeConfig":
@@ -221,6 +228,10 @@ class SpecServeConfig(StrictModel):
             raise ValueError(f"runner.compile: on is not supported with tp_size {self.tp_size} on CPU: the "
                              f"tensor-parallel static runner runs eagerly there; set runner.compile: auto or off")
         return self
+
+    def draft_source(self) -> DraftSource:
+        """Where the served rounds' drafts come from (engine/factory.py decides it from `model.draft`)."""
+        return draft_source(self.engine_config())
 
     def engine_config(self) -> EngineConfig:
         m, s = self.model, self.speculation

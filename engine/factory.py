@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class DraftMethod(str, enum.Enum):
     """How a deployment drafts: the one vocabulary for it, parsed once from the config's `draft` (a model source,
     "ngram" or "none": `EngineConfig.draft_method`). A new kind of proposer is a member here, a branch in
-    `build_proposer`, and its module in engine/."""
+    `build_proposer` and `draft_source`, and its module in engine/proposers/."""
 
     MODEL = "model"  # a draft model (engine/proposers/draft_model.DraftModelProposer), served by Draft workers
     NGRAM = "ngram"  # prompt lookup (engine/proposers/ngram.NgramProposer), in the router: no model, no worker
@@ -44,8 +44,7 @@ class DraftMethod(str, enum.Enum):
 class EngineConfig:
     target: str = DEFAULT_MODEL  # alias, .gguf path, HF directory, or HF id in the local cache
     target_dtype: str = "float32"
-    # default: the target's own weights as an int8 weight-only draft (README: "Choosing the default draft")
-    draft: str = DEFAULT_MODEL  # "ngram", "none", or a model source like `target`
+    draft: str = "ngram"  # "ngram" (prompt lookup, the served default), "none", or a draft model's source
     draft_dtype: str = "int8"
     num_speculative_tokens: int = 3
     ngram_min: int = 2
@@ -163,6 +162,30 @@ def build_proposer(config: EngineConfig, target_tokenizer, target_vocab_size: in
     grammars = SequenceGrammars(GrammarCompiler(target_tokenizer, target_vocab_size,
                                                 eos_token_ids(resolve(config.target).directory, target_tokenizer)))
     return DraftModelProposer(make_runner(model, config), target_vocab_size, grammars=grammars)
+
+
+@dataclass(frozen=True)
+class DraftSource:
+    """Where a served round's drafts come from, decided here once from the draft method: the round loop, the
+    scheduler, the cost bookkeeping and the application builder ask these questions and never the method.
+
+    `local`: a proposer the router runs itself (n-gram lookup: no model, no worker). `remote`: Draft workers run a
+    draft model (their proposer is `build_proposer`'s), leased per request. Neither: plain decoding."""
+
+    local: Proposer | None = None
+    remote: bool = False
+
+    @property
+    def drafts(self) -> bool:
+        return self.remote or self.local is not None
+
+
+def draft_source(config: EngineConfig) -> DraftSource:
+    """The served rounds' draft source for the config's draft method."""
+    method = config.draft_method
+    if method is DraftMethod.NGRAM:
+        return DraftSource(local=NgramProposer(config.ngram_min, config.ngram_max))
+    return DraftSource(remote=method is DraftMethod.MODEL)
 
 
 def capture_graphs(runner: Runner | None, max_k: int) -> bool:

@@ -163,7 +163,7 @@ def _start_params(ov: Overlay, cfg: SpecServeConfig, group: str) -> dict[str, st
 def build_rayservice(ov: Overlay, serve_doc: dict, cfg: SpecServeConfig) -> dict:
     workers = []
     for group in GROUPS:
-        if group == "draft" and not cfg.model.uses_draft_model:
+        if group == "draft" and not cfg.draft_source().remote:
             continue
         s = section(cfg, group)
         workers.append({

@@ -1,7 +1,7 @@
 """Readiness: whether the router can lease the model replicas a completion needs, for GET /health.
 
 A Draft or Target replica takes its first call only once its constructor has run, and the constructor returns only
-when its model workers have loaded and opened their channels (model_deployments.py): so a replica that answers a
+when its model workers have loaded and opened their channels (deployments/workers/replicas.py): so a replica that answers a
 `ready()` call can be leased. Until the Target deployment (and the Draft deployment, when the config uses a draft
 model; n-gram and plain decoding need none) has answered one, /health answers 503; from then on 200. A probe waits
 PROBE_TIMEOUT_S at most (Serve holds a call to a deployment with no running replica until one starts), concurrent

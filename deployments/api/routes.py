@@ -56,7 +56,7 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    # undeclared fields are kept and checked by api_params.refuse_unsupported: implemented, neutral, or a 400
+    # undeclared fields are kept and checked by params.refuse_unsupported: implemented, neutral, or a 400
     model_config = ConfigDict(extra="allow")
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -119,7 +119,7 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool-call fields: api_params.MESSAGE_NEUTRAL
+    model_config = ConfigDict(extra="allow")  # tool-call fields: params.MESSAGE_NEUTRAL
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None

@@ -75,7 +75,7 @@ class RayDraftLease(_RayLease):
 
     async def chain(self, calls: list[DraftCall], target: "RayTargetLease", verify_calls: list[VerifyCall],
                     members: list[int]) -> VerifyResult:
-        """One chained round trip (channel_client.AsyncChannels.chain): this worker drafts and hands the drafts (with
+        """One chained round trip (transport.client.AsyncChannels.chain): this worker drafts and hands the drafts (with
         the compact proposals of unseeded sampled rows) to the target's rank 0, which samples and answers here with
         the tokens, the draft's among them."""
         try:

@@ -7,7 +7,7 @@
 n-gram
    lookup); the others come from the rows' Draft workers.
 3. Verify: with one Draft worker and no overlap, one chained call (the Draft worker drafts and hands its tokens to
-   the Target worker, which verifies and answers: channel_client.AsyncChannels.chain); else one draft call per
+   the Target worker, which verifies and answers: transport.client.AsyncChannels.chain); else one draft call per
    Draft lease, then one verify call (with `overlap`, while the next round's drafts are made ahead).
 4. Accept: the target worker has sampled on its device (engine/spec/accept.verify_rows, the in-process engine's accept
    step too: greedy rows compare tokens, seeded rows by Gumbel coupling, the others by the rejection sampler) and
@@ -42,9 +42,7 @@ from deployments.transport.messages import (
     WireProposal,
     head,
 )
-from engine.factory import DraftMethod
 from engine.proposers.base import DraftRequest
-from engine.proposers.ngram import NgramProposer
 from engine.request.sequence import RequestOutput
 from engine.spec.accept import commit
 from engine.spec.plan import RowOutlook, plan_ks
@@ -113,9 +111,8 @@ class GroupRound:
         self.recovery = recovery
         self._deliver = deliver  # hands the rows' outputs to their requests (and ends finished ones)
         self.metrics = NullMetrics()
-        # n-gram lookup runs here, in the router (no worker); a draft model's proposer runs in the Draft workers
-        self.ngram = (NgramProposer(config.ngram_min, config.ngram_max)
-                      if config.draft_mode is DraftMethod.NGRAM else None)
+        # a local proposer (n-gram lookup) runs here, in the router; a draft model's runs in the Draft workers
+        self.local = config.draft.local
         self.ahead = AheadDrafts(stats, recovery.replace_live_drafts)
         self._unchainable: set[tuple[str, str]] = set()  # (Draft, Target) replica keys whose chained round failed
 
@@ -128,7 +125,7 @@ class GroupRound:
         the next round, and a draft started now (its prefill first) would pay only at the batch size they make.
         """
         profile = self.costs.policy_profile(self.group_draft(rows), rows[0].target)
-        model = self.config.draft_mode is DraftMethod.MODEL
+        model = self.config.draft.remote
         outlooks = [RowOutlook(acceptance=live.tracker.acceptance, cap=live.seq.k if self._may_draft(live) else 0,
                                # tokens the draft worker has not read yet (all, before the first Draft lease; n-gram
                                # lookup reads nothing)
@@ -139,7 +136,7 @@ class GroupRound:
         return [live.seq.draft_len(k) for live, k in zip(rows, ks)]
 
     def _may_draft(self, live: LiveRequest) -> bool:
-        if self.config.draft_mode is not DraftMethod.MODEL or live.draft is not None:
+        if not self.config.draft.remote or live.draft is not None:
             return True
         return time.monotonic() >= live.draft_retry_at  # a Draft lease can be taken when the plan wants drafts
 
@@ -152,7 +149,7 @@ class GroupRound:
     async def run(self, rows: list[LiveRequest], ks: list[int]) -> RoundResult | None:
         """One round for `rows` (all leased to one Target replica) with `ks` drafts each; None when the Target
         replica failed (the rows re-lease and re-prefill: deployments/router/recovery.py)."""
-        if self.ngram is None and any(ks):  # rows drafting for the first time take their Draft lease (set-up work,
+        if self.config.draft.remote and any(ks):  # rows drafting for the first time take their Draft lease (set-up work,
             start = time.perf_counter()  # once per request: counted apart from the round's orchestration)
             await self.recovery.lease_drafts([live for live, k in zip(rows, ks)
                                               if k > 0 and live.ready is None and live.draft is None])
@@ -217,9 +214,9 @@ class GroupRound:
             live.ready = None  # a draft made ahead serves the round right after it, or nobody
         if not any(ks):
             return drafts
-        if self.ngram is not None:
+        if self.local is not None:
             asked = [b for b, k in enumerate(ks) if k > 0]
-            proposal = self.ngram.propose([DraftRequest(rows[b].seq.request_id, rows[b].seq.tokens, ks[b],
+            proposal = self.local.propose([DraftRequest(rows[b].seq.request_id, rows[b].seq.tokens, ks[b],
                                                         rows[b].seq.params) for b in asked])  # deterministic
             for i, b in enumerate(asked):
                 drafts.tokens[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()

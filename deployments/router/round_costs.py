@@ -12,7 +12,6 @@ import logging
 
 from deployments.transport.messages import CostObservation
 from engine.calibration.measure import profile_from_costs
-from engine.factory import DraftMethod
 from engine.spec.policy import CostCorrection, CostProfile
 
 logger = logging.getLogger("ray.serve")
@@ -24,9 +23,9 @@ def pair_key(draft, target) -> tuple:
 
 
 class RoundCosts:
-    def __init__(self, adaptive: bool, draft_mode: DraftMethod | str, calibration: CostProfile | None = None) -> None:
+    def __init__(self, adaptive: bool, remote_draft: bool, calibration: CostProfile | None = None) -> None:
         self.adaptive = adaptive
-        self.draft_mode = DraftMethod(draft_mode)
+        self.remote_draft = remote_draft  # drafts come from Draft workers, whose costs the plan needs
         self.calibration = calibration
         self._measured: dict[tuple, CostProfile | None] = {}
         self._corrections: dict[tuple, CostCorrection] = {}
@@ -48,13 +47,13 @@ class RoundCosts:
 
     def measured(self, draft, target) -> CostProfile | None:
         """The costs the leased replicas measured at start (None: none reported, or no Draft lease taken yet)."""
-        if draft is None and self.draft_mode is DraftMethod.MODEL:
+        if draft is None and self.remote_draft:
             return None  # the router has not leased a Draft replica yet: nothing known of the draft's costs
         key = pair_key(draft, target)
         if key not in self._measured:
             draft_costs = draft.costs if draft is not None else None
             profile = None
-            if target.costs is not None and (draft_costs is not None or self.draft_mode is not DraftMethod.MODEL):
+            if target.costs is not None and (draft_costs is not None or not self.remote_draft):
                 profile = profile_from_costs(target.costs, draft_costs)
             if profile is None:
                 logger.warning("no measured costs for replicas %s; K follows max_batch_for_speculation", key)

@@ -20,12 +20,10 @@ from deployments.errors import Overloaded, ReplicaGone, RequestFailed
 from deployments.metrics import NullMetrics, observe
 from deployments.router.admission import AdmissionSlot
 from deployments.router.scheduler import Scheduler, SchedulerConfig
-from engine.factory import DraftMethod
 from engine.models.loading import eos_token_ids, load_tokenizer, resolve
 from engine.request.grammar import GrammarCompiler, GrammarError
 from engine.request.sampling import SamplingParams
 from engine.request.sequence import EmptyPromptError, PromptTooLongError
-from engine.spec.policy import CostProfile
 
 logger = logging.getLogger("ray.serve")
 
@@ -82,26 +80,11 @@ class Router:
         self.metrics = metrics or NullMetrics()
         resolved = resolve(config.model.target)
         self.tokenizer = tokenizer or load_tokenizer(resolved, config.model.trust_remote_code)
-        mode = config.model.draft_method
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_model_len=config.model.max_model_len, eos_token_ids=eos_token_ids(resolved.directory, self.tokenizer),
-                num_speculative_tokens=config.speculation.num_speculative_tokens if mode is not DraftMethod.NONE else 0,
-                draft_mode=mode, ngram_min=config.speculation.ngram_min, ngram_max=config.speculation.ngram_max,
-                max_batch_for_speculation=config.speculation.max_batch_for_speculation,
-                max_live_sequences=config.limits.max_live_sequences_per_router,
-                adaptive=config.speculation.adaptive,
-                overlap=config.speculation.overlap and mode is DraftMethod.MODEL,
-                decode_ahead=config.speculation.decode_ahead,
-                max_queue_wait_s=config.limits.max_queue_wait_s, prefill_chunk=config.runner.prefill_chunk,
-                profile=(CostProfile.from_json(config.speculation.calibration)
-                         if config.speculation.calibration else None),
-            ),
-            self.tokenizer, broker,
-        )
+            SchedulerConfig.of(config, eos_token_ids(resolved.directory, self.tokenizer)), self.tokenizer, broker)
         self.scheduler.metrics = self.metrics
         self.api_key = load_api_key(config)
-        self.readiness = Readiness(broker, ("draft", "target") if mode is DraftMethod.MODEL else ("target",))
+        self.readiness = Readiness(broker, ("draft", "target") if self.scheduler.config.draft.remote else ("target",))
         # structured outputs: grammars are compiled here to be checked (each distinct one once), never masked here;
         # the tokenizer table is built now, not on the event loop under the first constrained request
         self.grammars = GrammarCompiler(self.tokenizer, len(self.tokenizer), self.scheduler.config.eos_token_ids)

@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from deployments.config import SpecServeConfig
 from deployments.errors import ReplicaGone, RequestFailed
 from deployments.metrics import observe
 from deployments.router.admission import Admission, AdmissionSlot
@@ -34,7 +35,7 @@ from deployments.router.recovery import Recovery
 from deployments.router.round import GroupRound, ended
 from deployments.router.round_costs import RoundCosts
 from deployments.transport.messages import DraftCall, DraftResult, VerifyCall
-from engine.factory import DraftMethod
+from engine.factory import DraftSource
 from engine.request.sampling import SamplingParams
 from engine.request.sequence import RequestOutput, SequenceState
 from engine.spec.policy import AcceptanceTracker, CostProfile
@@ -50,9 +51,7 @@ class SchedulerConfig:
     max_model_len: int
     eos_token_ids: frozenset[int]
     num_speculative_tokens: int
-    draft_mode: DraftMethod
-    ngram_min: int = 2
-    ngram_max: int = 4
+    draft: DraftSource  # where drafts come from (engine/factory.py): the router's own proposer, Draft workers, none
     max_batch_for_speculation: int = 4  # without `adaptive`
     max_live_sequences: int = 64
     adaptive: bool = False  # K per request from acceptance and measured costs (engine/spec/policy.py)
@@ -61,6 +60,19 @@ class SchedulerConfig:
     decode_ahead: bool = False  # mark rows that will not draft next round for the target to decode ahead
     max_queue_wait_s: float = 30.0  # how long a request waits for a free KV-cache slot (admission.py), then 503
     prefill_chunk: int = 256  # prompt tokens sent per round: a long prompt stalls running streams one chunk a round
+
+    @classmethod
+    def of(cls, config: SpecServeConfig, eos_token_ids: frozenset[int]) -> "SchedulerConfig":
+        """The round loop's settings from the application's one config."""
+        spec, draft = config.speculation, config.draft_source()
+        return cls(
+            max_model_len=config.model.max_model_len, eos_token_ids=eos_token_ids,
+            num_speculative_tokens=spec.num_speculative_tokens if draft.drafts else 0, draft=draft,
+            max_batch_for_speculation=spec.max_batch_for_speculation,
+            max_live_sequences=config.limits.max_live_sequences_per_router, adaptive=spec.adaptive,
+            profile=CostProfile.from_json(spec.calibration) if spec.calibration else None,
+            overlap=spec.overlap and draft.remote, decode_ahead=spec.decode_ahead,
+            max_queue_wait_s=config.limits.max_queue_wait_s, prefill_chunk=config.runner.prefill_chunk)
 
 
 @dataclass
@@ -101,7 +113,7 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
-        self.costs = RoundCosts(config.adaptive, config.draft_mode, config.profile)
+        self.costs = RoundCosts(config.adaptive, config.draft.remote, config.profile)
         # acceptance over all requests: a new request's prior, so it starts where its predecessors ended
         self.population = AcceptanceTracker()
         self.recovery = Recovery(broker, self._live, self.space, self.stats, lambda: self._wakeup.set())
@@ -291,7 +303,7 @@ class Scheduler:
         reads), so the draft too reads a long prompt one chunk a round instead of all of it in the row's first
         drafting round. The Draft lease is taken here; a row without one (none to be had, or its worker died)
         reads the rest when it next drafts."""
-        if self.config.draft_mode is not DraftMethod.MODEL or live.seq.k == 0:
+        if not self.config.draft.remote or live.seq.k == 0:
             return None
         if live.draft is None and time.monotonic() >= live.draft_retry_at:
             await self.recovery.lease_drafts([live])

@@ -9,7 +9,7 @@ The wire (frames, the handshake, endpoints, socket set-up) is deployments/transp
 args, reply), and `reply` says where the reply goes: REPLY, ONE_WAY, ERRORS_ONLY, or a connection id of this server
 (that connection's client gets it: a chained call, below).
 
-Chained calls (`channel_client.AsyncChannels.chain`, the router's side): the router asks the draft worker to draft
+Chained calls (`transport.client.AsyncChannels.chain`, the router's side): the router asks the draft worker to draft
 and hand its drafts straight to the target worker, which verifies and answers on the router's own connection to it.
 A round then wakes three processes in turn instead of four (router -> draft -> target -> router, against router ->
 draft -> router -> target -> router), and the router's Python between the two calls is gone: bench/RESULTS.md has

@@ -264,7 +264,7 @@ class ModelWorker:
 
     def released_ago(self, seq_ids: list[str]) -> dict[str, float]:
         """Seconds since each of `seq_ids` was last released here, for those released among the last
-        RELEASES_REMEMBERED (model_deployments' sweep closes leases whose sequences a router released)."""
+        RELEASES_REMEMBERED (the replicas' lease sweep (workers/replicas.py) closes leases whose sequences a router released)."""
         return self._model.call(self._released_ago, seq_ids)
 
     def _released_ago(self, seq_ids: list[str]) -> dict[str, float]:
@@ -277,7 +277,7 @@ class ModelWorker:
             runner.release(seq_id)
 
     def release_stale(self, seq_ids: list[str], idle_s: float) -> list[str]:
-        """Release those of `seq_ids` (sequences whose leases have ended: model_deployments' sweep) that this worker
+        """Release those of `seq_ids` (sequences whose leases have ended: the replicas' lease sweep (workers/replicas.py)) that this worker
         still holds and that no call has touched for `idle_s`; returns them."""
         return self._model.call(self._release_stale, seq_ids, idle_s)
 

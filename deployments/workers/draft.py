@@ -59,7 +59,7 @@ class DraftWorkerCore(ModelWorker):
         from transformers import AutoConfig
 
         target_vocab = AutoConfig.from_pretrained(target.directory).vocab_size
-        # a Draft worker exists for DraftMethod.MODEL only: its proposer is a DraftModelProposer (`.runner`)
+        # a Draft worker exists for a draft model only (DraftSource.remote): its proposer is a DraftModelProposer (`.runner`)
         self.proposer = build_proposer(config, load_tokenizer(target, config.trust_remote_code), target_vocab)
         prepare_grammars(self.proposer.grammars, "draft")
         warm_up(self.proposer.runner, config.num_speculative_tokens, "draft")
@@ -126,7 +126,7 @@ class DraftWorkerCore(ModelWorker):
 
     def propose_chained(self, calls: list[tuple], verify_calls: list[tuple], members: list[int],
                         route: Route) -> None:
-        """A chained round's first step (channel_client.AsyncChannels.chain): draft, then hand the drafts (and the
+        """A chained round's first step (transport.client.AsyncChannels.chain): draft, then hand the drafts (and the
         compact proposals of unseeded sampled rows) to the target worker at `route`, whose verify
         (`TargetWorkerCore.verify_chained`) samples and answers the router. Row members[i] of `verify_calls` gets
         call i's drafts. Calls are in their wire form (DraftCall.wire(), VerifyCall.wire()); the verify calls pass

@@ -1,6 +1,6 @@
 """A replica's record of the sequences leased to it, and the sweep of sequences that outlive their leases.
 
-Closing a lease releases its sequence on the replica's workers (model_deployments._LeasedReplica._hold). Should a
+Closing a lease releases its sequence on the replica's workers (workers/replicas.py: _LeasedReplica._hold). Should a
 worker hold a sequence after that anyway (the README's "Limits" describe such a leak, seen in the autoscaling
 test, whose cause is not found yet: a call arriving after the release, or a release that never arrived), its KV
 cache slot would stay taken for good. So the replica remembers the sequences it released for a while, and at each

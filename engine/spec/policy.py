@@ -27,7 +27,7 @@ from pathlib import Path
 PRIOR_ACCEPTANCE = 0.7  # a new request's assumed per-token acceptance (pulls the estimate for a few rounds)
 PRIOR_WEIGHT = 2.0  # in draft tokens: how quickly observations outweigh the prior
 DECAY = 0.8  # per round: the weight of older rounds (about the last 5 rounds count)
-PROBE_EVERY = 8  # rounds at K = 0 before a request asks for a probing round with K = 1 (round_plan.py decides)
+PROBE_EVERY = 8  # rounds at K = 0 before a request asks for a probing round with K = 1 (engine/spec/plan.py decides)
 CORRECTION_WEIGHT = 0.1  # weight of one round's observed/predicted cost ratio once a few rounds are in
 
 
@@ -291,5 +291,5 @@ class AcceptanceTracker:
 
     @property
     def wants_probe(self) -> bool:
-        """Drafted nothing for PROBE_EVERY rounds: worth a look with K = 1 where that is cheap (round_plan.py)."""
+        """Drafted nothing for PROBE_EVERY rounds: worth a look with K = 1 where that is cheap (engine/spec/plan.py)."""
         return self.rounds_without_drafts >= PROBE_EVERY

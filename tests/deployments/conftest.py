@@ -61,8 +61,11 @@ def tiny_config(dirs, **overrides) -> SpecServeConfig:
     speculation = {"adaptive": False, "cost_cache": None, **overrides.pop("speculation", {})}
     # the static runner, eager: compiling its steps is tested in tests/engine (it would take minutes here)
     runner = {"compile": False, "kv_cache_gib": 0.05, **overrides.pop("runner", {})}
+    # model threads keep Ray's niceness: the tests' Ray clusters saturate two cores, where a niceness-0 model
+    # thread would starve the routers and Serve's control plane
+    workers = {role: {"niceness": None, **overrides.pop(role, {})} for role in ("draft", "target")}
     return SpecServeConfig.model_validate({"model": model, "limits": limits, "speculation": speculation,
-                                           "runner": runner, **overrides})
+                                           "runner": runner, **workers, **overrides})
 
 
 class _Relay:
@@ -139,7 +142,7 @@ class LocalBroker:
 
     def __init__(self, config: SpecServeConfig) -> None:
         self.engine_config = config.engine_config()
-        self.uses_draft = config.model.uses_draft_model
+        self.uses_draft = config.draft_source().remote
         # like the replicas: measure costs at start when the router's K policy wants them
         self.calibrate = config.speculation.adaptive and config.speculation.calibration is None
         self.counter = itertools.count()

@@ -12,7 +12,7 @@ class _Stand:
 
 
 def test_every_deployment_sheds_with_503_and_retry_after_and_ray_accepts_the_options():
-    cfg = SpecServeConfig.model_validate({"router": {"max_queued_requests": 3}})
+    cfg = SpecServeConfig.model_validate({"model": {"draft": "smollm2"}, "router": {"max_queued_requests": 3}})
     options = deployment_options(cfg)
     assert set(options) == {"Router", "Draft", "Target"}
     for name, opts in options.items():
@@ -56,7 +56,7 @@ def test_autoscaling_windows_must_outlast_the_load_reports():
     assert "metrics_interval_s" not in deployment_options(SpecServeConfig())["Target"]["autoscaling_config"]
 
 
-def test_model_workers_keep_rays_niceness_unless_the_config_sets_one_and_it_is_bounded():
+def test_model_workers_run_at_niceness_0_unless_the_config_sets_one_and_it_is_bounded():
     import pydantic
     import pytest
 
@@ -64,8 +64,8 @@ def test_model_workers_keep_rays_niceness_unless_the_config_sets_one_and_it_is_b
     from deployments.config import SpecServeConfig
 
     cfg = SpecServeConfig.model_validate({"model": {"draft": "smollm2"}, "draft": {"niceness": 5}})
-    assert worker_spec(cfg, "target")["niceness"] is None and worker_spec(cfg, "draft")["niceness"] == 5
-    assert worker_spec(SpecServeConfig.model_validate({"target": {"niceness": 0}}), "target")["niceness"] == 0
+    assert worker_spec(cfg, "target")["niceness"] == 0 and worker_spec(cfg, "draft")["niceness"] == 5
+    assert worker_spec(SpecServeConfig.model_validate({"target": {"niceness": None}}), "target")["niceness"] is None
     with pytest.raises(pydantic.ValidationError, match="niceness"):
         SpecServeConfig.model_validate({"target": {"niceness": 20}})
 

@@ -13,12 +13,25 @@ def test_a_config_s_draft_names_one_method(draft, method):
     assert DraftMethod.of(draft) is method and EngineConfig(draft=draft).draft_method is method
 
 
-def test_the_serving_config_parses_the_same_method():
+def test_the_serving_config_s_draft_source_is_decided_here():
     from deployments.config import SpecServeConfig
 
-    for draft, method in (("ngram", DraftMethod.NGRAM), ("none", DraftMethod.NONE), ("smollm2", DraftMethod.MODEL)):
-        model = SpecServeConfig.model_validate({"model": {"draft": draft}}).model
-        assert model.draft_method is method and model.uses_draft_model == (method is DraftMethod.MODEL)
+    def source(draft):
+        return SpecServeConfig.model_validate({"model": {"draft": draft}}).draft_source()
+
+    ngram = source("ngram")
+    assert isinstance(ngram.local, NgramProposer) and not ngram.remote and ngram.drafts
+    model = source("smollm2")
+    assert model.local is None and model.remote and model.drafts
+    assert not source("none").drafts and source("none").local is None
+
+
+def test_nothing_outside_the_factory_branches_on_the_draft_method():
+    from tests import REPO
+
+    users = sorted(str(path.relative_to(REPO)) for package in ("engine", "deployments")
+                   for path in (REPO / package).rglob("*.py") if "DraftMethod" in path.read_text())
+    assert users == ["engine/factory.py"], users
 
 
 def test_proposers_are_built_by_method(tmp_path):

@@ -1,4 +1,4 @@
-"""engine/ never imports Ray (README, "Where a change goes"): every module of the package, imported in a fresh
+"""engine/ never imports Ray (docs/ARCHITECTURE.md): every module of the package, imported in a fresh
 interpreter, leaves `ray` out of sys.modules. The engine runs in-process (CLI, benchmarks) with no cluster."""
 
 import pkgutil

@@ -19,7 +19,7 @@ def call(tokens):  # what observe looks at: the tokens the call carries
 
 
 def test_measured_costs_are_corrected_by_steady_rounds_only():
-    costs = RoundCosts(adaptive=True, draft_mode="model")
+    costs = RoundCosts(adaptive=True, remote_draft=True)
     before = costs.policy_profile(DRAFT, TARGET)
     assert before == costs.measured(DRAFT, TARGET) and costs.corrects
     costs.observe(CostObservation(DRAFT, TARGET, "verify", [call(list(range(40)))], 1, 10.0))  # a prefill: left out
@@ -43,15 +43,15 @@ def test_measured_costs_are_corrected_by_steady_rounds_only():
 
 def test_a_calibration_file_is_taken_as_given_and_no_policy_means_no_costs():
     calibration = profile_from(BATCHES, [[0.1, 0.2]] * 3, [0.05] * 3)
-    costs = RoundCosts(adaptive=True, draft_mode="model", calibration=calibration)
+    costs = RoundCosts(adaptive=True, remote_draft=True, calibration=calibration)
     costs.observe(CostObservation(DRAFT, TARGET, "verify", [call([5, 6])], 1, 9.0))
     assert costs.policy_profile(DRAFT, TARGET) == calibration and not costs.corrects
     assert list(costs.shown()) == ["calibration file"]
-    assert RoundCosts(adaptive=False, draft_mode="model").policy_profile(DRAFT, TARGET) is None
+    assert RoundCosts(adaptive=False, remote_draft=True).policy_profile(DRAFT, TARGET) is None
 
 
 def test_a_draft_model_pairing_without_draft_costs_has_no_profile():
-    costs = RoundCosts(adaptive=True, draft_mode="model")
+    costs = RoundCosts(adaptive=True, remote_draft=True)
     assert costs.policy_profile(SimpleNamespace(key="d2", costs=None), TARGET) is None
-    ngram = RoundCosts(adaptive=True, draft_mode="ngram")
+    ngram = RoundCosts(adaptive=True, remote_draft=False)
     assert ngram.policy_profile(None, TARGET).draft(1, 3) == 0.0  # n-gram drafts cost nothing

@@ -14,7 +14,7 @@
 // operators' batch invariance and per-query exactness do not depend on the split).
 //
 // Helpers: torch's thread count minus one (at::get_num_threads(), so torch.set_num_threads governs both), started
-// on first use by the thread that calls (so they inherit its scheduling niceness: deployments/worker_base.py), re-made
+// on first use by the thread that calls (so they inherit its scheduling niceness: deployments/workers/base.py), re-made
 // after a fork. After a region they spin for up to spin(), then sleep on a futex; the caller wakes them only when one
 // sleeps. A chunk must not throw (the operators check their arguments before they split the work). One region at a
 // time per process: a second caller while one runs computes its range on its own thread. SPECSERVE_POOL=openmp runs

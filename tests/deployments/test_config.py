@@ -1,0 +1,36 @@
+"""deployments/config.py: one default, serve_config.yaml's, and a section given in a config keeps its role's
+defaults for the fields it leaves out."""
+
+import yaml
+
+from deployments.config import ROLE_DEFAULTS, SpecServeConfig
+from tests import REPO
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def test_serve_config_yaml_states_the_config_s_defaults():
+    args = yaml.safe_load((REPO / "serve_config.yaml").read_text())["applications"][0]["args"]
+    defaults = dict(_leaves(SpecServeConfig().model_dump()))
+    differing = {name: (value, defaults.get(name, "<no such field>")) for name, value in _leaves(args)
+                 if defaults.get(name, "<no such field>") != value}
+    assert not differing, differing
+    assert SpecServeConfig.model_validate(args) == SpecServeConfig()
+
+
+def test_a_partial_section_keeps_its_role_s_defaults():
+    cfg = SpecServeConfig.model_validate({"router": {"max_queued_requests": 3}, "target": {"max_replicas": 4}})
+    assert cfg.router.max_queued_requests == 3 and cfg.router.num_cpus == ROLE_DEFAULTS["router"]["num_cpus"]
+    assert cfg.target.max_replicas == 4 and cfg.target.niceness == 0 and cfg.target.target_ongoing_requests == 8
+    assert cfg.draft == SpecServeConfig().draft
+
+
+def test_the_default_drafts_by_n_gram_lookup_in_the_router():
+    source = SpecServeConfig().draft_source()
+    assert source.local is not None and not source.remote
