@@ -170,8 +170,7 @@ def evaluate_targets(runs: dict[str, dict[int, dict]]) -> list[dict]:
 
 def peer_dtype(ours: str) -> str:
     """vLLM's --dtype for our resolved target dtype (after engine.models.runner.resolve_dtype turned `auto` into a
-    name).
-    int8 is our weight-only format: vLLM gets the float32 that it is made from."""
+    name). int8 is our weight-only format: vLLM gets the float32 that it is made from."""
     if ours == "int8":
         return "float32"
     if ours not in DTYPE_ALIASES:

@@ -8,11 +8,10 @@ Starts `serve run` of --config as `make run` does (deployments/ray_env.py's HAPr
 variables added to the server's environment (the Ray workers inherit them), readies it with a completion, then
 per concurrency C: one warm-up wave of C requests, then --reps measured runs of max(2C, 8) requests (the prompts
 of bench/prompts.jsonl, or --prompts, rendered by the model's chat template, 64 greedy tokens, `ignore_eos`, streamed)
-from C
-concurrent httpx streams. Prints per run: tokens/s over the run's wall time, TTFT and inter-token gaps, the
-router's rounds (/stats: count, mean batch, draft/verify/compute/orchestration ms per round, and how much of the
-wall time rounds filled), and the CPU seconds of the ten busiest processes on the machine (/proc) against the
-machine's CPU seconds in that time. Writes nothing; the output is the record.
+from C concurrent httpx streams. Prints per run: tokens/s over the run's wall time, TTFT and inter-token gaps, the
+router's rounds (/stats: count, mean batch, draft/verify/compute/orchestration ms per round, and how much of the wall
+time rounds filled), and the CPU seconds of the ten busiest processes on the machine (/proc) against the machine's CPU
+seconds in that time. Writes nothing; the output is the record.
 
 The client is a small asyncio loop, not vLLM's benchmark client (bench/peer_serve.py is the comparison with vLLM):
 it costs this machine less CPU, so the server's own share is easier to read.

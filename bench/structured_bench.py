@@ -4,10 +4,9 @@
 
 Target: SmolLM2-135M-Instruct fp32 (the default model), in-process engine (engine/speculative.py), greedy, batch 1,
 K fixed. Drafts: the default int8 draft model (which masks its own drafts with its own matcher,
-engine/request/grammar.py)
-and n-gram lookup (unmasked drafts: the target's mask rejects those outside the grammar). Each prompt asks for JSON
-and runs unconstrained and under its schema (`response_format` json_schema's grammar), plus plain decoding (K = 0)
-under the schema, the greedy reference the speculative outputs must equal.
+engine/request/grammar.py) and n-gram lookup (unmasked drafts: the target's mask rejects those outside the grammar).
+Each prompt asks for JSON and runs unconstrained and under its schema (`response_format` json_schema's grammar), plus
+plain decoding (K = 0) under the schema, the greedy reference the speculative outputs must equal.
 
 Reported per config: acceptance rate (accepted / drafted) and mean acceptance length (1 + accepted / drafting
 rounds, vLLM's convention), tokens/s, outputs that validate against the schema, outputs equal to plain decoding's,

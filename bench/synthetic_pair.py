@@ -15,11 +15,10 @@ what random weights lack is a draft that agrees with the target, and that is bui
 
 Shapes (SHAPES): `8b` is Llama-3.1-8B's (hidden 4096, 32 layers, 32/8 heads, vocabulary 128,256) with a 2-layer
 draft whose step reads about 1B parameters (its layers and the 128,256-row head); `1.5b` is hidden 2048, 24 layers, 32/8
-heads, vocabulary 49,152, tied
-embeddings, with a 2-layer draft of about 0.22B; `tiny` is for CPU tests. The tokenizer is a word-level one made
-here with the shape's vocabulary (`synthetic_tokenizer`: "<pad>", "</s>", "<s>", then words "w3" ...), so a pair
-needs no tokenizer file from anywhere (the GPU machines have no network) and its head is the real shape's size;
-the benchmarks send token ids.
+heads, vocabulary 49,152, tied embeddings, with a 2-layer draft of about 0.22B; `tiny` is for CPU tests. The tokenizer
+is a word-level one made here with the shape's vocabulary (`synthetic_tokenizer`: "<pad>", "</s>", "<s>", then words
+"w3" ...), so a pair needs no tokenizer file from anywhere (the GPU machines have no network) and its head is the real
+shape's size; the benchmarks send token ids.
 
 The random weights are scaled so that text is not degenerate: linear layers with std 1/sqrt(fan_in) keep every
 layer's output the size of its input, embeddings small (std 0.02) so that a tied head does not simply repeat the

@@ -4,12 +4,10 @@ tp=2 over gloo (the transformers runner and the static runner on each rank's sha
 A random-weight Llama (default: hidden 1024, 8 heads, 4 key/value heads, MLP 2816, 8 layers, vocabulary 32000,
 fp32) is saved as safetensors; two spawned ranks (gloo, 1 torch thread each) load their shards from it with
 engine/models/shard_loading.py and build both runners; this process runs the tp=1 static runner over the whole model
-with
-as many threads as the two ranks together, and with one. Every round times each configuration and shape in turn (the
-order
-rotates per round), `--steps` forwards each, so a slow patch of the shared machine hits all of them alike. A step is
-`Runner.forward` of `width` new tokens on each of `batch` sequences of `--context` tokens, rolled back after (as the
-target worker does after a rejection). Not a test:
+with as many threads as the two ranks together, and with one. Every round times each configuration and shape in turn
+(the order rotates per round), `--steps` forwards each, so a slow patch of the shared machine hits all of them alike. A
+step is `Runner.forward` of `width` new tokens on each of `batch` sequences of `--context` tokens, rolled back after (as
+the target worker does after a rejection). Not a test:
 
     GOMP_SPINCOUNT=20000 flock /tmp/specserve-heavy.lock .venv/bin/python -m bench.tp_runner_bench \
         --out bench/plots/tp_runner_bench.json

@@ -2,8 +2,7 @@
 
 Loads the config's target and draft in this process, times verify passes and draft steps by batch size
 (engine/calibration/measure.py) and writes the cost profile that `speculation.calibration` points the router's K policy
-at.
-It prints the table and, for a few acceptance rates, the K the policy would pick per batch size and the largest
+at. It prints the table and, for a few acceptance rates, the K the policy would pick per batch size and the largest
 batch at which it still drafts (the knee). Each model is measured at the batch sizes its KV cache holds
 (`runner.max_num_seqs`, the KV budget); the policy extrapolates beyond them (engine/spec/policy.cost_at). Without a
 profile file the Draft and Target replicas measure the same costs themselves at start.

@@ -20,8 +20,8 @@ class Overloaded(RuntimeError):
 
 class ReplicaFull(Overloaded):
     """A replica refused a lease: its KV cache holds as many sequences as it has slots for
-    (deployments/router/admission.py).
-    The request waits for space and tries again; past its wait it is answered like any overload (503)."""
+    (deployments/router/admission.py). The request waits for space and tries again; past its wait it is answered like
+    any overload (503)."""
 
 
 class TensorParallelBroken(RuntimeError):
@@ -31,8 +31,7 @@ class TensorParallelBroken(RuntimeError):
 
 class RequestFailed(RuntimeError):
     """One request failed on a worker after admission (a deployments/transport/messages.RowFailure: its grammar would
-    not
-    compile there, say). The round loop ends that request with this error and goes on with the others; the router
+    not compile there, say). The round loop ends that request with this error and goes on with the others; the router
     answers it as a 500 with the failure's code (router.Router.run)."""
 
     def __init__(self, code: str, message: str) -> None:

@@ -64,8 +64,8 @@ class EngineConfig:
     max_num_seqs: int = 32  # KV-cache slots at most (sequences a worker holds at once)
     prefill_chunk: int = 256  # prompt tokens per forward; the scheduler sends a long prompt this much per round
     # keep finished sequences' keys/values in free slots for new ones that start the same way
-    # (engine/models/static/prefix_cache.py):
-    # "auto" (where hits are exact), "on" (an error where they would not be), "off"
+    # (engine/models/static/prefix_cache.py): "auto" (where hits are exact), "on" (an error where they would not be),
+    # "off"
     prefix_caching: str = "auto"
     # the KV cache's dtype (kv_cache_dtype_for): "auto" (the model's weight dtype: bf16 for a bf16 model, whose
     # steps compute in fp32 on CPU), "float32", "bfloat16"

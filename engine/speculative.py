@@ -6,8 +6,7 @@ drafts, the target scores all of them in one batched forward, and engine/spec/ac
 accept step too) keeps the agreeing prefix plus one recovered or bonus token, on the logits' device, and commits it.
 Every request has a seed (its own, or one drawn at admission: SequenceState.seed), and every random number is a
 function of it and the token position (engine/spec/randomness.py), so no generator state lives here. Sequences join and
-leave
-between rounds. k = 0 (or speculation off for a sequence) is plain target decoding through the same path.
+leave between rounds. k = 0 (or speculation off for a sequence) is plain target decoding through the same path.
 """
 
 from __future__ import annotations
@@ -61,8 +60,7 @@ class SpeculativeEngine:
         self._draft_read: dict[str, int] = {}  # committed tokens the draft model has read, by request
         self._fixed_k: set[str] = set()  # requests that asked for exactly their K every round
         # structured outputs: the target's matcher per constrained request (engine/request/grammar.py); the proposer
-        # keeps
-        # its own
+        # keeps its own
         self.grammars = SequenceGrammars(GrammarCompiler(tokenizer, target.vocab_size, self.eos_token_ids))
 
     # ---- admission ------------------------------------------------------------------------------------------

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 # Without a GPU, Triton's kernels (engine/models/static/attention.py) run in its CPU interpreter, which Triton reads
-# from the
-# environment when it is first imported: set here, before any test module imports engine
+# from the environment when it is first imported: set here, before any test module imports engine
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers

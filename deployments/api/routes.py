@@ -72,8 +72,7 @@ class _Common(BaseModel):
     speculative: SpeculativeOptions | None = None
     user: str | None = None
     # vLLM's sampling parameters (engine/request/sampling.SamplingParams; the ids are checked against the vocabulary by
-    # the
-    # router)
+    # the router)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)

@@ -1,7 +1,6 @@
 """Structured-output request fields: OpenAI's `response_format` and vLLM's `structured_outputs`, mapped to the
 engine's GrammarSpec (engine/request/grammar.py) and compiled at the router before the request is admitted, so a bad
-schema,
-regex or grammar is a 400 naming its parameter and never reaches the scheduler or the workers.
+schema, regex or grammar is a 400 naming its parameter and never reaches the scheduler or the workers.
 
 - `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON object),
   `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}` (OpenAI's shapes).

@@ -2,14 +2,12 @@
 
 A lease's first item (messages.LeaseInfo) names the replica, its workers' actor handles (cancels go there, on the
 "control" thread) and the endpoint of the direct channel every round's call travels (deployments/transport/channel.py;
-for a
-target, rank 0's, which passes each call on to the other ranks). A replica the router has seen fail (its channel
-closed, or its tensor-parallel group broken) is remembered. Until Serve's health check replaces it, a new target
-lease that lands there is given back and tried again (with a short pause), so a request re-leasing after a crash
-waits for a healthy replica instead of burning its retries on the broken one; past LEASE_RETRY_TIMEOUT_S it is
-answered 503. Draft leases are not retried: a request whose draft is gone goes on with plain decoding. A replica
-whose KV cache is full answers a lease with `admission.LeaseRefused`, raised here as ReplicaFull (the scheduler
-waits and tries again).
+for a target, rank 0's, which passes each call on to the other ranks). A replica the router has seen fail (its channel
+closed, or its tensor-parallel group broken) is remembered. Until Serve's health check replaces it, a new target lease
+that lands there is given back and tried again (with a short pause), so a request re-leasing after a crash waits for a
+healthy replica instead of burning its retries on the broken one; past LEASE_RETRY_TIMEOUT_S it is answered 503. Draft
+leases are not retried: a request whose draft is gone goes on with plain decoding. A replica whose KV cache is full
+answers a lease with `admission.LeaseRefused`, raised here as ReplicaFull (the scheduler waits and tries again).
 """
 
 from __future__ import annotations

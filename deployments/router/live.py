@@ -1,6 +1,6 @@
 """A live request's state in the router's round loop, and the lease protocols the loop calls
-(deployments/router/leases.py
-implements them over Ray Serve and the worker channel; tests/deployments/conftest.py in-process)."""
+(deployments/router/leases.py implements them over Ray Serve and the worker channel; tests/deployments/conftest.py
+in-process)."""
 
 from __future__ import annotations
 

@@ -275,8 +275,8 @@ class Scheduler:
         one call (chunked prefill, as vLLM's and SGLang's schedulers do): the worker takes turns between this call
         and the running rows' round, so those wait for one chunk per prompt per round instead of whole prompts, and
         the prompts' chunks share forwards there (engine/models/static/runner.prefill_groups). The chunks' sampled
-        tokens
-        are not needed; a request that asked for prompt logprobs gets its chunk's (engine/request/prompt_logprobs.py)."""
+        tokens are not needed; a request that asked for prompt logprobs gets its chunk's
+        (engine/request/prompt_logprobs.py)."""
         ends = [live.target_sent + self.config.prefill_chunk for live in lives]
         calls = [VerifyCall(live.delta(live.target_sent, end), []) for live, end in zip(lives, ends)]
         try:

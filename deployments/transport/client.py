@@ -1,6 +1,6 @@
 """The router's side of the worker channel (deployments/transport/wire.py has the wire format,
-deployments/transport/channel.py
-the workers' side): one asyncio connection per call in flight, reused across calls, and chained calls (draft worker
+deployments/transport/channel.py the workers' side): one asyncio connection per call in flight, reused across calls, and
+chained calls (draft worker
 -> target worker -> router) on two connections at once."""
 
 from __future__ import annotations

@@ -4,23 +4,19 @@ A round's calls and replies cross the worker channel (deployments/transport/chan
 `from_wire`): a worker unpickles a call right after its compute, with its caches cold, and there plain tuples load
 ~4x faster than dataclass instances (bench/RESULTS.md). So they are converted at the edges only: the worker cores
 read calls `from_wire` and answer a result's `wire()`; the leases (deployments/router/leases.py, or the tests'
-in-process
-ones) turn the replies back into results. Everything between, the round loop included, sees these types.
+in-process ones) turn the replies back into results. Everything between, the round loop included, sees these types.
 
 A round sends only token deltas: each call names a sequence, the position `start` from which the router's
 committed tokens are new to the worker, and those tokens, with its sampling settings and seed (and, in its first
-delta to a worker, its grammar). The target worker
-samples (engine/spec/accept.py, on its device) and answers per row the tokens to emit, how many drafts it accepted and,
-when asked, their logprobs (and a prefilling row's prompt logprobs, engine/request/prompt_logprobs.py): a few dozen
-bytes
-per token, never a probability tensor. A row a worker cannot serve (its grammar fails there) is answered as a
-RowFailure in the reply, by call index, so one request's failure never fails the call's other rows. The only
-distributions on the wire are
-the draft's compact proposals of unseeded sampled rows ([K, N] token ids and probabilities, engine/spec/proposal.py):
-in a chained round they go from the draft worker straight to the target worker; when the router holds drafts made
-ahead (deployments/router/draft_ahead.py) or drafted by several Draft leases, it forwards each row's compact proposal
-unchanged
-inside its VerifyCall (router -> target), never reading it.
+delta to a worker, its grammar). The target worker samples (engine/spec/accept.py, on its device) and answers per row
+the tokens to emit, how many drafts it accepted and, when asked, their logprobs (and a prefilling row's prompt logprobs,
+engine/request/prompt_logprobs.py): a few dozen bytes per token, never a probability tensor. A row a worker cannot serve
+(its grammar fails there) is answered as a RowFailure in the reply, by call index, so one request's failure never fails
+the call's other rows. The only distributions on the wire are the draft's compact proposals of unseeded sampled rows
+([K, N] token ids and probabilities, engine/spec/proposal.py): in a chained round they go from the draft worker straight
+to the target worker; when the router holds drafts made ahead (deployments/router/draft_ahead.py) or drafted by several
+Draft leases, it forwards each row's compact proposal unchanged inside its VerifyCall (router -> target), never reading
+it.
 """
 
 from __future__ import annotations

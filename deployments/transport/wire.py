@@ -1,6 +1,5 @@
 """The worker channel's wire: frames, the handshake's digest, endpoints, socket set-up (deployments/transport/channel.py
-has the
-server, the one-way sender and the relay; deployments/transport/client.py the router's client).
+has the server, the one-way sender and the relay; deployments/transport/client.py the router's client).
 
 Wire format: after the handshake, frames of an 8-byte big-endian length and a pickle (protocol 5). A request is
 (method, args, reply); a reply is (ok, value), value being the result or the exception the method raised. `reply`

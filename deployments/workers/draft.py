@@ -1,12 +1,11 @@
 """Model workers: the stateful halves of a speculative round, as plain classes (unit-testable) and Ray actors.
 
 A round sends only token deltas (deployments/transport/messages.py: the calls and results, and their wire form). A
-worker
-keeps the committed tokens it knows and its KV cache; `Runner.sync` rolls the cache back to the common prefix, so
+worker keeps the committed tokens it knows and its KV cache; `Runner.sync` rolls the cache back to the common prefix, so
 rejected drafts disappear without bookkeeping. The target samples on its own device (engine/spec/accept.verify_rows) and
 replies tokens; the draft replies tokens and, for unseeded sampled rows, compact proposals (engine/spec/proposal.py).
-What both workers share (the channel on the model thread, the busy clock, known tokens, counters, ping, stats,
-release) is deployments/workers/base.py's ModelWorker.
+What both workers share (the channel on the model thread, the busy clock, known tokens, counters, ping, stats, release)
+is deployments/workers/base.py's ModelWorker.
 
 The target's worker, TargetWorkerCore, lives in deployments/workers/target.py (tensor parallelism there too).
 """
@@ -120,8 +119,8 @@ class DraftWorkerCore(ModelWorker):
 
     def _failures(self, calls: list[DraftCall]) -> dict[int, RowFailure]:
         """The calls whose grammar failed in the proposer (it drafts the other rows on:
-        engine/proposers/draft_model.py); their
-        drafts are dropped and their requests fail (no silent unconstrained drafting)."""
+        engine/proposers/draft_model.py); their drafts are dropped and their requests fail (no silent unconstrained
+        drafting)."""
         return failed_grammars(self.proposer.grammars, [call.seq.seq_id for call in calls], "draft")
 
     def propose_chained(self, calls: list[tuple], verify_calls: list[tuple], members: list[int],

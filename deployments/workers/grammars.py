@@ -1,6 +1,5 @@
 """Structured outputs in the model workers (deployments/workers/draft.py): the grammar compiler's start-up, and the
-typed
-per-row failure (messages.RowFailure) of a request whose grammar fails on a worker.
+typed per-row failure (messages.RowFailure) of a request whose grammar fails on a worker.
 
 The honesty rule: a grammar that cannot be compiled on a worker (after the router compiled it before admission: a
 tokenizer that differs, or none that llguidance can read) or whose matcher breaks mid-request fails that request
@@ -20,8 +19,7 @@ log = logging.getLogger(__name__)
 
 def prepare_grammars(grammars: SequenceGrammars | None, worker: str) -> None:
     """Build the grammar compiler's tokenizer table at start-up (engine/request/grammar.GrammarCompiler.prepare), not in
-    the
-    first constrained round, which it would stall for every row of the batch (~0.5 s for SmolLM2's 49k tokens). A
+    the first constrained round, which it would stall for every row of the batch (~0.5 s for SmolLM2's 49k tokens). A
     tokenizer llguidance cannot read (or no llguidance) leaves the worker serving: the error is kept, and every
     request with a grammar fails with it (grammar_failure), never unconstrained."""
     if grammars is None:

@@ -6,9 +6,8 @@ a replica with a *streaming* call that stays open while the request lives: Serve
 so autoscaling follows the number of live sequences, and scale-down waits for it. The lease's first item names the
 replica, its workers' actor handles (for cancels) and the endpoint of the workers' direct channel
 (deployments/transport/channel.py): every round's calls travel that channel, not Ray (a chained round ~0.9 ms, against
-~3.5 ms
-for a DeploymentHandle call and ~3 ms for an actor call beside busy workers). Closing the lease frees the sequence's
-caches at once.
+~3.5 ms for a DeploymentHandle call and ~3 ms for an actor call beside busy workers). Closing the lease frees the
+sequence's caches at once.
 
 A replica whose workers' KV caches have a fixed number of sequence slots (`kv_capacity` in their stats) leases no
 more sequences than that: past it a lease is answered with `admission.LeaseRefused`, and the request waits for a

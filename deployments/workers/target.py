@@ -1,8 +1,7 @@
 """The target's model worker: verifies each round's rows (with their drafts) and samples on its own device.
 
 Each call names rows by sequence and sends only what is new (deployments/transport/messages.py); `Runner.sync` rolls the
-KV
-cache back to what agrees with the committed tokens, so rejected drafts disappear without bookkeeping. The accept
+KV cache back to what agrees with the committed tokens, so rejected drafts disappear without bookkeeping. The accept
 step (engine/spec/accept.verify_rows) runs here, so only tokens go back to the router. Plain rows the router marks are
 decoded one step ahead while the router handles the reply (deployments/workers/decode_ahead.py).
 
@@ -251,8 +250,7 @@ class TargetWorkerCore(ModelWorker):
 
     def _grammar_masks(self, call: VerifyCall):  # [K+1, V] bool, or None: the row has no grammar
         """The row's grammar masks at each verify position (engine/request/grammar.py): its matcher, made from the
-        grammar
-        its sequence's first delta carried, synced to the committed tokens, probes the drafts. GrammarError when
+        grammar its sequence's first delta carried, synced to the committed tokens, probes the drafts. GrammarError when
         the grammar cannot be compiled here (the router compiled it before admission: a tokenizer mismatch, or no
         tokenizer table) or its matcher broke."""
         spec = call.seq.grammar_spec()

@@ -381,8 +381,7 @@ class SequenceGrammars:
 
 class GrammarProcessor:
     """A sequence's grammar as a logits processor of engine/request/logits_processing.py's seam: row t of `logits`
-    scores
-    the token after the context's history t, so it gets the grammar's mask there (GrammarMatcher.masks over the
+    scores the token after the context's history t, so it gets the grammar's mask there (GrammarMatcher.masks over the
     context's drafts). The same mask as `RowVerify.allowed` and the draft's `mask_draft_logits` apply today; this
     is the piece that lets the grammar ride in a row's processors instead (see the issue note)."""
 

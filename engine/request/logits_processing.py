@@ -21,9 +21,8 @@ The seam, for whoever adds a processor (structured outputs' grammar mask, say):
 - a row's processors are a tuple in a `RowProcessing`, applied in order; `process_logits` applies every row's to a
   batch of logits: from `engine.spec.accept.verify_rows` (the target, every scored position of the round) and
   `engine.proposers.draft_model.DraftModelProposer.propose` (each draft step), before argmax / `logits_to_probs`. Put
-  the
-  built-ins first (SequenceState and the workers do) and new processors after them; a -inf mask commutes with
-  them anyway (-inf stays -inf under a bias or a penalty);
+  the built-ins first (SequenceState and the workers do) and new processors after them; a -inf mask commutes with them
+  anyway (-inf stays -inf under a bias or a penalty);
 - the built-in processors, vLLM's request parameters, are engine/request/builtin_processors.py; the in-process engine
 keeps
   a sequence's processors on its `SequenceState.processors`, a served worker in its per-sequence store

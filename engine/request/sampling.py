@@ -46,8 +46,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
     skip_special_tokens: bool = True  # leave special tokens out of the text
     # structured outputs (engine/request/grammar.py): every emitted token is one the grammar allows, and the row stops
-    # when
-    # the grammar completes (EOS stops such a row even with ignore_eos)
+    # when the grammar completes (EOS stops such a row even with ignore_eos)
     grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:

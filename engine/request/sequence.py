@@ -28,8 +28,7 @@ class RequestOutput:
     """What one round produced for one request (a streaming delta), plus totals once finished.
 
     `new_text` is decoded when first read (engine/request/stopping.OutputText: without stop strings the round loop
-    decodes
-    no text; the request's consumer does, between rounds). A request's outputs must be read in order."""
+    decodes no text; the request's consumer does, between rounds). A request's outputs must be read in order."""
 
     request_id: str
     new_token_ids: list[int]
@@ -75,8 +74,8 @@ class SequenceState:
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
     # the built-in logits processing (sent to workers once, deployments/transport/messages.SeqDelta.logits) and the
-    # processors
-    # applied to this sequence's draft and target logits at every position (engine/request/logits_processing.py)
+    # processors applied to this sequence's draft and target logits at every position
+    # (engine/request/logits_processing.py)
     logits_settings: LogitsSettings | None = None
     processors: tuple[LogitsProcessor, ...] = ()
     # prompt logprobs (params.prompt_logprobs): [None] + per prompt token its PromptLogprob, filled as the target

@@ -2,12 +2,11 @@
 
 `verify_rows` is the accept step, run where the target's logits are (the target worker's device, rank 0 under
 tensor parallelism: deployments/workers/draft.py; the in-process engine, engine/speculative.py): it takes a row's
-drafts,
-the compact proposal its drafts were sampled from (unseeded sampled rows), its seed and the absolute position of
-its first scored token, and answers the tokens to emit, the number of drafts accepted and, where asked, logprobs.
-So only tokens travel back to whoever commits them (the router commits with `commit`, never holding a probability
-tensor). Leviathan et al. 2022 (arXiv 2211.17192), Algorithm 1: a row keeps its drafts up to the first rejection and
-adds one recovered token there, or one bonus token when every draft was accepted. By row:
+drafts, the compact proposal its drafts were sampled from (unseeded sampled rows), its seed and the absolute position of
+its first scored token, and answers the tokens to emit, the number of drafts accepted and, where asked, logprobs. So
+only tokens travel back to whoever commits them (the router commits with `commit`, never holding a probability tensor).
+Leviathan et al. 2022 (arXiv 2211.17192), Algorithm 1: a row keeps its drafts up to the first rejection and adds one
+recovered token there, or one bonus token when every draft was accepted. By row:
 
 - Greedy (temperature 0): argmax matching (`rejection.greedy_accept`), no noise, no probabilities.
 - Seeded sampled (the request brought a seed): Gumbel coupling (`rejection.gumbel_accept`): each position's token
@@ -18,8 +17,7 @@ adds one recovered token there, or one bonus token when every draft was accepted
   or a one-hot draft (n-gram lookup) when there is none. Its acceptance is the higher of the two.
 
 Logits processors (penalties, logit_bias, min_tokens, a grammar: engine/request/logits_processing.py) run first, on
-every
-scored position with its own history (the committed tokens plus the drafts before it), for every scheme: the
+every scored position with its own history (the committed tokens plus the drafts before it), for every scheme: the
 greedy argmax, the Gumbel choice and the ratio test all see the processed distribution plain decoding would use.
 
 Structured outputs: a row's grammar mask (`RowVerify.allowed`, engine/request/grammar.py) sets the tokens it does not

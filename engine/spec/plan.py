@@ -5,8 +5,8 @@ as the widest row. So a row's drafts pay only if the tokens they add outweigh wh
 row. Leviathan et al. 2022 (arXiv 2211.17192, Sec. 3.4) give one sequence's expected tokens per round,
 E(a, K) = (1 - a^(K+1)) / (1 - a); for a batch the plan maximizes the round's expected tokens per second,
 
-    (sum over drafting rows of E(a_b, K) + the other rows' one token each)
-    / (K draft steps over the m drafting rows + a verify of the batch at width K+1 + the round's overhead),
+    (sum over drafting rows of E(a_b, K) + the other rows' one token each) / (K draft steps over the m drafting rows + a
+    verify of the batch at width K+1 + the round's overhead),
 
 over K in 1..k_max and the m rows with the best acceptance, against plain decoding (every K = 0). A rule per row
 (each row's own E against the round's cost) lets one request with good acceptance, or one probing request, make a

@@ -10,10 +10,10 @@ expected tokens per second: per request (its own acceptance) at the round's batc
 live sequences than the knee, every request's K is 0 and rounds are plain batched decoding.
 
 `CostCorrection` pulls the profile toward the costs the rounds really see. `AcceptanceTracker` estimates a per
-request from recent rounds; a request whose drafts keep failing drops to
-K = 0 and probes with K = 1 every `PROBE_EVERY` rounds, so a request whose text turns predictable gets its
-drafts back. engine/spec/plan.py turns these per-request estimates into a round's K for the batch as a whole.
-Without a profile, `load_adjusted_k`'s fixed threshold is the (uncalibrated) fallback.
+request from recent rounds; a request whose drafts keep failing drops to K = 0 and probes with K = 1 every `PROBE_EVERY`
+rounds, so a request whose text turns predictable gets its drafts back. engine/spec/plan.py turns these per-request
+estimates into a round's K for the batch as a whole. Without a profile, `load_adjusted_k`'s fixed threshold is the
+(uncalibrated) fallback.
 """
 
 from __future__ import annotations
@@ -56,12 +56,11 @@ def cost_at(sizes: Sequence[int], values: Sequence[float], batch: int) -> float:
     of one slot): proportional to the rows.
 
     A runner measures only the batches its KV cache holds (engine/calibration/measure.py), so a profile can end at 1 or
-    2
-    rows. The last segment is the local slope where the pass is as memory- or compute-bound as just beyond it; the
-    per-row cost of the largest measured batch instead would take every bigger pass as wholly compute-bound, which
-    on a GPU makes a few more rows look several times dearer than they are and stops speculation early. A single
-    point has no slope, and there the per-row reading is the cautious one (it never makes drafting look cheaper than
-    measured). Where either errs, `CostCorrection` pulls the costs toward what the rounds really take.
+    2 rows. The last segment is the local slope where the pass is as memory- or compute-bound as just beyond it; the
+    per-row cost of the largest measured batch instead would take every bigger pass as wholly compute-bound, which on a
+    GPU makes a few more rows look several times dearer than they are and stops speculation early. A single point has no
+    slope, and there the per-row reading is the cautious one (it never makes drafting look cheaper than measured). Where
+    either errs, `CostCorrection` pulls the costs toward what the rounds really take.
     """
     if len(sizes) != len(values) or not sizes:
         raise ValueError("one cost per measured batch size")

@@ -9,8 +9,7 @@ Two schemes, both exact (the emitted tokens are distributed as the target's proc
   (Leviathan et al., Appendix A.1) uses only that x_i was drawn from q_i, so q_i may be any proposal the draft
   really sampled from: the draft model's distribution kept on its top N tokens with a uniform tail over the rest
   (engine/spec/proposal.py) is as exact as the full one. Words follow vLLM: accepted, recovered, bonus. A draft without
-  probabilities
-  (n-gram lookup) is a one-hot q: accept with probability p_i(x_i), recover from p_i with x_i removed.
+  probabilities (n-gram lookup) is a one-hot q: accept with probability p_i(x_i), recover from p_i with x_i removed.
 - `gumbel_accept`, for seeded rows (Daliri, Musco, Suresh 2024, arXiv 2408.07978, "Coupling without communication
   and drafter-invariant speculative decoding"): the target's token at a position is argmax(log p + G), G the
   Gumbel noise of (seed, position) (engine/spec/randomness.py); the draft proposed argmax(log q + G) with the same

@@ -90,9 +90,8 @@ def test_bf16_prompts_prefilled_together_give_the_bits_each_gives_alone():
 
 def test_a_bf16_prompts_logits_do_not_depend_on_how_it_was_split_into_forwards():
     """The layout invariance exact prefix caching relies on (engine/models/static/prefix_cache.py), on the real model,
-    where a
-    last-bit difference in attention reaches the logits (prompt chunks through SDPA gave logits up to 0.3 apart when
-    the prompt was cut): fed whole, or as a prefix and then the rest (a chunk, a verify-width step, a decode step),
+    where a last-bit difference in attention reaches the logits (prompt chunks through SDPA gave logits up to 0.3 apart
+    when the prompt was cut): fed whole, or as a prefix and then the rest (a chunk, a verify-width step, a decode step),
     the last token's logits are the same bits."""
     import random
 

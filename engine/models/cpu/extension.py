@@ -29,11 +29,10 @@ Its results are batch invariant: a row's outputs are the same bits whatever rows
 is summed in one fixed order), which MKL does not promise.
 
 The shared library (every source in engine/models/cpu/csrc) is compiled with the system's C++ compiler (`CXX`, default
-g++)
-against the installed torch's headers into `SPECSERVE_KERNEL_CACHE` (default ~/.cache/specserve/kernels), once
-per source, torch version and flags (~20 s on 2 cores); `make install` builds it ahead (`main()`). Where it cannot
-be used (no AVX2, not x86, no compiler, a failed build) `op(name)` returns None, the reason is logged once as a
-warning, and callers keep their ATen code. `SPECSERVE_CPU_OPS=aten` turns it off (A/B measurements).
+g++) against the installed torch's headers into `SPECSERVE_KERNEL_CACHE` (default ~/.cache/specserve/kernels), once per
+source, torch version and flags (~20 s on 2 cores); `make install` builds it ahead (`main()`). Where it cannot be used
+(no AVX2, not x86, no compiler, a failed build) `op(name)` returns None, the reason is logged once as a warning, and
+callers keep their ATen code. `SPECSERVE_CPU_OPS=aten` turns it off (A/B measurements).
 """
 
 from __future__ import annotations

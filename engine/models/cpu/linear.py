@@ -13,9 +13,8 @@ machine, SmolLM2-135M's 30 layers' projections, weights cold: 37-45 ms -> 24-26 
 -> 5-6 ms). Matrices that fit in cache (under `SPLIT_GEMV_MIN_ELEMENTS`) gain nothing and keep `F.linear`.
 
 Where engine/models/cpu/extension.py's kernel is available (x86 with AVX2/FMA and a C++ compiler), 1 to 64 rows use it
-instead:
-faster than both tricks above at every row count measured (bench/RESULTS.md, "A small-batch CPU matrix product"),
-and batch invariant. The tricks stay for machines without it.
+instead: faster than both tricks above at every row count measured (bench/RESULTS.md, "A small-batch CPU matrix
+product"), and batch invariant. The tricks stay for machines without it.
 """
 
 from __future__ import annotations
@@ -79,8 +78,7 @@ def small_gemm_for(
     weight: torch.Tensor,  # [out, in]: fp32, bf16 or int8
 ) -> Callable | None:
     """engine/models/cpu/extension.py's kernel where it can compute this product (fp32 activations on CPU, `in` a
-    multiple
-    of 8, a contiguous weight, an eager step), else None."""
+    multiple of 8, a contiguous weight, an eager step), else None."""
     if (x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[-1] % 8 or not weight.is_contiguous()
             or torch.compiler.is_compiling()):
         return None

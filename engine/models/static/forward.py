@@ -15,8 +15,7 @@ CUDA), in the spirit of gpt-fast's `model.py` (static cache + `torch.compile(mod
 
 Families: Llama, Mistral, Qwen2 (q/k/v biases) and Gemma (embedding scaled by sqrt(hidden), (1 + w) RMSNorm
 weights, GELU-tanh MLP). Others keep the transformers path (engine/models/transformers_runner.py). A tensor-parallel
-rank's shard
-(engine/models/tensor_parallel.py) runs here too, its heads and KV cache only, with collectives:
+rank's shard (engine/models/tensor_parallel.py) runs here too, its heads and KV cache only, with collectives:
 engine/models/static/tp.py.
 """
 
@@ -170,9 +169,8 @@ class StaticLlama(nn.Module):
     `weight_dtype=bfloat16` with `dtype=float32` is how bf16 models run on CPU (engine/factory.cpu_step_dtypes): each
     product is a bf16 product (activations rounded to bf16, fp32 sums and output), so a step reads half the bytes of
     an fp32 model, and norms, residuals, RoPE and attention compute in fp32 (over a `cache_dtype` KV cache: fp32 or
-    bf16, engine/factory.kv_cache_dtype_for). On CPUs with AVX512_BF16 the
-    weights are packed once for engine/models/cpu/csrc/bf16_gemm.cpp (VDPBF16PS); elsewhere
-    engine/models/cpu/csrc/small_gemm.cpp widens
+    bf16, engine/factory.kv_cache_dtype_for). On CPUs with AVX512_BF16 the weights are packed once for
+    engine/models/cpu/csrc/bf16_gemm.cpp (VDPBF16PS); elsewhere engine/models/cpu/csrc/small_gemm.cpp widens
     them as they stream in."""
 
     def __init__(self, model: nn.Module, num_slots: int, capacity: int, dtype: torch.dtype | None = None,

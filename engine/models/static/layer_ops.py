@@ -76,9 +76,8 @@ def use_fused_attention(device: torch.device, batch: int, width: int) -> bool:
 
 class LayerOps:
     """A layer's elementwise work: ATen operators, or on CPU in fp32 engine/models/cpu/csrc/layer_ops.cpp's fused ones
-    (one call
-    each for a norm, a residual add with the next norm, SwiGLU, and RoPE with the KV-cache write, where ATen takes
-    3-20 calls; at decode sizes their dispatch, not their arithmetic, is the cost). Compiled steps keep ATen's
+    (one call each for a norm, a residual add with the next norm, SwiGLU, and RoPE with the KV-cache write, where ATen
+    takes 3-20 calls; at decode sizes their dispatch, not their arithmetic, is the cost). Compiled steps keep ATen's
     (inductor fuses them itself)."""
 
     def __init__(self, model: "StaticLlama", fused: dict | None, positions: torch.Tensor, first_slot: int,

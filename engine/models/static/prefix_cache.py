@@ -4,11 +4,10 @@ free slots, and a new sequence whose tokens start the same way copies them inste
 vLLM and SGLang do the same with hashed blocks (vLLM's "automatic prefix caching", SGLang's RadixAttention): a chat
 template's system prompt, a conversation's earlier turns and a prompt sent again are read from the cache. Here the
 unit is a whole slot (engine/models/static/runner.py keeps live sequences in slots 0..live-1 and never gathers): an
-entry is
-a slot past the live ones holding the keys and values of one finished sequence's first `len(tokens)` positions.
-Entries live only in slots no live sequence needs: a new sequence that needs an entry's slot moves the entry to an
-empty slot if there is one, else the entry is dropped; when every free slot holds an entry, the least recently used
-one makes room for the next.
+entry is a slot past the live ones holding the keys and values of one finished sequence's first `len(tokens)` positions.
+Entries live only in slots no live sequence needs: a new sequence that needs an entry's slot moves the entry to an empty
+slot if there is one, else the entry is dropped; when every free slot holds an entry, the least recently used one makes
+room for the next.
 
 A hit is exact only where the forward is *layout-invariant*: a token's keys and values are the same bits whether its
 sequence was fed whole, in chunks or after a copied prefix (`why_layout_variant`). The runner turns the

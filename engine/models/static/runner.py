@@ -12,8 +12,7 @@
   their last tokens join the batched step.
 - **Step modes** (`runner.compile`, `step_mode`). On CUDA (`auto`, `on`) decode and verify steps replay CUDA graphs
   captured at start per (batch bucket, width) (engine/models/static/cuda_graphs.py); each row's slot, start and key
-  limit are
-  device tensors there, so a graph serves any context length and its attention reads only the row's own keys
+  limit are device tensors there, so a graph serves any context length and its attention reads only the row's own keys
   (engine/models/static/attention.py). On CPU steps run eagerly (`auto`, `off`), or through `torch.compile`'s inductor
   with frozen, prepacked weights and dynamic sizes (`on`; inductor keeps its compiled code in its on-disk cache,
   `TORCHINDUCTOR_CACHE_DIR`, so a restart compiles faster). Prefill chunks always run eagerly on CUDA.
@@ -51,9 +50,8 @@ STEP_MODES = ("eager", "inductor", "graphs")
 def step_mode(compile: bool | str, device: torch.device) -> str:
     """How the static runner runs its decode and verify steps, from `runner.compile` (`auto | on | off`; True and
     False read as on and off) and the device: `graphs` (CUDA graphs, engine/models/static/cuda_graphs.py) on CUDA unless
-    off;
-    on CPU `inductor` (torch.compile) when on, else `eager` (auto: compiling costs minutes per shape on a small CPU,
-    README). A mode's own name is taken as is (tests run the graph path's forward eagerly on a CPU)."""
+    off; on CPU `inductor` (torch.compile) when on, else `eager` (auto: compiling costs minutes per shape on a small
+    CPU, README). A mode's own name is taken as is (tests run the graph path's forward eagerly on a CPU)."""
     setting = {True: "on", False: "off"}.get(compile, compile) if isinstance(compile, bool) else compile
     if setting in STEP_MODES:
         return setting
@@ -149,8 +147,7 @@ class StaticRunner(SlotTableAccess):
         self._step = _compile_step(self.model) if self.step_mode == "inductor" else self.model.forward
         # CUDA graphs replay fixed shapes, so batch and width are padded to buckets there (each row's key length is a
         # device tensor: engine/models/static/attention.py); eager steps and CPU's dynamic graph take any shape, so
-        # nothing
-        # is padded (an 87-token prompt computed as 128 cost 47% more)
+        # nothing is padded (an 87-token prompt computed as 128 cost 47% more)
         self.graphs = None
         if self.step_mode == "graphs":
             self.graphs = GraphSteps(self.model, num_slots, MAX_WIDTH, scratch_start=self.max_model_len)
@@ -292,8 +289,7 @@ class StaticRunner(SlotTableAccess):
     def _graph_step(self, states: list[SeqSlot], tails: list[list[int]],
                     num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]
         """The step as a CUDA graph's replay (engine/models/static/cuda_graphs.py): the rows in call order (any slots),
-        padded to
-        the batch and width buckets; each row's logits at its last num_logits positions."""
+        padded to the batch and width buckets; each row's logits at its last num_logits positions."""
         width = bucket(max(len(t) for t in tails), self.width_buckets)
         rows = bucket(len(states), self.batch_buckets)
         logits = self.graphs.step([s.slot for s in states], [len(s.tokens) for s in states], tails, rows, width)

@@ -2,12 +2,11 @@
 
 `StaticLlama` (engine/models/static/forward.py) builds from a model whose projections, embedding and LM head
 engine/models/tensor_parallel.py's `install_shards` replaced by parallel modules (as engine/models/shard_loading.py's
-`load_shard`
-leaves them), and fuses them per rank, on the shard: this rank's q/k/v row slices become its fused qkv matrix (its
-heads only, the same for GQA: query heads rank*H/w.. share key/value heads rank*KVH/w..), gate/up its fused gate_up
-(its MLP columns), o_proj and down_proj keep their column slices (row-parallel). A step then runs this rank's heads
-against its heads' KV cache only, with three collectives (Megatron-LM's layout, Shoeybi et al. 2019,
-arXiv 1909.08053):
+`load_shard` leaves them), and fuses them per rank, on the shard: this rank's q/k/v row slices become its fused qkv
+matrix (its heads only, the same for GQA: query heads rank*H/w.. share key/value heads rank*KVH/w..), gate/up its fused
+gate_up (its MLP columns), o_proj and down_proj keep their column slices (row-parallel). A step then runs this rank's
+heads against its heads' KV cache only, with three collectives (Megatron-LM's layout, Shoeybi et al. 2019, arXiv
+1909.08053):
 
 - the embedding: each rank looks up the ids in its vocabulary rows (zeros elsewhere), then the sum is all-reduced;
 - o_proj and down_proj: partial products all-reduced (2 per layer), a replicated bias added once after;
@@ -20,8 +19,7 @@ syncs. The ranks pair rows by position in the call, so they must apply the same 
 the same order: deployments/workers/draft.py guarantees it (rank 0 forwards every call to the others, in its order).
 
 On CUDA the collectives (NCCL) are captured inside the steps' CUDA graphs (engine/models/static/cuda_graphs.py), every
-rank
-capturing the same shapes in the same order. On CPU (gloo) steps run eagerly: inductor (`runner.compile: on`) is
+rank capturing the same shapes in the same order. On CPU (gloo) steps run eagerly: inductor (`runner.compile: on`) is
 refused for a shard, as gloo collectives do not run inside its graphs.
 """
 

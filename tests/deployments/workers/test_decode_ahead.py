@@ -1,6 +1,5 @@
 """Decoding ahead (deployments/workers/decode_ahead.py): a target worker answers a plain round's next call from the step
-it
-ran right after replying, with the tokens that call would have computed (greedy and seeded), and computes as before
+it ran right after replying, with the tokens that call would have computed (greedy and seeded), and computes as before
 whatever differs from its guess."""
 
 from __future__ import annotations

@@ -197,8 +197,7 @@ def test_release_frees_the_sequence_and_a_stale_continuation_is_refused(target):
 
 def test_release_stale_frees_only_sequences_no_call_touched_lately(target, draft):
     """The replica's sweep (deployments/workers/lease_ledger.py): a sequence a call created again after its release is
-    freed;
-    one a call touched within `idle_s` is kept; ids the worker does not hold are ignored."""
+    freed; one a call touched within `idle_s` is kept; ids the worker does not hold are ignored."""
     before = target.stats()["live_sequences"]
     target.verify([verify_call(delta("late", PROMPT), [])])
     target.release(["late"])

@@ -1,6 +1,5 @@
 """engine/models/kv_cache.py directly: the slotted cache writes each row's keys/values at its own positions, reads a
-view
-of contiguous slots, moves slots, grows without losing contents, and answers transformers' Cache queries."""
+view of contiguous slots, moves slots, grows without losing contents, and answers transformers' Cache queries."""
 
 from __future__ import annotations
 

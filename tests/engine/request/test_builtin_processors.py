@@ -1,7 +1,6 @@
 """engine/request/builtin_processors.py through the seam (engine/request/logits_processing.process_logits): each scored
-position
-gets vLLM's processing with its own history, against a dense one-position reference; the settings' wire form; the
-SamplingParams ranges; min-p in logits_to_probs."""
+position gets vLLM's processing with its own history, against a dense one-position reference; the settings' wire form;
+the SamplingParams ranges; min-p in logits_to_probs."""
 
 import pytest
 import torch

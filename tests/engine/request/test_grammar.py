@@ -194,8 +194,7 @@ def test_the_tokenizer_table_is_built_by_prepare_and_an_unreadable_tokenizer_is_
 
 def test_the_grammar_as_a_logits_processor_masks_each_position_of_the_seam(compiler):
     """GrammarProcessor through engine/request/logits_processing.process_logits: the target's rows (each draft's
-    position
-    and the bonus one) and a draft step (`first`) get the matcher's masks after their own history."""
+    position and the bonus one) and a draft step (`first`) get the matcher's masks after their own history."""
     from engine.request.logits_processing import RowProcessing, process_logits
 
     spec = GrammarSpec.json_schema(SCHEMA)

@@ -1,6 +1,5 @@
 """Speculative decoding under a grammar (engine/request/grammar.py through engine/spec/accept.py and the proposers): the
-sampled
-marginal is the masked, processed target distribution; greedy speculative equals greedy plain decoding under the
+sampled marginal is the masked, processed target distribution; greedy speculative equals greedy plain decoding under the
 same grammar; drafts outside the grammar are rejected; finished outputs parse."""
 
 import json

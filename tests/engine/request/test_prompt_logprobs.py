@@ -1,6 +1,5 @@
 """Prompt logprobs (engine/request/prompt_logprobs.py): the raw model's log_softmax at position t-1 for prompt token t,
-its
-rank and the top n; the same whether the prompt is fed whole or in chunks, on both runners and in the in-process
+its rank and the top n; the same whether the prompt is fed whole or in chunks, on both runners and in the in-process
 engine; a request that does not ask never runs the LM head over its prompt."""
 
 import pytest

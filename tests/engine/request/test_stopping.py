@@ -1,6 +1,5 @@
 """engine/request/stopping.py directly: where EOS, max_tokens and stop strings cut a round's chunk of tokens, and what
-text
-may be streamed before the sequence is done."""
+text may be streamed before the sequence is done."""
 
 from __future__ import annotations
 

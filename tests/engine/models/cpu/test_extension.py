@@ -1,7 +1,6 @@
 """engine/models/cpu/extension.py: the small-batch kernel (fp32 activations; fp32, bf16 or int8 weights) builds on x86
-machines with AVX2 and a compiler (this project's
-machines and CI), equals F.linear, gives a row the same bits whatever rows share the call, and refuses what it
-does not compute; where it cannot be built the reason is clear."""
+machines with AVX2 and a compiler (this project's machines and CI), equals F.linear, gives a row the same bits whatever
+rows share the call, and refuses what it does not compute; where it cannot be built the reason is clear."""
 
 import platform
 
@@ -246,9 +245,8 @@ def test_a_querys_attention_is_the_same_bits_in_any_step_width(ops, dim, heads, 
     """A query's result depends on its own position and keys only, not on how many queries share the call or where
     it falls among them: a prompt fed whole, in chunks or token by token writes the same keys and values, which
     exact prefix caching relies on (engine/models/static/prefix_cache.py). Head sizes of 64 (whole 64-lane blocks of
-    values), 16
-    and 136 (a remainder); groups of 3, 4 and 2 heads, so queries go through register tiles of three and of two
-    queries and alone (a width-1 step of one row: a head per task)."""
+    values), 16 and 136 (a remainder); groups of 3, 4 and 2 heads, so queries go through register tiles of three and of
+    two queries and alone (a width-1 step of one row: a head per task)."""
     capacity, width, start = 128, 37, 20
     k_cache, v_cache = torch.randn(1, kv_heads, capacity, dim), torch.randn(1, kv_heads, capacity, dim)
     q = torch.randn(1, heads, width, dim)

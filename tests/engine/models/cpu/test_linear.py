@@ -1,6 +1,6 @@
 """engine/models/cpu/linear.py: the small-batch linear equals F.linear for every row count, uses
-engine/models/cpu/extension.py's
-kernel where it is available, and otherwise takes the split GEMV for one row of a large matrix."""
+engine/models/cpu/extension.py's kernel where it is available, and otherwise takes the split GEMV for one row of a large
+matrix."""
 
 import pytest
 import torch

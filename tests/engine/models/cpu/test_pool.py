@@ -1,8 +1,7 @@
 """engine/models/cpu/csrc/pool.h (specserve::parallel_for, under every CPU operator): however many threads share a call,
-and
-whichever of them computes a chunk, the result is the same bits as on one thread and no chunk is left out (outputs
-start as uninitialised memory); callers on several Python threads at once each get their own results; a forked
-child computes with helpers of its own; SPECSERVE_POOL=openmp (at::parallel_for), and helpers that sleep at once
+and whichever of them computes a chunk, the result is the same bits as on one thread and no chunk is left out (outputs
+start as uninitialised memory); callers on several Python threads at once each get their own results; a forked child
+computes with helpers of its own; SPECSERVE_POOL=openmp (at::parallel_for), and helpers that sleep at once
 (SPECSERVE_POOL_SPIN_US=0), give the same bits."""
 
 import multiprocessing

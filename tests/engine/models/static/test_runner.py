@@ -134,8 +134,7 @@ def rounding_linear_inputs(model):
 
 def dpbf16_linears(model):
     """`model` (fp32, bf16-valued weights) whose nn.Linear layers compute as engine/models/cpu/csrc/bf16_gemm.cpp does:
-    inputs
-    rounded to bf16, exact products summed into fp32 a pair of k at a time, the odd k first, one rounding per
+    inputs rounded to bf16, exact products summed into fp32 a pair of k at a time, the odd k first, one rounding per
     addition (VDPBF16PS as Intel's SDM specifies it, and as this project's AVX512_BF16 machines compute it), then
     the bias (tests/engine/bf16_reference.py)."""
     def forward(module, x):
