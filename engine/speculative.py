@@ -20,11 +20,11 @@ from engine.models.transformers_runner import ModelRunner
 from engine.proposers.base import DraftRequest, Proposer
 from engine.proposers.draft_model import DraftModelProposer
 from engine.request.grammar import GrammarCompiler, GrammarError, SequenceGrammars
-from engine.request.prompt_logprobs import score_prefill
+from engine.request.prompt_logprobs import verify_feed
 from engine.request.sampling import SamplingParams
 from engine.request.sequence import RequestOutput, SequenceState
 from engine.spec.accept import RowVerify, Verdict, commit, row_scheme, verify_rows
-from engine.spec.plan import RowOutlook, plan_ks
+from engine.spec.plan import SpecRow, plan_ks
 from engine.spec.policy import AcceptanceTracker, CostProfile
 from engine.spec.proposal import CompactProposal
 from engine.spec.stats import EngineTimings, SpecStats
@@ -54,11 +54,8 @@ class SpeculativeEngine:
         self.eos_token_ids = frozenset(eos_token_ids) | tokenizer_eos_ids(tokenizer)  # see engine.models.loading
         self.timings = EngineTimings()
         self.stats = SpecStats()
-        self._seqs: dict[str, SequenceState] = {}
+        self._rows: dict[str, SpecRow] = {}  # each live request's sequence, acceptance and draft state
         self.population = AcceptanceTracker()  # acceptance over all requests (a new request's prior)
-        self._trackers: dict[str, AcceptanceTracker] = {}  # each request's own acceptance (engine/spec/policy.py)
-        self._draft_read: dict[str, int] = {}  # committed tokens the draft model has read, by request
-        self._fixed_k: set[str] = set()  # requests that asked for exactly their K every round
         # structured outputs: the target's matcher per constrained request (engine/request/grammar.py); the proposer
         # keeps its own
         self.grammars = SequenceGrammars(GrammarCompiler(tokenizer, target.vocab_size, self.eos_token_ids))
@@ -66,10 +63,10 @@ class SpeculativeEngine:
     # ---- admission ------------------------------------------------------------------------------------------
     @property
     def num_live(self) -> int:
-        return len(self._seqs)
+        return len(self._rows)
 
     def has_work(self) -> bool:
-        return bool(self._seqs)
+        return bool(self._rows)
 
     def add_request(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, k: int | None = None,
@@ -77,7 +74,7 @@ class SpeculativeEngine:
     ) -> None:
         """Admit a request. `k` overrides the engine's K for it (0 = plain decoding); `fixed_k` pins it to exactly
         that many drafts per round (no acceptance or load adaptation), like the served API's `adaptive: false`."""
-        if request_id in self._seqs:
+        if request_id in self._rows:
             raise ValueError(f"request id {request_id!r} is already live")
         k = self.num_speculative_tokens if k is None else k
         seq = SequenceState.create(request_id, prompt_ids, params, k if self.proposer is not None else 0,
@@ -89,21 +86,15 @@ class SpeculativeEngine:
                 self.grammars.release(request_id)  # not admitted: nothing of it is kept
                 raise
         self.target.add(request_id)
-        self._seqs[request_id] = seq
-        self._trackers[request_id] = AcceptanceTracker(prior=self.population.acceptance)
-        if fixed_k:
-            self._fixed_k.add(request_id)
+        self._rows[request_id] = SpecRow(seq, AcceptanceTracker(prior=self.population.acceptance), fixed_k)
 
     def abort(self, request_id: str) -> None:
         """Drop a request now (client gone); its caches are freed at once."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is not None:
-            self._release(seq)
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self._release(row.seq)
 
     def _release(self, seq: SequenceState) -> None:
-        self._trackers.pop(seq.request_id, None)
-        self._draft_read.pop(seq.request_id, None)
-        self._fixed_k.discard(seq.request_id)
         self.grammars.release(seq.request_id)
         self.target.release(seq.request_id)
         if self.proposer is not None:
@@ -111,12 +102,13 @@ class SpeculativeEngine:
 
     # ---- one round ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        seqs = list(self._seqs.values())
-        if not seqs:
+        rows = list(self._rows.values())
+        if not rows:
             return []
-        ks = self.plan(seqs)
+        seqs = [row.seq for row in rows]
+        ks = self.plan(rows)
         t0 = time.perf_counter()
-        drafts, proposals = self._draft(seqs, ks)
+        drafts, proposals = self._draft(rows, ks)
         t1 = time.perf_counter()
         feeds = [self._feed(s) + drafts[b] for b, s in enumerate(seqs)]
         widths = [len(d) + 1 for d in drafts]
@@ -126,7 +118,7 @@ class SpeculativeEngine:
                                                   self.grammars.masks(s.request_id, s.tokens, drafts[b]))
                                         for b, s in enumerate(seqs)])
         t2 = time.perf_counter()
-        outputs = [self._commit(s, len(drafts[b]), verdicts[b]) for b, s in enumerate(seqs)]
+        outputs = [self._commit(row, len(drafts[b]), verdicts[b]) for b, row in enumerate(rows)]
         t3 = time.perf_counter()
         self.timings.record(len(seqs), t1 - t0, t2 - t1, t3 - t2)
         return outputs
@@ -134,53 +126,43 @@ class SpeculativeEngine:
     def _feed(self, seq: SequenceState) -> list[int]:
         """The sequence's tokens the target's cache lacks; a request that asked for prompt logprobs has its prompt
         positions fed (and scored) first, through the target's LM head at every position."""
-        feed = self.target.sync(seq.request_id, seq.tokens)
-        if seq.wants_prompt_logprobs():
-            feed, scored = score_prefill(self.target, seq.request_id, seq.tokens, feed, len(seq.prompt_ids),
-                                         seq.params.prompt_logprobs)
-            if scored is not None:
-                seq.add_prompt_logprobs(scored)
+        feed, scored = verify_feed(self.target, seq.request_id, seq.tokens, len(seq.prompt_ids),
+                                   seq.params.prompt_logprobs if seq.wants_prompt_logprobs() else None)
+        if scored is not None:
+            seq.add_prompt_logprobs(scored)
         return feed
 
-    def plan(self, seqs: list[SequenceState]) -> list[int]:
+    def plan(self, rows: list[SpecRow]) -> list[int]:
         """Each row's draft length this round, from the planner the served round uses (engine/spec/plan.py): with
         a cost profile, planned for the batch as a whole; else the fixed `max_batch_for_speculation` threshold."""
         reads_context = isinstance(self.proposer, DraftModelProposer)  # n-gram lookup reads nothing ahead
         k_max = self.num_speculative_tokens  # a request's own k never exceeds the engine's
-        outlooks = [RowOutlook(acceptance=self._trackers[s.request_id].acceptance, cap=min(s.k, k_max),
-                               behind=s.num_tokens - self._draft_read.get(s.request_id, 0) if reads_context else 0,
-                               remaining=s.remaining(), fixed=s.request_id in self._fixed_k,
-                               wants_probe=self._trackers[s.request_id].wants_probe)
-                    for s in seqs]
-        ks = plan_ks(self.profile, outlooks, len(seqs), len(seqs), self.max_batch_for_speculation)
-        return [s.draft_len(k) for s, k in zip(seqs, ks)]
+        outlooks = [row.outlook(min(row.seq.k, k_max), reads_context) for row in rows]
+        ks = plan_ks(self.profile, outlooks, len(rows), len(rows), self.max_batch_for_speculation)
+        return [row.seq.draft_len(k) for row, k in zip(rows, ks)]
 
     def _draft(
-        self, seqs: list[SequenceState], ks: list[int]
+        self, rows: list[SpecRow], ks: list[int]
     ) -> tuple[list[list[int]], list[CompactProposal | None]]:  # per row its drafts and compact proposal
         """The rows' drafts, and the compact proposals they were drawn from (unseeded sampled model drafts; None
         for the others: one-hot n-gram drafts, greedy and seeded rows)."""
-        drafts: list[list[int]] = [[] for _ in seqs]
-        proposals: list[CompactProposal | None] = [None for _ in seqs]
-        rows = [b for b, k in enumerate(ks) if k > 0]
-        if not rows or self.proposer is None:
+        drafts: list[list[int]] = [[] for _ in rows]
+        proposals: list[CompactProposal | None] = [None for _ in rows]
+        asked = [b for b, k in enumerate(ks) if k > 0]
+        if not asked or self.proposer is None:
             return drafts, proposals
-        proposal = self.proposer.propose([
-            DraftRequest(seqs[b].request_id, seqs[b].tokens, ks[b], seqs[b].params, seqs[b].seed, seqs[b].coupled,
-                         seqs[b].processing(), seqs[b].params.grammar, len(seqs[b].prompt_ids))
-            for b in rows
-        ])
-        for i, b in enumerate(rows):
+        proposal = self.proposer.propose([DraftRequest.of(rows[b].seq, ks[b]) for b in asked])
+        for i, b in enumerate(asked):
             drafts[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
             proposals[b] = proposal.proposal(i)
-            self._draft_read[seqs[b].request_id] = seqs[b].num_tokens
+            rows[b].draft_sent = rows[b].seq.num_tokens
         return drafts, proposals
 
-    def _commit(self, seq: SequenceState, num_draft: int, verdict: Verdict) -> RequestOutput:
-        out = commit(seq, num_draft, verdict, self.stats, (self._trackers[seq.request_id], self.population))
+    def _commit(self, row: SpecRow, num_draft: int, verdict: Verdict) -> RequestOutput:
+        out = commit(row.seq, num_draft, verdict, self.stats, (row.tracker, self.population))
         if out.finished:
-            self._seqs.pop(seq.request_id, None)
-            self._release(seq)
+            self._rows.pop(row.seq.request_id, None)
+            self._release(row.seq)
         return out
 
     # ---- convenience ----------------------------------------------------------------------------------------

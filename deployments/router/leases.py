@@ -21,7 +21,7 @@ from ray.serve.exceptions import BackPressureError
 from deployments.errors import ChainBroken, DraftGone, Overloaded, ReplicaFull, ReplicaGone, TensorParallelBroken
 from deployments.router.admission import LeaseRefused
 from deployments.transport.client import AsyncChannels
-from deployments.transport.messages import DraftCall, DraftResult, LeaseInfo, VerifyCall, VerifyResult
+from deployments.transport.messages import DraftCall, DraftResult, LeaseInfo, Method, VerifyCall, VerifyResult
 from deployments.transport.wire import ChannelClosed, RelayFailed
 
 _DEAD = (RayActorError, ActorDiedError, ActorUnavailableError)
@@ -51,7 +51,7 @@ class _RayLease:
         lease whose sequence was released like this: model_deployments._reclaim_released). A target's rank 0
         passes it on."""
         try:
-            await self._channels.call(self.endpoint, "release", [self.seq_id])
+            await self._channels.call(self.endpoint, Method.RELEASE, [self.seq_id])
         except (ChannelClosed, TensorParallelBroken):  # the worker is gone, and its caches with it
             pass
 
@@ -69,7 +69,7 @@ class _RayLease:
 
 class RayDraftLease(_RayLease):
     async def propose(self, calls: list[DraftCall], ahead_id: int | None = None) -> DraftResult:
-        return DraftResult.from_wire(await self._call("propose", [call.wire() for call in calls], ahead_id))
+        return DraftResult.from_wire(await self._call(Method.PROPOSE, [call.wire() for call in calls], ahead_id))
 
     async def chain(self, calls: list[DraftCall], target: "RayTargetLease", verify_calls: list[VerifyCall],
                     members: list[int]) -> VerifyResult:
@@ -78,7 +78,7 @@ class RayDraftLease(_RayLease):
         the tokens, the draft's among them."""
         try:
             result = await self._channels.chain(
-                self.endpoint, target.endpoint, "propose_chained", [call.wire() for call in calls],
+                self.endpoint, target.endpoint, Method.PROPOSE_CHAINED, [call.wire() for call in calls],
                 [call.wire() for call in verify_calls], members)
         except ChannelClosed as exc:
             if exc.endpoint == target.endpoint:
@@ -102,7 +102,7 @@ class RayTargetLease(_RayLease):
         A dead rank 0 closes the channel; a dead peer fails rank 0's collectives (gloo: at once; NCCL: when Serve's
         health check tears the replica down). Either way the call ends with ReplicaGone.
         """
-        return VerifyResult.from_wire(await self._call("verify", [call.wire() for call in calls]))
+        return VerifyResult.from_wire(await self._call(Method.VERIFY, [call.wire() for call in calls]))
 
 
 class RayLeaseBroker:

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from deployments.transport.messages import DraftCall, DraftResult, SeqDelta, VerifyCall, VerifyResult, WireProposal
-from engine.request.sequence import SequenceState
-from engine.spec.policy import AcceptanceTracker
+from engine.spec.plan import SpecRow
 
 
 class DraftLease(Protocol):
@@ -59,17 +58,16 @@ class LeaseBroker(Protocol):
 
 
 @dataclass
-class LiveRequest:
-    seq: SequenceState
-    queue: asyncio.Queue
-    target: TargetLease
+class LiveRequest(SpecRow):
+    """A request in the served round loop: its speculation state (SpecRow: sequence, acceptance, fixed K, what its
+    Draft worker holds) and its leases, queue and recovery state."""
+
+    queue: asyncio.Queue = field(kw_only=True)
+    target: TargetLease = field(kw_only=True)
     draft: DraftLease | None = None
-    draft_sent: int = 0  # committed tokens the draft worker has
     draft_extra: list[int] = field(default_factory=list)  # tokens past those it was sent (an ahead draft's base)
     target_sent: int = 0
     failures: int = 0
-    tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
-    fixed_k: bool = False  # the request asked for exactly seq.k drafts per round
     reletting: bool = False  # its Target replica died; a new lease is being taken (it sits out the rounds)
     overlap: bool = False  # draft its next round during this round's verify
     ready: tuple[list[int], WireProposal | None] | None = None  # next round's draft (tokens, proposal), made ahead

@@ -45,7 +45,7 @@ from deployments.transport.messages import (
 from engine.proposers.base import DraftRequest
 from engine.request.sequence import RequestOutput
 from engine.spec.accept import commit
-from engine.spec.plan import RowOutlook, plan_ks
+from engine.spec.plan import plan_ks
 from engine.spec.policy import AcceptanceTracker
 
 logger = logging.getLogger("ray.serve")
@@ -126,12 +126,8 @@ class GroupRound:
         """
         profile = self.costs.policy_profile(self.group_draft(rows), rows[0].target)
         model = self.config.draft.remote
-        outlooks = [RowOutlook(acceptance=live.tracker.acceptance, cap=live.seq.k if self._may_draft(live) else 0,
-                               # tokens the draft worker has not read yet (all, before the first Draft lease; n-gram
-                               # lookup reads nothing)
-                               behind=live.seq.num_tokens - live.draft_sent if model else 0,
-                               remaining=live.seq.remaining(), fixed=live.fixed_k, wants_probe=live.tracker.wants_probe)
-                    for live in rows]
+        # a draft model reads the tokens its worker lacks first (all of them before the first Draft lease)
+        outlooks = [live.outlook(live.seq.k if self._may_draft(live) else 0, reads_context=model) for live in rows]
         ks = plan_ks(profile, outlooks, len(rows) + joining, live_now, self.config.max_batch_for_speculation)
         return [live.seq.draft_len(k) for live, k in zip(rows, ks)]
 
@@ -216,8 +212,7 @@ class GroupRound:
             return drafts
         if self.local is not None:
             asked = [b for b, k in enumerate(ks) if k > 0]
-            proposal = self.local.propose([DraftRequest(rows[b].seq.request_id, rows[b].seq.tokens, ks[b],
-                                                        rows[b].seq.params) for b in asked])  # deterministic
+            proposal = self.local.propose([DraftRequest.of(rows[b].seq, ks[b]) for b in asked])
             for i, b in enumerate(asked):
                 drafts.tokens[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
             return drafts

@@ -21,6 +21,7 @@ it.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,18 @@ from engine.spec.proposal import CompactProposal
 
 # a compact proposal on the wire: ([K, N] int32 token ids, [K, N] float32 probabilities)
 WireProposal = tuple[np.ndarray, np.ndarray]
+
+
+class Method(str, enum.Enum):
+    """The worker channel's methods: the one list of the names the router and the workers call each other by
+    (a worker's handlers are keyed by these; a call names one)."""
+
+    PROPOSE = "propose"  # router -> draft: DraftCalls, an ahead id or None -> a DraftResult
+    PROPOSE_CHAINED = "propose_chained"  # router -> draft: DraftCalls, VerifyCalls, members, the target's route
+    VERIFY = "verify"  # router -> target rank 0 (and rank 0 -> the other ranks): VerifyCalls -> a VerifyResult
+    VERIFY_CHAINED = "verify_chained"  # draft -> target rank 0: VerifyCalls, members, a DraftResult
+    VERIFY_AHEAD = "verify_ahead"  # target rank 0 -> its other ranks: a step decoded ahead
+    RELEASE = "release"  # router -> worker: sequence ids whose requests ended
 
 
 def proposal_to_wire(proposal: CompactProposal | None) -> WireProposal | None:
@@ -163,6 +176,23 @@ class DraftResult:
 
     def without_proposals(self) -> "DraftResult":
         return DraftResult(self.drafts, {}, self.seconds, self.cancelled, self.failed)
+
+
+def calls_with_drafts(calls: list[tuple], members: list[int], draft: DraftResult) -> list[tuple]:
+    """A chained round's VerifyCalls (wire form) with call i of the draft's tokens and compact proposal in row
+    members[i]; the other rows as they came."""
+    calls = list(calls)
+    for i, b in enumerate(members):
+        seq, _, _, *rest = calls[b]
+        calls[b] = (seq, draft.drafts[i], draft.proposals.get(i), *rest)
+    return calls
+
+
+def chained_reply(verified: tuple, draft: DraftResult) -> tuple:
+    """A chained round's reply to the router: the verify's VerifyResult (wire form) carrying the draft's result,
+    without its proposals (the router does not need them)."""
+    rows, seconds, _, *rest = verified
+    return (rows, seconds, draft.without_proposals().wire(), *rest)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 
 from deployments.errors import StartupError
 from deployments.transport.channel import ChannelServer
-from deployments.transport.messages import SeqDelta
+from deployments.transport.messages import Method, SeqDelta
 from deployments.transport.wire import Endpoint
 from engine.factory import EngineConfig
 from engine.models.loading import ModelLoadError
@@ -218,7 +218,7 @@ class ModelWorker:
 
     def __init__(self, handlers: dict[str, Callable], torch_threads: int | None, concurrent_workers: int,
                  niceness: int | None = None) -> None:
-        self._model = ChannelServer({**handlers, "release": self.release}, node_address())
+        self._model = ChannelServer({**handlers, Method.RELEASE: self.release}, node_address())
         # before torch's threads exist: the model thread's OpenMP team is created by it, with its niceness
         self.niceness = self._model.call(set_thread_niceness, niceness)
         self.torch_threads = self._model.call(set_torch_threads, torch_threads, concurrent_workers)

@@ -17,7 +17,7 @@ import threading
 import time
 
 from deployments.transport.channel import ChannelRelay
-from deployments.transport.messages import DraftCall, DraftResult, RowFailure, proposal_to_wire
+from deployments.transport.messages import DraftCall, DraftResult, Method, RowFailure, proposal_to_wire
 from deployments.transport.wire import Route
 from deployments.workers.base import ModelWorker, cpu_startup_turn, startup_errors, warm_up
 from deployments.workers.grammars import failed_grammars, prepare_grammars
@@ -43,7 +43,7 @@ class DraftWorkerCore(ModelWorker):
 
     def __init__(self, config: EngineConfig, torch_threads: int | None = None, calibrate: bool = False,
                  concurrent_workers: int = 1, niceness: int | None = None) -> None:
-        super().__init__({"propose": self.propose, "propose_chained": self.propose_chained}, torch_threads,
+        super().__init__({Method.PROPOSE: self.propose, Method.PROPOSE_CHAINED: self.propose_chained}, torch_threads,
                          concurrent_workers, niceness)
         self._relay = ChannelRelay()  # to target workers, for chained rounds
         with startup_errors("draft"), cpu_startup_turn(config):
@@ -131,7 +131,7 @@ class DraftWorkerCore(ModelWorker):
         call i's drafts. Calls are in their wire form (DraftCall.wire(), VerifyCall.wire()); the verify calls pass
         on as they came."""
         draft = self._timed_propose(calls, None)  # a channel handler: on the model thread already
-        self._relay.send(route, "verify_chained", verify_calls, members, draft)
+        self._relay.send(route, Method.VERIFY_CHAINED, verify_calls, members, draft)
 
     def _forget(self, seq_id: str) -> None:
         self.proposer.release(seq_id)

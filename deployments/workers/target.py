@@ -22,7 +22,8 @@ from collections.abc import Callable
 
 from deployments.errors import TensorParallelBroken
 from deployments.transport.channel import ChannelSender
-from deployments.transport.messages import DraftResult, VerifyCall, VerifyResult, proposal_from_wire
+from deployments.transport.messages import (DraftResult, Method, VerifyCall, VerifyResult, calls_with_drafts, chained_reply,
+                                             proposal_from_wire)
 from deployments.transport.wire import ChannelClosed, Endpoint
 from deployments.workers.base import ModelWorker, cpu_startup_turn, startup_errors, warm_up
 from deployments.workers.decode_ahead import DecodeAhead, merged, next_calls
@@ -35,7 +36,7 @@ from engine.models.runner import Runner, resolve_dtype
 from engine.models.shard_loading import load_shard, rank_device
 from engine.models.tensor_parallel import CollectiveError, full_num_parameters, num_parameters
 from engine.request.grammar import GrammarCompiler, GrammarError, SequenceGrammars
-from engine.request.prompt_logprobs import PromptLogprobs, score_prefill, score_tokens
+from engine.request.prompt_logprobs import PromptLogprobs, score_tokens, verify_feed
 from engine.spec.accept import RowVerify, row_scheme, verify_rows
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,8 @@ class TargetWorkerCore(ModelWorker):
 
     def __init__(self, config: EngineConfig, rank: int = 0, world: int = 1, torch_threads: int | None = None,
                  concurrent_workers: int | None = None, niceness: int | None = None) -> None:
-        super().__init__({"verify": self.verify, "verify_chained": self.verify_chained,
-                          "verify_ahead": self.verify_ahead}, torch_threads, concurrent_workers or world, niceness)
+        super().__init__({Method.VERIFY: self.verify, Method.VERIFY_CHAINED: self.verify_chained,
+                          Method.VERIFY_AHEAD: self.verify_ahead}, torch_threads, concurrent_workers or world, niceness)
         self.ahead = DecodeAhead()  # rows decoded ahead of the router's next call (deployments/workers/decode_ahead.py)
         self._peers: list[ChannelSender] = []  # rank 0 only: the other ranks, in rank order
         self.broken: str | None = None  # why this rank's group can no longer compute
@@ -126,12 +127,12 @@ class TargetWorkerCore(ModelWorker):
                 self.costs = cached_costs(self.config.cost_cache, key, measure)
         return self.costs
 
-    def _in_group(self, method: str, args: tuple, run):
+    def _in_group(self, method: Method, args: tuple, run):
         """Run a call on this rank's model thread; rank 0 first forwards it to the other ranks (the one ordering
         source), in the same turn."""
         return self.on_model_thread(self._forward_and_run, method, args, run)
 
-    def _forward_and_run(self, method: str, args: tuple, run):
+    def _forward_and_run(self, method: Method, args: tuple, run):
         if self.broken is not None:
             raise TensorParallelBroken(self.broken)
         try:
@@ -146,18 +147,14 @@ class TargetWorkerCore(ModelWorker):
     def verify(self, calls: list[tuple]) -> tuple | None:
         """Verify `calls` (VerifyCall.wire() each; the other ranks get them in that form too); a VerifyResult's
         wire() (None on the other ranks)."""
-        return self._in_group("verify", (calls,), self._timed_verify)
+        return self._in_group(Method.VERIFY, (calls,), self._timed_verify)
 
     def verify_chained(self, calls: list[tuple], members: list[int], draft: tuple) -> tuple:
         """A chained round's last step, from the draft worker (`DraftWorkerCore.propose_chained`): verify `calls`
         with call i of the draft (a DraftResult's wire()) for row members[i], its compact proposal included; the
         reply (to the router) carries the draft's tokens too, without the proposals."""
-        calls = list(calls)
         result = DraftResult.from_wire(draft)
-        for i, b in enumerate(members):
-            calls[b] = (calls[b][0], result.drafts[i], result.proposals.get(i), *calls[b][3:])
-        rows, seconds, _, prompt, failed, cached, ahead = self.verify(calls)
-        return rows, seconds, result.without_proposals().wire(), prompt, failed, cached, ahead
+        return chained_reply(self.verify(calls_with_drafts(calls, members, result)), result)
 
     def _timed_verify(self, calls: list[tuple]) -> tuple | None:
         with self.busy:
@@ -186,7 +183,7 @@ class TargetWorkerCore(ModelWorker):
 
     def verify_ahead(self, calls: list[tuple]) -> None:
         """A step decoded ahead (rank 0 runs it and forwards it to the other ranks, in order with the verifies)."""
-        self._in_group("verify_ahead", (calls,), self._timed_ahead)
+        self._in_group(Method.VERIFY_AHEAD, (calls,), self._timed_ahead)
 
     def _timed_ahead(self, calls: list[tuple]) -> None:
         with self.busy:
@@ -205,10 +202,10 @@ class TargetWorkerCore(ModelWorker):
                 runner.add(call.seq.seq_id)
             seq_ids.append(call.seq.seq_id)
             positions.append(len(known))  # the absolute position of the row's first scored token
-            feed = runner.sync(call.seq.seq_id, known)
+            feed, scored = verify_feed(runner, call.seq.seq_id, known, call.seq.output_start,
+                                       call.seq.prompt_logprobs, reduce=self.rank == 0)
             if call.seq.prompt_logprobs is not None:  # the LM head over its prompt positions, fed first
-                feed, prompt[b] = score_prefill(runner, call.seq.seq_id, known, feed, call.seq.output_start,
-                                                call.seq.prompt_logprobs, reduce=self.rank == 0)
+                prompt[b] = scored
             feeds.append(feed + list(call.draft))
             widths.append(len(call.draft) + 1)
         logits = runner.forward(seq_ids, feeds, widths)  # [B, K+1, V]; every rank runs it (collectives)
@@ -264,7 +261,7 @@ class TargetWorkerCore(ModelWorker):
 
     def release(self, seq_ids: list[str]) -> None:
         """Rank 0 passes the release on to the other ranks, in order with the verifies."""
-        self._in_group("release", (seq_ids,), self._release)
+        self._in_group(Method.RELEASE, (seq_ids,), self._release)
 
     def _forget(self, seq_id: str) -> None:
         super()._forget(seq_id)

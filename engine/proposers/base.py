@@ -14,6 +14,7 @@ import torch
 from engine.request.grammar import GrammarSpec
 from engine.request.logits_processing import RowProcessing
 from engine.request.sampling import SamplingParams
+from engine.request.sequence import SequenceState
 from engine.spec.proposal import CompactProposal, RowScheme
 
 
@@ -30,6 +31,12 @@ class DraftRequest:
     processing: RowProcessing | None = None
     grammar: GrammarSpec | None = None  # structured outputs: the draft masks its proposals (engine/request/grammar.py)
     output_start: int = 0  # where the output begins in `tokens` (the grammar covers the output only)
+
+    @classmethod
+    def of(cls, seq: SequenceState, k: int) -> DraftRequest:
+        """A live sequence's request for `k` drafts (the in-process engine's and the router's own proposer's)."""
+        return cls(seq.request_id, seq.tokens, k, seq.params, seq.seed, seq.coupled, seq.processing(),
+                   seq.params.grammar, len(seq.prompt_ids))
 
     def scheme(self, step: int) -> RowScheme:
         return RowScheme(self.sampling.greedy, self.coupled, self.seed, len(self.tokens) + step)

@@ -68,6 +68,17 @@ def score_tokens(
                                              top_values.tolist())]
 
 
+def verify_feed(runner, seq_id: str, known: Sequence[int], prompt_len: int, prompt_logprobs: int | None,
+                reduce: bool = True) -> tuple[list[int], PromptLogprobs | None]:
+    """A verify row's input to the target: the committed tokens its cache lacks (`runner.sync`), with the prompt
+    positions that score prompt tokens fed first when the request asked for `prompt_logprobs` (`score_prefill`).
+    The one place both round loops build it: the in-process engine's and the target worker's."""
+    feed = runner.sync(seq_id, known)
+    if prompt_logprobs is None:
+        return feed, None
+    return score_prefill(runner, seq_id, known, feed, prompt_len, prompt_logprobs, reduce=reduce)
+
+
 def score_prefill(runner, seq_id: str, known: Sequence[int], feed: list[int], prompt_len: int, n: int,
                   reduce: bool = True) -> tuple[list[int], PromptLogprobs | None]:
     """Feed the prompt positions of `feed` whose logits score a prompt token, through `runner.prompt_logits`.

@@ -25,11 +25,30 @@ threshold.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from engine.spec.policy import CostProfile, expected_tokens, load_adjusted_k, worth_starting
+from engine.request.sequence import SequenceState
+from engine.spec.policy import AcceptanceTracker, CostProfile, expected_tokens, load_adjusted_k, worth_starting
 
 TIE = 1.001  # a plan must beat the cheaper one by this factor (ties go to fewer drafts)
+
+
+@dataclass
+class SpecRow:
+    """A live request's speculation state, one object in both round loops: the in-process engine keeps one per
+    request, and the served loop's LiveRequest (deployments/router/live.py) extends it with its leases."""
+
+    seq: SequenceState
+    tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)  # the request's own acceptance
+    fixed_k: bool = False  # the request asked for exactly seq.k drafts per round
+    draft_sent: int = 0  # committed tokens its draft holds (a draft model reads the rest before drafting)
+
+    def outlook(self, cap: int, reads_context: bool) -> RowOutlook:
+        """The row as the plan sees it: at most `cap` drafts; `reads_context`: its draft reads the tokens it lacks
+        first (a draft model does; n-gram lookup reads nothing)."""
+        return RowOutlook(acceptance=self.tracker.acceptance, cap=cap,
+                          behind=self.seq.num_tokens - self.draft_sent if reads_context else 0,
+                          remaining=self.seq.remaining(), fixed=self.fixed_k, wants_probe=self.tracker.wants_probe)
 
 
 @dataclass(frozen=True)

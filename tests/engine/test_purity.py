@@ -39,3 +39,23 @@ def test_every_engine_module_imports_without_ray():
 def test_the_check_fails_for_a_module_that_imports_ray():
     result = imports_without_ray(["engine", "deployments.router.leases"])  # imports ray.exceptions
     assert result.returncode != 0 and "ray" in result.stderr
+
+
+def test_the_round_maths_never_imports_the_models_or_the_proposers():
+    """engine/spec/ (plan, policy, accept, rejection, randomness) is the maths: it may use the request's state and
+    sampling, never a model, a runner, a proposer or the factory (read from the source: importing any engine module
+    runs engine/__init__.py, which imports them all)."""
+    import ast
+
+    root = Path(engine.__file__).parent
+    forbidden = ("engine.models", "engine.proposers", "engine.factory", "engine.speculative", "engine.calibration")
+    found = {}
+    for path in (root / "spec").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad = [n for n in names if n.startswith(forbidden)]
+            if bad:
+                found[path.name] = bad
+    assert not found, found
+    assert len(list((root / "spec").glob("*.py"))) >= 7  # the check read the package

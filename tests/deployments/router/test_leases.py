@@ -11,7 +11,7 @@ from deployments.router import leases
 from deployments.router.leases import RayDraftLease, RayLeaseBroker, RayTargetLease
 from deployments.transport.channel import ChannelRelay, ChannelServer
 from deployments.transport.client import AsyncChannels
-from deployments.transport.messages import DraftCall, DraftResult, LeaseInfo, SeqDelta, VerifyCall, VerifyResult
+from deployments.transport.messages import DraftCall, DraftResult, LeaseInfo, Method, SeqDelta, VerifyCall, VerifyResult
 from deployments.transport.wire import Endpoint
 from engine.spec.accept import TokenLogprob, Verdict
 
@@ -33,7 +33,7 @@ def _rank0(behaviour: str = "ok") -> ChannelServer:
         return VerifyResult([Verdict([0, len(calls)], 1) for _ in calls], 0.5).wire()
 
     released: list[str] = []
-    server = ChannelServer({"verify": verify, "release": release}, "127.0.0.1", bind_host="127.0.0.1")
+    server = ChannelServer({Method.VERIFY: verify, Method.RELEASE: release}, "127.0.0.1", bind_host="127.0.0.1")
     server.released = released
     return server
 
@@ -155,7 +155,7 @@ def _chain_workers(how: str):
         assert draft.proposals == ({0: "proposal"} if calls[1][0][3] else {}), "the proposal reached the target"
         return VerifyResult([Verdict([len(calls)], 0) for _ in members], 0.0, draft.without_proposals()).wire()
 
-    target = ChannelServer({"verify_chained": verify_chained}, "127.0.0.1", bind_host="127.0.0.1")
+    target = ChannelServer({Method.VERIFY_CHAINED: verify_chained}, "127.0.0.1", bind_host="127.0.0.1")
     relay = ChannelRelay()
 
     def propose_chained(calls, verify_calls, members, route):
@@ -163,9 +163,9 @@ def _chain_workers(how: str):
             route = (gone.endpoint.wire(), route[1])
         drafts = [list(call[0][2]) for call in calls]  # "drafts": each call's tokens
         proposals = {0: "proposal"} if calls[0][0][3] else {}  # a sampled row's compact proposal goes along
-        relay.send(route, "verify_chained", verify_calls, members, DraftResult(drafts, proposals, 0.0).wire())
+        relay.send(route, Method.VERIFY_CHAINED, verify_calls, members, DraftResult(drafts, proposals, 0.0).wire())
 
-    draft = ChannelServer({"propose_chained": propose_chained}, "127.0.0.1", bind_host="127.0.0.1")
+    draft = ChannelServer({Method.PROPOSE_CHAINED: propose_chained}, "127.0.0.1", bind_host="127.0.0.1")
     return (gone.endpoint if how == "draft gone" else draft.endpoint,
             gone.endpoint if how == "target gone" else target.endpoint)
 

@@ -11,7 +11,7 @@ from engine.request.sequence import SequenceState
 def test_the_logits_settings_travel_with_a_sequences_first_call_only(tiny_tokenizer):
     params = SamplingParams(frequency_penalty=1.0, min_p=0.2, logit_bias=((5, 3.0),), temperature=1.0)
     seq = SequenceState.create("r", [4, 5, 6], params, 3, 64, frozenset({1}), tiny_tokenizer)
-    live = LiveRequest(seq, asyncio.Queue(), target=None)
+    live = LiveRequest(seq, queue=asyncio.Queue(), target=None)
     first = live.delta(0)
     assert LogitsSettings.from_wire(first.logits) == LogitsSettings.of(params, 3, (1,)) == seq.logits_settings
     assert first.min_p == 0.2 and first.sampling().min_p == 0.2

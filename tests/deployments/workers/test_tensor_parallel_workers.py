@@ -14,7 +14,7 @@ import random
 import socket
 
 from deployments.transport.client import AsyncChannels
-from deployments.transport.messages import SeqDelta, VerifyCall, VerifyResult
+from deployments.transport.messages import Method, SeqDelta, VerifyCall, VerifyResult
 from deployments.workers.target import TargetWorkerCore
 from tests.deployments.conftest import tiny_config
 
@@ -90,14 +90,14 @@ async def _router(call, router: int) -> dict[str, list[int]]:
                                      1000 + 7 * int(s.rsplit("s", 1)[1]) + router, kinds[s] == 1), drafts[s],
                             None, router == 1)
                  for s in seqs]
-        result = await call("verify", [c.wire() for c in calls])
+        result = await call(Method.VERIFY, [c.wire() for c in calls])
         for b, s in enumerate(seqs):
             sent[s] = len(live[s])
             live[s].extend(VerifyResult.from_wire(result).verdicts[b].tokens)
         if round_no % 4 == 3 and queue:  # a sequence ends, its caches are freed, a new one joins
             done = seqs[round_no % len(seqs)]
             out[done] = live.pop(done)
-            await call("release", [done])
+            await call(Method.RELEASE, [done])
             new = queue.pop(0)
             live[new] = [rng.randrange(2, 60) for _ in range(rng.randrange(3, 12))]
             sent[new] = 0
@@ -152,7 +152,7 @@ def test_a_tensor_parallel_target_scores_a_chunked_prompts_logprobs_like_one_ran
     async def score(call) -> list:
         out = []
         for start in range(0, len(prompt), 16):
-            result = VerifyResult.from_wire(await call("verify", calls(start, min(len(prompt), start + 16))))
+            result = VerifyResult.from_wire(await call(Method.VERIFY, calls(start, min(len(prompt), start + 16))))
             out.append((result.prompt_logprobs, [v.tokens for v in result.verdicts]))
         return out
 

@@ -394,3 +394,11 @@ def test_other_start_up_errors_pass_as_they_are():
     oom = startup_error("target", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore"))
     assert isinstance(oom, StartupError) and "out of memory" in str(oom) and "kv_cache_fraction" in str(oom)
     assert "\n" not in str(oom)
+
+
+def test_the_workers_channel_methods_are_the_wire_s_one_list(draft, target):
+    from deployments.transport.messages import Method
+
+    served = set(draft._model.handlers) | set(target._model.handlers)
+    assert served == set(Method), served ^ set(Method)
+    assert all(isinstance(name, Method) for name in served)
