@@ -64,7 +64,7 @@ class SpeculationSection(StrictModel):
     cost_cache: str | None = Field(
         DEFAULT_COST_CACHE, description="directory where replicas keep the costs they measure at start "
         "(keyed by model, dtype, runner settings, threads and hardware; engine/calibration/store.py): a restart on the same "
-        "machine reads them instead of measuring again (~10 s of a Target's start on a 2-core CPU). None: always "
+        "machine reads them instead of measuring again (much of a Target's start on a 2-core CPU). None: always "
         "measure. Tensor-parallel targets always measure (their ranks measure together)")
     overlap: bool = Field(
         False, description="draft round r+1 while the target verifies round r, assuming round r is fully "
@@ -159,8 +159,8 @@ class ScalingSection(StrictModel):
         None, ge=-20, le=19, description="scheduling niceness of a model worker's compute threads (Draft/Target). Ray "
                                          "starts its workers at 15, the same as the router and Serve's proxy, whose "
                                          "streaming work then preempts a compute thread mid-step; 0 lets the models "
-                                         "run first (a 1-stream served step 14-19% faster on a dedicated 2-core "
-                                         "machine), but a saturated node then starves the routers and Serve's "
+                                         "run first (a 1-stream served step faster on a dedicated 2-core machine: "
+                                         "bench/RESULTS.md), but a saturated node then starves the routers and Serve's "
                                          "control plane (an autoscaling test flapped). Lowering it needs "
                                          "CAP_SYS_NICE; without it a warning is logged. None: Ray's. Default: 0 for "
                                          "Draft and Target (ROLE_DEFAULTS)")

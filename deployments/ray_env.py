@@ -13,9 +13,8 @@ without `serve shutdown` left holding the HTTP port.
   message), the handle router on that loop too, gRPC between deployments, a buffered request log, no replica logs
   on stderr (they stay in Ray's log directory, `/tmp/ray/session_latest/logs/serve/`), the GC frozen after start.
 
-Measured on this project's 2-core CPU machine with vLLM's benchmark client (bench/RESULTS.md, session 18): the
-default config served 52.1-58.7 / 190.3-194.9 / 224.4-245.4 tok/s at 1 / 8 / 16 streams in this mode against
-43.9-48.0 / 162.9-172.6 / 188.7-197.1 through Serve's proxy, alternating in one session.
+Measured on this project's 2-core CPU machine with vLLM's benchmark client, alternating the two: the default config
+served more tokens/s in this mode than through Serve's proxy at 1, 8 and 16 streams alike (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -42,8 +41,8 @@ def warn_if_missing(logger: logging.Logger) -> list[str]:
     absent = missing()
     if absent:
         logger.warning("Ray Serve runs without %s, the settings specserve is measured with (HAProxy in front of the "
-                       "router's own HTTP server, Serve's throughput mode; Serve's Python proxy without both served "
-                       "8-25%% fewer tokens/s here: deployments/ray_env.py); set them in the environment of "
+                       "router's own HTTP server, Serve's throughput mode; Serve's Python proxy without both serves "
+                       "fewer tokens/s: bench/RESULTS.md); set them in the environment of "
                        "`ray start` / `serve run` (`make run` does)", " ".join(absent))
     return absent
 

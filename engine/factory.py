@@ -104,10 +104,10 @@ def kv_cache_dtype_for(model: torch.nn.Module, setting: str) -> torch.dtype | No
 
     "auto" is the model's weight dtype, as in vLLM (`--kv-cache-dtype auto`) and transformers: a bf16 model keeps
     bf16 keys and values even where its steps compute in fp32 (on CPU: `cpu_step_dtypes`). Attention reads the whole
-    cache every step and is memory-bound at long contexts: bf16 halves the bytes (SmolLM2-135M, 16 rows of 600
-    tokens, 2 threads: 29-35 ms a step's attention in fp32 against 15-21 ms; bench/RESULTS.md, session 21), and a
-    budget holds twice the tokens. Keys are rounded to bf16 after RoPE, values as computed; attention computes in
-    fp32 over the widened values. Greedy exactness holds against plain decoding with the same cache dtype."""
+    cache every step and is memory-bound at long contexts: bf16 halves the bytes, and with them much of a step's
+    attention time (measured: bench/RESULTS.md), and a budget holds twice the tokens. Keys are rounded to bf16
+    after RoPE, values as computed; attention computes in fp32 over the widened values. Greedy exactness holds
+    against plain decoding with the same cache dtype."""
     if setting == "auto":
         param = next(model.parameters())
         return param.dtype if param.dtype in KV_CACHE_DTYPES.values() else None
@@ -123,11 +123,10 @@ def cpu_step_dtypes(model: torch.nn.Module, compile: bool) -> tuple[torch.dtype 
     activations where specserve's CPU operators load: each product is a bf16 product (activations rounded to bf16,
     fp32 sums; engine/models/cpu/linear.linear), while norms, residuals, RoPE and attention compute in fp32 on the fused
     operators, which ATen's bf16 operators do not match at decode sizes (the KV cache holds bf16 unless configured:
-    `kv_cache_dtype_for`). SmolLM2-135M, 2 threads, on this
-    project's avx512_bf16 machine (bench/RESULTS.md, sessions 16-17): a decode step at batch 1 took 36.5 ms with
-    ATen's bf16 operators, 16.5 ms on the widening kernel and 10.6 ms on the VDPBF16PS one (bf16_gemm.cpp), against
-    24.6 ms in fp32. An int8 draft's products widen the int8 weights in
-    registers, fp32 activations (10 ms a step). Without the operators, bf16 activations stay where the CPU computes
+    `kv_cache_dtype_for`). On this project's avx512_bf16 machine a decode step ran fastest this way, on the
+    VDPBF16PS kernel (bf16_gemm.cpp) ahead of the widening one, both ahead of fp32, while ATen's bf16 operators were
+    slower than fp32 (measured: bench/RESULTS.md). An int8 draft's products widen the int8 weights in
+    registers, fp32 activations. Without the operators, bf16 activations stay where the CPU computes
     bf16 natively and become fp32 where it would emulate them. Compiled steps keep the model's dtype."""
     if model.device.type != "cpu" or next(model.parameters()).dtype != torch.bfloat16:
         return None, None

@@ -2,8 +2,8 @@
 
 Ray places, owns, health-checks and kills the model workers; the per-round calls (draft, verify, release) travel
 here instead of as Ray actor calls. Measured on this project's 2-core VM (bench/RESULTS.md): while a worker's torch
-threads hold both cores, a Ray actor call costs ~2.5 ms beyond the worker's compute, and a blocking socket read
-by a worker thread ~0.35 ms; a speculative round is one chained call through both workers (below).
+threads hold both cores, a Ray actor call costs several times what a blocking socket read by a worker thread
+does, beyond the worker's compute; a speculative round is one chained call through both workers (below).
 
 The wire (frames, the handshake, endpoints, socket set-up) is deployments/transport/wire.py: a request is (method,
 args, reply), and `reply` says where the reply goes: REPLY, ONE_WAY, ERRORS_ONLY, or a connection id of this server

@@ -2,7 +2,7 @@
 
 A round's calls and replies cross the worker channel (deployments/transport/channel.py) as plain tuples (`wire()`,
 `from_wire`): a worker unpickles a call right after its compute, with its caches cold, and there plain tuples load
-~4x faster than dataclass instances (bench/RESULTS.md). So they are converted at the edges only: the worker cores
+much faster than dataclass instances (bench/RESULTS.md). So they are converted at the edges only: the worker cores
 read calls `from_wire` and answer a result's `wire()`; the leases (deployments/router/leases.py, or the tests'
 in-process ones) turn the replies back into results. Everything between, the round loop included, sees these types.
 

@@ -133,7 +133,7 @@ def set_thread_niceness(niceness: int | None) -> int:
     then share the cores with the model's compute threads as equals: a proxy streaming a chunk preempts one thread of
     a two-thread team, and the other spins at the next barrier. At 0 the compute threads run first and the others fill
     the gaps between steps (SmolLM2 bf16 on this project's 2-core machine, Target worker at 15 vs 0, alternating:
-    33.0-33.5 vs 37.7-39.8 tok/s at one stream, 140-151 vs 161-175 at eight; bench/RESULTS.md, session 16).
+    more tokens/s at 0, at one stream and at eight; bench/RESULTS.md).
     Lowering it needs CAP_SYS_NICE (root has it); without, a warning says so and the thread keeps Ray's."""
     tid = threading.get_native_id()
     if niceness is not None:

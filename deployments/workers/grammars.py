@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def prepare_grammars(grammars: SequenceGrammars | None, worker: str) -> None:
     """Build the grammar compiler's tokenizer table at start-up (engine/request/grammar.GrammarCompiler.prepare), not in
-    the first constrained round, which it would stall for every row of the batch (~0.5 s for SmolLM2's 49k tokens). A
+    the first constrained round, which it would stall for every row of the batch (bench/RESULTS.md). A
     tokenizer llguidance cannot read (or no llguidance) leaves the worker serving: the error is kept, and every
     request with a grammar fails with it (grammar_failure), never unconstrained."""
     if grammars is None:

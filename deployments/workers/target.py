@@ -286,11 +286,11 @@ def join_process_group(device: str, rank: int, world: int, address: str, port: i
     """Join a Target replica's torch.distributed group: NCCL on CUDA (this rank's device from `device_id()`, made
     current on the model thread), gloo on CPU.
 
-    A dead peer's process fails gloo collectives at once (its sockets close: 0.04 s measured); `timeout_s` bounds
+    A dead peer's process fails gloo collectives at once (its sockets close); `timeout_s` bounds
     a peer that is alive but never joins (stopped, stuck), after which the rank is broken and Serve replaces the
-    replica. Default SPECSERVE_COLLECTIVE_TIMEOUT_S, else 30 s on GPU and 60 s on CPU (was 120 s): verifies take
+    replica. Default SPECSERVE_COLLECTIVE_TIMEOUT_S, else 30 s on GPU and 60 s on CPU: verifies take
     well under a second, but on CPU the start-up calibration's collectives wait while rank 0 queues for the
-    node's start-up turn (`cpu_startup_turn`) behind the draft's load and calibration, 23 s measured here under
+    node's start-up turn (`cpu_startup_turn`) behind the draft's load and calibration, tens of seconds here under
     load. NCCL: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 lets torch's watchdog abort a collective stuck past the timeout
     and end the process (a dead worker fails the health check at once); TORCH_NCCL_BLOCKING_WAIT stays off (the
     host would wait on every collective: no overlap, no CUDA graphs). The operator's own env settings win.

@@ -1,7 +1,7 @@
 """A lean decoder forward for Llama-family models (Llama, Qwen2, Mistral), over the transformers model's weights.
 
 Decoding a small model on a CPU is dominated by per-operator overhead as much as by weight bandwidth: the
-transformers modules cost ~15 ms of Python per SmolLM2-135M step on this project's 2-core machine. This forward
+transformers modules' Python is a large share of a SmolLM2-135M step on this project's 2-core machine. This forward
 runs the same maths with q/k/v and gate/up projections fused into one matrix each (4 matrix products per layer
 instead of 7), `torch.rms_norm`, and one Python frame per layer. Rotary tables come from the model's own
 `rotary_emb` module (so every RoPE scaling variant transformers knows is honoured), and keys/values go through the

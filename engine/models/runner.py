@@ -61,7 +61,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 
     Every round syncs each row's cache to its committed tokens with this, on every worker, so it compares slices
     (C loops) instead of stepping through the tokens in Python: the usual case, a cache that is a prefix of the
-    committed tokens, is one comparison, and a mismatch is found by bisection (bench/RESULTS.md, session 23)."""
+    committed tokens, is one comparison, and a mismatch is found by bisection (bench/RESULTS.md)."""
     n = min(len(a), len(b), limit)
     if _same_slice(a, b, 0, n):
         return n

@@ -16,7 +16,7 @@ penalty at verify position j is the one plain decoding would apply after committ
 
 Each processor works on the rows' few distinct history tokens, gathered out of [B, T, V] and scattered back, all
 rows of a call at once (`apply_batch`): the cost grows with the context, not the vocabulary. What remains per row is
-counting its history (numpy, O(context) per call: ~0.1 ms for a few thousand tokens).
+counting its history (numpy, O(context) per call: small beside a forward pass at a few thousand tokens).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ not xgrammar (vLLM's and SGLang's default): llguidance is one abi3 wheel with no
 triton on Linux x86_64, a large install for the CPU machines this project runs on. llguidance computes a mask
 lazily from an Earley parser over a derivative-based lexer, with no per-grammar pass over the vocabulary, and its
 matcher rolls back consumed tokens (`LLMatcher.rollback`), which speculation needs. Measured here (SmolLM2's 49k
-vocabulary, 2 cores): its tokenizer table 0.45 s once per process, a small JSON schema's compile 0.5 ms, a first mask
-1.7 ms and later ones microseconds, a copy of a compiled matcher 6 us.
+vocabulary, 2 cores; bench/RESULTS.md): its tokenizer table is the one large cost, paid once per process; a small
+JSON schema's compile, a mask and a copy of a compiled matcher are small beside a decode step.
 
 Speculation under a grammar (the requirement that keeps it lossless, Chen et al. 2023, arXiv 2302.01318, Sec. 2.3:
 any modification of the target distribution applies to both sides): at verify position j the target's mask is the
@@ -144,7 +144,7 @@ class GrammarCompiler:
         self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()
 
     def prepare(self) -> None:
-        """Build the tokenizer table now (a server's start-up: 0.45 s for a 49k vocabulary, which would otherwise
+        """Build the tokenizer table now (a server's start-up: a large vocabulary's table would otherwise
         stall the first constrained round for every row). GrammarError if llguidance cannot read the tokenizer (or
         is not installed); the error is kept, and every later compile raises it again."""
         self._tokenizer_table()

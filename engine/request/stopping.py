@@ -23,9 +23,9 @@ class OutputText:
     """The decoded output of one sequence, the stop-string search, and what may be streamed yet.
 
     Decoding is incremental: each token's text comes from the tokenizer's own streaming decoder
-    (`tokenizers.decoders.DecodeStream`, what vLLM's fast detokenizer uses), a few microseconds per token, where
-    decoding the whole output every round cost O(length) per round (bench/RESULTS.md, issue 18: 16-22 ms per round
-    for 32 rows at 1,000 tokens). Text ending inside a multi-byte character waits for the token that completes it;
+    (`tokenizers.decoders.DecodeStream`, what vLLM's fast detokenizer uses), a constant cost per token, where
+    decoding the whole output every round cost O(length) per round, much of a round at long outputs and many rows
+    (bench/RESULTS.md). Text ending inside a multi-byte character waits for the token that completes it;
     a finished sequence's text is decoded whole once (a sequence that ends inside a character ends with the
     replacement character, as the full decoding does). Tokenizers without a Rust backend decode the whole output
     each round, as before.

@@ -201,11 +201,10 @@ class CostCorrection:
     One-token passes (plain rounds) and wider ones (verifying drafts) have a ratio each once both are observed
     (until then the one observed stands for both): the start-up profile is measured at short contexts, and a
     verify pass's attention grows with its width times the context, so at long contexts verifying costs more
-    against a decode step than the profile says (950-token prompts, 8 streams: 48 ms a drafting round against
-    37 ms a plain one, where the profile had a 2-token verify at 1.41x a decode; bench/RESULTS.md, session 21).
+    against a decode step than the profile says (measured with ~950-token prompts: bench/RESULTS.md).
     The time outside the workers' compute is likewise kept per kind of round: a round that drafts also pays the
-    router's n-gram lookups and the draft call's hops (0.6-1.3 ms a round here, against 19-20 ms rounds at one
-    stream), which the profile does not hold; the difference is `draft_overhead_seconds`.
+    router's n-gram lookups and the draft call's hops (a small but steady share of a round at one stream), which
+    the profile does not hold; the difference is `draft_overhead_seconds`.
     """
 
     def __init__(self) -> None:

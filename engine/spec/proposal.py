@@ -12,7 +12,7 @@ Per row and draft step, by the row's scheme (the same scheme the target's accept
   mass is 1 minus their sum, so nothing more is needed: 1 KiB per draft token at N = 128, where the full
   distribution of a 128k vocabulary is 512 KiB. Where q is peaked (a trained model) q~ is q up to a sliver; where
   it is flat (a random-weight model) the uniform tail keeps q~ close to q, where a renormalised top-N alone lost
-  most of the acceptance (bench/RESULTS.md, issue 18). vLLM and SGLang ship full distributions between co-located
+  most of the acceptance (bench/RESULTS.md). vLLM and SGLang ship full distributions between co-located
   processes; across pods the compact form is what fits a round trip.
 """
 

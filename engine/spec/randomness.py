@@ -14,9 +14,10 @@ of those uniforms, which may differ in the last float32 ulp between backends; an
 on an exact tie.
 
 Cost: Gumbel noise is one hash per (row, position, token): the token's own key (hashed once per vocabulary and
-device, cached) xor the position's hash, mixed in place: ~11 elementwise passes over [B, K+1, V]. Measured on this
-2-core VM, one thread, V = 128,256: ~20 ms per row and round of K = 3 (was ~80 ms with a 16-bit-split multiply).
-On a GPU it is a few microseconds; on CPU it is the price of seeded (drafter-invariant) sampling.
+device, cached) xor the position's hash, mixed in place: ~11 elementwise passes over [B, K+1, V]. On a CPU at a
+large vocabulary that is a visible part of a seeded row's round, though several times less than what a 16-bit-split
+multiply cost (measured: bench/RESULTS.md). On a GPU it is negligible; on CPU it is the price of seeded
+(drafter-invariant) sampling.
 
 Purposes keep the streams of one position apart (the draft's proposal, the verifier's accept test and its
 recovered/bonus draw, the Gumbel noise of seeded rows).

@@ -12,18 +12,18 @@
 
 All of them split their work over torch's thread count with `specserve::parallel_for` (pool.h), not OpenMP's
 at::parallel_for: the calling thread claims chunks along with helper threads and waits only for chunks a helper has
-claimed, so a helper that another process displaced from its core does not hold the step up (served on this
-project's 2-core machine, alternating server runs: 1.03-1.27x the tokens/s of at::parallel_for at 8 streams,
-0.81-1.41x at 16, median 1.19x; bench/RESULTS.md, session 20). `SPECSERVE_POOL=openmp` chooses at::parallel_for
+claimed, so a helper that another process displaced from its core does not hold the step up (on this
+project's 2-core machine, alternating server runs, it served more tokens/s than at::parallel_for in most runs at
+8 and 16 streams: bench/RESULTS.md). `SPECSERVE_POOL=openmp` chooses at::parallel_for
 (A/B measurements), `SPECSERVE_POOL_SPIN_US` how long idle helpers spin (default 200); the results are the same
 bits.
 
 Decode and verify steps multiply a few rows (1..16) by every weight matrix. MKL's sgemm is slow at these shapes on
 this project's 2-core AVX2 machine (torch 2.13, SmolLM2-135M's 30 layers' projections, weights in cache, 2
-threads): 8 rows took 33 ms, 44 GFLOP/s where the same MKL reaches 176 GFLOP/s at 1,024 rows. The kernel here
-keeps 12 accumulators in registers over a 3-column weight panel and prefetches the next panel while computing:
-one thread, weights in cache, 8 rows: 25 ms against MKL's 67 ms; weights from DRAM: 41 ms against 70 ms
-(bench/RESULTS.md, "A small-batch CPU matrix product", has the two-thread figures and the served effect).
+threads): at 8 rows it computes at a fraction of the rate the same MKL reaches at 1,024 rows. The kernel here
+keeps 12 accumulators in registers over a 3-column weight panel and prefetches the next panel while computing,
+and beats MKL at these shapes with the weights in cache and from DRAM alike (bench/RESULTS.md, "A small-batch CPU
+matrix product", has the figures and the served effect).
 
 Its results are batch invariant: a row's outputs are the same bits whatever rows share the call (each dot product
 is summed in one fixed order), which MKL does not promise.

@@ -1,16 +1,16 @@
 """A faster nn.Linear for small-batch inference on CPU.
 
 Verifying K draft tokens is a matrix product with only K+1 rows. With MKL on x86 CPUs, `F.linear(x, W)` for
-2..16 rows picks a kernel that is up to 3x slower than computing the same product as `(W @ x^T)^T`, which streams
-the weight matrix once (measured on this project's 2-core AVX2 machine, torch 2.13: SmolLM2's LM head, 5 rows:
-20.0 ms vs 6.6 ms). Memory-bound decoding lives on exactly these shapes, so the runner switches the kernel per call.
+2..16 rows picks a kernel that is several times slower than computing the same product as `(W @ x^T)^T`, which
+streams the weight matrix once (measured on this project's 2-core AVX2 machine, torch 2.13, at SmolLM2's LM
+head). Memory-bound decoding lives on exactly these shapes, so the runner switches the kernel per call.
 bf16/fp16 weights keep `F.linear` (there the trick is slower).
 
 A single row (a decode step) is a GEMV, and MKL runs a GEMV of these sizes on one thread: with the weights coming
-from DRAM (a decode step reads every layer's once) it streams ~11 GB/s, half of what two threads read. Split into
+from DRAM (a decode step reads every layer's once) it streams about half of what two threads read. Split into
 `torch.get_num_threads()` row blocks and run as one `bmm`, ATen gives each thread its block (measured on the same
-machine, SmolLM2-135M's 30 layers' projections, weights cold: 37-45 ms -> 24-26 ms per step; its LM head 10-13 ms
--> 5-6 ms). Matrices that fit in cache (under `SPLIT_GEMV_MIN_ELEMENTS`) gain nothing and keep `F.linear`.
+machine, SmolLM2-135M's projections and LM head, weights cold: markedly faster per step; bench/RESULTS.md).
+Matrices that fit in cache (under `SPLIT_GEMV_MIN_ELEMENTS`) gain nothing and keep `F.linear`.
 
 Where engine/models/cpu/extension.py's kernel is available (x86 with AVX2/FMA and a C++ compiler), 1 to 64 rows use it
 instead: faster than both tricks above at every row count measured (bench/RESULTS.md, "A small-batch CPU matrix
@@ -47,9 +47,9 @@ def linear(
 
     bf16 weights beside fp32 activations (the static runner's bf16 models on CPU, engine/factory.cpu_step_dtypes) make
     a bf16 product: the activations rounded to bf16, fp32 sums and output, always on the kernel, prompt chunks
-    included. ATen's bf16 GEMM (oneDNN) computes a 256-row chunk 2.2x faster here but rounds its output to bf16 and
+    included. ATen's bf16 GEMM (oneDNN) computes a 256-row chunk faster here but rounds its output to bf16 and
     is not batch invariant: a prompt's cache then depended on which prompts shared its forward and on how it was
-    chunked, and served greedy texts differed from the same request decoded alone (bench/RESULTS.md, session 16).
+    chunked, and served greedy texts differed from the same request decoded alone (bench/RESULTS.md).
     Without the kernel, the product is ATen's bf16 GEMM. (The static runner multiplies bf16 weights on CPUs with
     AVX512_BF16 by engine/models/cpu/csrc/bf16_gemm.cpp instead, over weights packed by `pack_bf16`: engine/models/static/forward.py.)"""
     rows = x.numel() // x.shape[-1]
@@ -115,7 +115,7 @@ def _split_gemv(
     if parts < 2 or weight.numel() < SPLIT_GEMV_MIN_ELEMENTS or out_features % parts or not weight.is_contiguous():
         return F.linear(x, weight, bias)
     blocks = weight.view(parts, out_features // parts, in_features)  # [P, out/P, in]
-    # the column as x^T (strides (1, in)): given strides (in, 1, 1) instead, ATen's bmm takes a kernel 3x slower
+    # the column as x^T (strides (1, in)): given strides (in, 1, 1) instead, ATen's bmm takes a much slower kernel
     column = x.reshape(1, in_features).t().expand(parts, in_features, 1)  # [P, in, 1]
     out = torch.bmm(blocks, column).reshape(*x.shape[:-1], out_features)
     return out if bias is None else out + bias

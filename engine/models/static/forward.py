@@ -116,8 +116,8 @@ class _Projection(nn.Module):
         self.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
         self.scales = None if scales is None else nn.Parameter(scales, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        # ATen's CPU int8 kernel is fast only for bf16 activations (SmolLM2-135M's projections, one row, on this
-        # project's AVX2 machine: 11 ms per step with bf16 inputs, 90 ms with fp32), even where bf16 arithmetic is
+        # ATen's CPU int8 kernel is fast only for bf16 activations (several times faster than with fp32 inputs on
+        # this project's AVX2 machine: bench/RESULTS.md), even where bf16 arithmetic is
         # emulated; so an fp32 model casts the few rows it feeds it, and the rest of the step stays fp32
         self.kernel_scales = None
         if scales is not None and weight.device.type == "cpu":

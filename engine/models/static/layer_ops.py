@@ -67,9 +67,9 @@ def visible_keys(positions: torch.Tensor, kv_len: int) -> torch.Tensor:  # posit
 
 def use_fused_attention(device: torch.device, batch: int, width: int) -> bool:
     """Eager CPU steps of one token per row, or of at most 2 rows, run attention as one SDPA call (its fused CPU
-    kernel with native GQA); other shapes keep `grouped_attention`. SmolLM2-135M's shapes (9 heads, 3 KV heads,
-    256 keys, 2 threads), per layer: width 1 at batch 1 / 8 / 32: 43 / 221 / 761 us against 131 / 288 / 818 us;
-    width 4 at batch 1: 80 against 166 us, but at batch 8: 477 against 405 us (bench/RESULTS.md, session 15).
+    kernel with native GQA); other shapes keep `grouped_attention`. At SmolLM2-135M's shapes (9 heads, 3 KV heads,
+    256 keys, 2 threads) SDPA was faster per layer at width 1 for every batch measured and at width 4 for a small
+    batch, but slower at width 4 for a larger one (measured: bench/RESULTS.md).
     CUDA and compiled steps keep `grouped_attention` (measured there; the compiled graph fuses it)."""
     return device.type == "cpu" and (width == 1 or batch <= 2) and not torch.compiler.is_compiling()
 

@@ -32,9 +32,8 @@ def prefill_groups(slots: Sequence[int], widths: Sequence[int], max_tokens: int)
     """Indices of rows (sorted by slot) that can share one prefill forward: consecutive slots (the forward reads a
     contiguous range of the cache), at most `max_tokens` padded tokens, and at most PREFILL_MAX_PADDING times the
     real tokens. Shorter chunks are padded to the longest, and padding is computed like real tokens, while sharing
-    a forward saves little once the products are compute-bound: three waves of 7-8 SmolLM2 prompts (41-183 tokens,
-    bf16, 2 threads, bench/RESULTS.md, session 17) took 2.60-2.65 s with up to 1.5x padding, 2.23-2.26 s with 1.15x
-    and 2.25 s with none."""
+    a forward saves little once the products are compute-bound: waves of short SmolLM2 prompts took clearly longer
+    with generous padding than with PREFILL_MAX_PADDING's, which took as long as none (measured: bench/RESULTS.md)."""
     groups: list[list[int]] = []
     for i, (slot, width) in enumerate(zip(slots, widths)):
         if groups:

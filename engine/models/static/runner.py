@@ -147,7 +147,7 @@ class StaticRunner(SlotTableAccess):
         self._step = _compile_step(self.model) if self.step_mode == "inductor" else self.model.forward
         # CUDA graphs replay fixed shapes, so batch and width are padded to buckets there (each row's key length is a
         # device tensor: engine/models/static/attention.py); eager steps and CPU's dynamic graph take any shape, so
-        # nothing is padded (an 87-token prompt computed as 128 cost 47% more)
+        # nothing is padded (a prompt padded to a bucket pays for the padded tokens as for real ones)
         self.graphs = None
         if self.step_mode == "graphs":
             self.graphs = GraphSteps(self.model, num_slots, MAX_WIDTH, scratch_start=self.max_model_len)
@@ -230,7 +230,7 @@ class StaticRunner(SlotTableAccess):
         """Feed each row's head (prompt tokens whose logits are not needed) in chunks of at most `prefill_chunk`
         tokens. Rows in neighbouring slots share a forward (`prefill_groups`): 8 new prompts cost one pass over the
         weights per chunk instead of 8, the projections run as larger matrix products, and each layer's fixed costs
-        are paid once (measured in bench/RESULTS.md, session 13). Rows whose cached tokens and head are the same
+        are paid once (measured in bench/RESULTS.md). Rows whose cached tokens and head are the same
         (the `n` choices of one request, one prompt sent twice) are computed once: the others copy its keys and
         values."""
         heads, copies = shared_heads(states, heads)

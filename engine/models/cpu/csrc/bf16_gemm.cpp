@@ -2,10 +2,10 @@
 // static runner's bf16 models on CPU (fp32 activations rounded to bf16 with round-to-nearest-even, as torch's
 // .bfloat16(); bf16 weights; fp32 sums and output), for decode and verify steps and prompt chunks alike.
 //
-// The weights are packed once at load (engine/cpu_kernels.pack_bf16) in the VNNI layout that VDPBF16PS reads:
+// The weights are packed once at load (engine/models/cpu/linear.pack_bf16) in the VNNI layout that VDPBF16PS reads:
 // [N/16, K/2, 16, 2], 16 output columns by a pair of k per 64-byte vector. One instruction then multiplies a
 // broadcast pair of activations by 16 columns' pairs and adds both products to 16 fp32 accumulators (an outer
-// product: no horizontal sums), 32 multiply-adds where engine/csrc/small_gemm.cpp's widening kernel does 8.
+// product: no horizontal sums), 32 multiply-adds where engine/models/cpu/csrc/small_gemm.cpp's widening kernel does 8.
 //
 // Batch invariance: every output element is accumulated over the k pairs in increasing order by the same
 // instruction, in its own register lane, whatever M is, whichever block its row falls in and whichever thread
@@ -19,7 +19,7 @@
 // contiguous runs of tiles, panel-major.
 //
 // Compiled for AVX512_BF16 per function (the library's other sources target AVX2), and run only where the CPU
-// reports it (`bf16_gemm_supported`; engine/cpu_extension.py checks before use).
+// reports it (`bf16_gemm_supported`; engine/models/cpu/extension.py checks before use).
 #include <immintrin.h>
 
 #include <ATen/Parallel.h>

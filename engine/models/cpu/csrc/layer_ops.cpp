@@ -1,4 +1,4 @@
-// Fused fp32 CPU operators for the static runner's eager layer (engine/layer_ops.py), each replacing several
+// Fused fp32 CPU operators for the static runner's eager layer (engine/models/static/layer_ops.py), each replacing several
 // ATen calls whose dispatch cost dominates at decode sizes (one or a few rows of 576 values: the arithmetic is
 // tiny, the per-call overhead is not). Semantics are those of the Python code they replace:
 //
@@ -8,7 +8,7 @@
 //   cache_attention(q, k_cache, v_cache, first_slot, positions, kv_len, scale)
 //       causal GQA attention of each row's queries over its cached keys, read in place (below)
 //   rope_to_cache(qkv, cos, sin, positions, k_cache, v_cache, first_slot, heads, kv_heads)
-//       q [B, H, W, D] RoPE'd (rotate-half form, `_rope` in engine/llama_fast.py); k RoPE'd and v written into the
+//       q [B, H, W, D] RoPE'd (rotate-half form, `_rope` in engine/models/llama_fast.py); k RoPE'd and v written into the
 //       caches at (first_slot + b, :, positions[b, w]), what the Python step does with index assignments
 //
 // The KV caches are fp32 or bf16 (runner.kv_cache_dtype): written rounded to nearest even, widened exactly as read.
@@ -242,7 +242,7 @@ using specserve::lane_sum;
 // The caches are float32 or bfloat16 (rope_to_cache rounds what it writes; loads widen exactly). Each query's
 // arithmetic is fixed by its own length alone, not by its task or the step's width, so its result never depends on
 // how a sequence's tokens were split into steps or chunks: the keys and values a prompt writes are the same bits
-// whether it was fed whole, in chunks, or after a prefix another sequence computed (engine/prefix_cache.py relies
+// whether it was fed whole, in chunks, or after a prefix another sequence computed (engine/models/static/prefix_cache.py relies
 // on it).
 constexpr int64_t QUERY_BLOCK = 8;
 

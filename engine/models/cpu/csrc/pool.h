@@ -5,7 +5,7 @@
 // every thread of the team. A decode step runs ~180 such regions; served, the compute threads share the cores with
 // the router, HAProxy, Ray's daemons and the clients, and whenever one of them holds a core the region waits for the
 // compute thread it displaced: on this project's 2-core machine a served step at batch 8 took as long on two threads
-// as on one (bench/RESULTS.md, session 20). Here the calling thread publishes the range and claims chunks itself;
+// as on one (bench/RESULTS.md). Here the calling thread publishes the range and claims chunks itself;
 // helper threads claim chunks too when they are running, and the caller waits only for chunks a helper has
 // claimed. A helper that is not scheduled in time does no work instead of delaying the step.
 //

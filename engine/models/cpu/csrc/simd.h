@@ -1,4 +1,4 @@
-// AVX2 helpers shared by engine/csrc/*.cpp.
+// AVX2 helpers shared by engine/models/cpu/csrc/*.cpp.
 #pragma once
 
 #include <immintrin.h>

@@ -4,9 +4,10 @@
 // fewer weight bytes, and every sum is fp32. With bf16 weights the product is a bf16 product: X is rounded to bf16
 // first (round to nearest even, as torch's .bfloat16()), so each term is an exact product of two bf16 values, as in
 // a bf16 GEMM with fp32 accumulation, and the output stays fp32 (not rounded to bf16 as ATen's bf16 GEMM does).
-// On CPUs with AVX512_BF16 the static runner's bf16 products run on bf16_gemm.cpp instead (2-2.7x faster there).
+// On CPUs with AVX512_BF16 the static runner's bf16 products run on bf16_gemm.cpp instead, which is faster there
+// (bench/RESULTS.md).
 //
-// Python side, with the measurements that motivate it: engine/cpu_extension.py. Built by engine/cpu_extension.py with
+// Python side, with the measurements that motivate it: engine/models/cpu/extension.py. Built by engine/models/cpu/extension.py with
 // g++ -O3 -mavx2 -mfma against torch's headers and registered as torch.ops.specserve.small_gemm.
 //
 // Each output element is a dot product over K, accumulated in 8-lane vectors in increasing k order and summed
