@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ray import serve
 
+from deployments.autoscaling import POLICY
 from deployments.config import ScalingSection, SpecServeConfig
 from deployments.router.router import RETRY_AFTER_S, build_router_server
 from deployments.workers.replicas import DraftServer, TargetServer
@@ -38,6 +39,12 @@ def _autoscaling(s: ScalingSection) -> dict:
     }
 
 
+def _model_autoscaling(s: ScalingSection) -> dict:
+    """Draft and Target replicas scale by their live sequences, not by Serve's count of open calls
+    (deployments/autoscaling.py says why)."""
+    return {**_autoscaling(s), "policy": {"policy_function": POLICY}}
+
+
 def worker_spec(cfg: SpecServeConfig, role: str) -> dict:
     """What a Draft or Target replica needs to start its worker actors."""
     s = cfg.draft if role == "draft" else cfg.target
@@ -63,7 +70,7 @@ def deployment_options(cfg: SpecServeConfig) -> dict[str, dict]:
     options = {
         "Router": {**common(cfg.router), "ray_actor_options": {"num_cpus": cfg.router.num_cpus}},
         "Target": {
-            **common(cfg.target),
+            **common(cfg.target), "autoscaling_config": _model_autoscaling(cfg.target),
             "ray_actor_options": {"num_cpus": REPLICA_CPUS},
             "placement_group_bundles": [{"CPU": REPLICA_CPUS}] + [_worker_bundle(cfg.target)] * cfg.tp_size,
             "placement_group_strategy": "STRICT_PACK",
@@ -71,7 +78,7 @@ def deployment_options(cfg: SpecServeConfig) -> dict[str, dict]:
     }
     if cfg.draft_source().remote:
         options["Draft"] = {
-            **common(cfg.draft),
+            **common(cfg.draft), "autoscaling_config": _model_autoscaling(cfg.draft),
             "ray_actor_options": {"num_cpus": REPLICA_CPUS},
             "placement_group_bundles": [{"CPU": REPLICA_CPUS}, _worker_bundle(cfg.draft)],
             "placement_group_strategy": "PACK",

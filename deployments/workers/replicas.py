@@ -5,8 +5,8 @@ itself; bundles 1.. are the workers; for the target, one per tensor-parallel ran
 a replica with a *streaming* call that stays open while the request lives: Serve counts it as an ongoing request,
 so autoscaling follows the number of live sequences, and scale-down waits for it. The lease's first item names the
 replica, its workers' actor handles (for cancels) and the endpoint of the workers' direct channel
-(deployments/transport/channel.py): every round's calls travel that channel, not Ray (a chained round ~0.9 ms, against
-~3.5 ms for a DeploymentHandle call and ~3 ms for an actor call beside busy workers). Closing the lease frees the
+(deployments/transport/channel.py): every round's calls travel that channel, not Ray (a chained round costs a fraction
+of one DeploymentHandle call or actor call beside busy workers: bench/RESULTS.md). Closing the lease frees the
 sequence's caches at once.
 
 A replica whose workers' KV caches have a fixed number of sequence slots (`kv_capacity` in their stats) leases no
@@ -27,6 +27,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from deployments.autoscaling import LIVE_SEQUENCES
 from deployments.errors import StartupError
 from deployments.router.admission import min_capacity, refusal
 from deployments.transport.messages import LeaseInfo
@@ -69,8 +70,8 @@ def _in_my_bundle(index: int) -> dict:
 # OpenMP threads of torch's CPU kernels spin-wait after each parallel region (libgomp: up to a few ms by default)
 # before they sleep. Within a forward the next region comes at once, but a round hands the cores from the draft
 # worker to the target worker and back, and the idle side's spinning threads then compete with the busy side's. A
-# short spin (about 0.1 ms) keeps the first and ends the second: fixed K=3 at one stream 39.9 vs 34.4 tok/s here
-# (four alternating server runs, bench/RESULTS.md). An operator's own setting on the node wins.
+# short spin (about 0.1 ms) keeps the first and ends the second: fixed K=3 at one stream served more tokens/s
+# here (four alternating server runs, bench/RESULTS.md). An operator's own setting on the node wins.
 DEFAULT_GOMP_SPINCOUNT = "20000"
 
 
@@ -98,6 +99,7 @@ RELEASE_WAIT_S = 10.0
 class _OpenLease:
     seq_id: str
     started: float  # time.monotonic() when granted
+    ending: bool = False  # its router has ended it (the cancel arrived); the worker's release may still be running
 
 
 class _LeasedReplica:
@@ -114,6 +116,15 @@ class _LeasedReplica:
     def leases(self) -> int:
         """Leases granted and not closed yet (what the replica refuses new ones by, against its capacity)."""
         return len(self._open)
+
+    @property
+    def live_sequences(self) -> int:
+        """Leases whose routers have not ended them: the load the autoscaler follows (deployments/autoscaling.py)."""
+        return sum(1 for lease in self._open if not lease.ending)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's hook for custom autoscaling metrics, read by deployments/autoscaling.live_sequences_policy."""
+        return {LIVE_SEQUENCES: float(self.live_sequences)}
 
     @property
     def replica_id(self) -> str:
@@ -141,6 +152,7 @@ class _LeasedReplica:
             yield LeaseInfo(self.replica_id, workers, endpoint, self.costs)
             await asyncio.Event().wait()  # until the router cancels the lease
         finally:
+            lease.ending = True  # no longer load, though its slot stays taken until the worker has released it
             if lease in self._open:  # (closed already: reclaimed, see `_reclaim_released`)
                 try:  # a target's rank 0 passes it on to the other ranks, in order
                     await asyncio.wait_for(workers[0].release.remote([seq_id]), RELEASE_WAIT_S)
@@ -198,7 +210,7 @@ class _LeasedReplica:
         """Close leases whose sequences a router has released on the worker since they were granted.
 
         The router releases a finished request's Target sequence itself (leases.RayTargetLease.release) and then
-        cancels the lease, whose `finally` here closes it. Served under load (bench/RESULTS.md, session 15), a
+        cancels the lease, whose `finally` here closes it. Served under load (bench/RESULTS.md), a
         replica went on refusing leases as full for a minute while it held none: its lease count had kept leases
         that Serve logged as CANCELLED, whose `finally` had not run (the README's "Limits"). A lease whose sequence
         was released on the worker after the lease began is over, whatever its generator does, so it is closed
