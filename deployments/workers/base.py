@@ -227,6 +227,7 @@ class ModelWorker:
         self._released_at: OrderedDict[str, float] = OrderedDict()  # seq -> time.monotonic() of its last release
         self.calls = 0  # model calls served
         self.rows = 0  # sequences in them, summed
+        self.swept = 0  # sequences released by the sweep: each one outlived its lease (a leak caught)
 
     def model_runner(self) -> Runner | None:
         """The runner holding this worker's sequences (None before it is loaded)."""
@@ -287,6 +288,9 @@ class ModelWorker:
                  if (seq_id in self._known.tokens or (runner is not None and runner.has(seq_id)))
                  and now - self._known.touched.get(seq_id, -math.inf) >= idle_s]
         if stale:  # on the model thread already, so it runs in this turn (a target's rank 0 passes it on)
+            self.swept += len(stale)
+            log.error("released %d sequence(s) that outlived their leases (a leak the sweep caught): %s", len(stale),
+                      stale[:8])
             self.release(stale)
         return stale
 
@@ -294,6 +298,7 @@ class ModelWorker:
         runner = self.model_runner()
         live_ids = getattr(runner, "live_ids", None)
         return {"live_sequences": runner.num_live if runner else 0, "calls": self.calls, "rows": self.rows,
+                "swept": self.swept,  # sequences the replica's sweep released here (each one a leak caught)
                 "live_sequence_ids": sorted(live_ids())[:16] if live_ids else [],  # the first 16, for leak checks
                 "kv_capacity": getattr(runner, "capacity", None) if runner else None, "pid": os.getpid(),
                 "runner": type(runner).__name__ if runner else None,

@@ -89,10 +89,39 @@ def _actor_options(worker: dict, index: int, name: str) -> dict:
 
 # A lease open this long is checked against its worker's releases (`_LeasedReplica._reclaim_released`).
 RECLAIM_AFTER_S = 5.0
-# A lease's end waits this long for its worker to confirm the release, then counts the lease off anyway: under the
-# autoscaling test's load (tests/deployments/test_cluster_tiny.py) that call was seen never to return, for a third
-# of the leases, and every lease kept counted until the replica refused all new ones as full (README, "Limits").
+# A lease's end waits this long for its worker to confirm the release, then counts the lease off anyway (a guard:
+# the calls that never returned were cancelled with their leases, which `detached_call` prevents).
 RELEASE_WAIT_S = 10.0
+
+
+GUARD_METRIC = "specserve_guard_firings"  # Prometheus: {guard="..."}, each firing of a guard that should not fire
+
+
+def _guard_counter():
+    """The replica's counter of guard firings (None outside a Ray worker: unit tests)."""
+    try:
+        from ray.serve.metrics import Counter
+
+        return Counter(GUARD_METRIC, description="Firings of the lease guards, each a bug caught: a sequence that "
+                       "outlived its lease (swept), a lease whose sequence was released while it stayed open "
+                       "(reclaimed), a release its worker never confirmed (release_timeout)", tag_keys=("guard",))
+    except Exception:
+        return None
+
+
+async def detached_call(method, *args, timeout_s: float | None = None):
+    """`method.remote(*args)` awaited (for at most `timeout_s`), submitted outside the calling task.
+
+    `ray.cancel` is recursive: a cancelled actor task's calls are cancelled with it. Serve cancels a lease's call
+    when its router ends the lease, so the worker release that the lease's `finally` submits was cancelled too, and
+    a cancelled call to a threaded actor left the actor's queue for this caller waiting for it: every later call
+    from the replica to its worker (releases, the sweep's, stats) hung while the worker sat idle, each lease ended
+    only at RELEASE_WAIT_S, and Serve counted those leases as ongoing until the replica was full (what the sequence
+    leak and the autoscaling overshoot came from). A call submitted from an executor thread has no parent task;
+    the shield keeps a second cancel of the caller from reaching it."""
+    loop = asyncio.get_running_loop()
+    ref = await loop.run_in_executor(None, lambda: method.remote(*args))
+    return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(ref.future())), timeout_s)
 
 
 @dataclass(eq=False)  # one per grant, compared by identity
@@ -109,6 +138,7 @@ class _LeasedReplica:
         self.ledger = LeaseLedger()  # the sequences leased here, and the sweep of those that outlive their leases
         self._sweeping: asyncio.Task | None = None
         self._replica_id = None
+        self._guards = _guard_counter()
         self.costs: dict | None = None  # measured at start when the router's K policy needs them (policy.py)
         self.capacity: int | None = None  # sequences its workers' KV caches hold; None: unbounded
 
@@ -155,16 +185,21 @@ class _LeasedReplica:
             lease.ending = True  # no longer load, though its slot stays taken until the worker has released it
             if lease in self._open:  # (closed already: reclaimed, see `_reclaim_released`)
                 try:  # a target's rank 0 passes it on to the other ranks, in order
-                    await asyncio.wait_for(workers[0].release.remote([seq_id]), RELEASE_WAIT_S)
+                    await detached_call(workers[0].release, [seq_id], timeout_s=RELEASE_WAIT_S)
                 except asyncio.TimeoutError:
-                    logger.warning("replica %s: the release of %s on its worker did not answer within %.0f s; the "
-                                   "lease is counted off anyway (the router released the sequence itself if its "
-                                   "last round came back; else the sweep frees it)", self.replica_id, seq_id,
-                                   RELEASE_WAIT_S)
+                    self._guard_fired("release_timeout", 1)
+                    logger.error("replica %s: the release of %s on its worker did not answer within %.0f s; the "
+                                 "lease is counted off anyway (the router released the sequence itself if its "
+                                 "last round came back; else the sweep frees it)", self.replica_id, seq_id,
+                                 RELEASE_WAIT_S)
                 except Exception:  # the worker is gone (and the replica with it)
                     pass
                 finally:  # the slot is free once the worker has released the sequence: a new one cannot find it taken
                     self._close_lease(lease)
+
+    def _guard_fired(self, guard: str, count: int) -> None:
+        if self._guards is not None:
+            self._guards.inc(count, tags={"guard": guard})
 
     def _open_lease(self, seq_id: str) -> "_OpenLease":
         lease = _OpenLease(seq_id, time.monotonic())
@@ -200,11 +235,12 @@ class _LeasedReplica:
 
     async def _release_stale(self, worker, candidates: list[str]) -> None:
         """Release, on the workers, sequences that outlived their leases (lease_ledger.py)."""
-        stale = await worker.release_stale.remote(candidates, STALE_AFTER_S)
+        stale = await detached_call(worker.release_stale, candidates, STALE_AFTER_S)
         if stale:
             self.ledger.swept += len(stale)
-            logger.warning("replica %s: released %d sequence(s) its workers held after their leases ended: %s",
-                           self.replica_id, len(stale), stale[:8])
+            self._guard_fired("swept", len(stale))
+            logger.error("replica %s: released %d sequence(s) its workers held after their leases ended: %s",
+                         self.replica_id, len(stale), stale[:8])
 
     async def _reclaim_released(self, worker, open_leases: list["_OpenLease"]) -> None:
         """Close leases whose sequences a router has released on the worker since they were granted.
@@ -217,7 +253,7 @@ class _LeasedReplica:
         here, its slot counted free again; if its `finally` runs later, it finds the lease closed.
         """
         sent = time.monotonic()
-        ago = await worker.released_ago.remote(sorted({lease.seq_id for lease in open_leases}))
+        ago = await detached_call(worker.released_ago, sorted({lease.seq_id for lease in open_leases}))
         # the worker measured `ago` after `sent`: each release happened after `sent - ago` (no shared clock needed)
         over = [lease for lease in open_leases if lease in self._open and lease.seq_id in ago
                 and sent - ago[lease.seq_id] > lease.started]
@@ -225,8 +261,9 @@ class _LeasedReplica:
             self._close_lease(lease)
         if over:
             self.reclaimed += len(over)
-            logger.warning("replica %s: closed %d lease(s) whose sequences were released while the leases stayed "
-                           "open: %s", self.replica_id, len(over), [lease.seq_id for lease in over][:8])
+            self._guard_fired("reclaimed", len(over))
+            logger.error("replica %s: closed %d lease(s) whose sequences were released while the leases stayed "
+                         "open: %s", self.replica_id, len(over), [lease.seq_id for lease in over][:8])
 
     async def _check(self, workers: list) -> None:
         """Serve's health check: raises at once if a worker died, if one does not answer a ping within

@@ -100,18 +100,28 @@ def assert_no_sequence_outlives_its_request(timeout_s: float = 15) -> None:
         f"sequences left on workers after every request ended: {live}"
 
 
-def check_for_the_known_leak(app: str, timeout_s: float = 45) -> None:
-    """assert_no_sequence_outlives_its_request after a load test; a leak is reported as an expected failure with the
-    ids, after the app is deleted. The leak is a known, open bug (README, "Limits"): seen in 2026-11-24's CI runs
-    after both autoscaling tests, in one of them with all 22 of the replica's leases ended ("CANCELLED" in its Serve
-    log) and 8 sequences left that the replica's sweep did not free, as if their leases had never ended there."""
-    from ray import serve
+def assert_no_leak(swept_before: dict[str, int], timeout_s: float = 15) -> None:
+    """After a load: every worker has released every sequence, and none of them needed the replicas' sweep since
+    `swept_before` (a sequence it releases outlived its lease: a leak the guard caught, counted in `swept`)."""
+    assert_no_sequence_outlives_its_request(timeout_s)
+    swept = {name: n - swept_before.get(name, 0) for name, n in swept_by_every_worker().items()
+             if n > swept_before.get(name, 0)}
+    assert not swept, f"the sweep released sequences that outlived their leases: {swept}"
 
-    try:
-        assert_no_sequence_outlives_its_request(timeout_s)
-    except AssertionError as exc:
-        serve.delete(app)
-        pytest.xfail(f"known sequence leak after an autoscaling load: {exc}")
+
+def swept_by_every_worker() -> dict[str, int]:
+    import ray
+    from ray.exceptions import RayActorError
+
+    swept = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(("specserve-draft-", "specserve-target-")):
+            try:
+                worker = ray.get_actor(actor["name"], namespace=actor["namespace"])
+                swept[actor["name"]] = ray.get(worker.stats.remote(), timeout=60)["swept"]
+            except (RayActorError, ValueError):
+                continue
+    return swept
 
 
 def test_tp2_matches_tp1_and_each_rank_holds_a_shard(ray_cluster, tiny_model_dirs):
@@ -143,6 +153,7 @@ def test_load_scales_target_replicas_up_and_idleness_down(ray_cluster, tiny_mode
                "metrics_interval_s": 0.25, "num_cpus": 0.25}
     config = tiny_config(tiny_model_dirs, model={"draft": "ngram"}, target=scaling)
     base = deploy(config, "scale")
+    swept_before = swept_by_every_worker()
 
     def replicas():
         status = serve.status().applications["scale"].deployments["Target"]
@@ -166,7 +177,7 @@ def test_load_scales_target_replicas_up_and_idleness_down(ray_cluster, tiny_mode
         for f in futures:
             f.result()
     assert peak == 2, "load raised the Target replica count"
-    check_for_the_known_leak("scale")
+    assert_no_leak(swept_before)
     deadline = time.time() + 60
     while time.time() < deadline and replicas() > 1:
         time.sleep(1)
@@ -186,6 +197,7 @@ def test_autoscaler_holds_steady_while_speculation_switches_off_and_on(ray_clust
     config = tiny_config(tiny_model_dirs, target=scaling,
                          speculation={"adaptive": True, "calibration": write_profile(tmp_path / "c.json", 2)})
     base = deploy(config, "steady")
+    swept_before = swept_by_every_worker()
 
     def replicas():
         status = serve.status().applications["steady"].deployments["Target"]
@@ -214,7 +226,7 @@ def test_autoscaler_holds_steady_while_speculation_switches_off_and_on(ray_clust
     # request's lease overlapping its successor's is not a fifth), and never back down while the load lasts
     assert max(counts) == 2, f"4 sequences at 2 per replica: 2 replicas ({counts})"
     assert counts == sorted(counts), f"the replica count went down while the load lasted: {counts}"
-    check_for_the_known_leak("steady")
+    assert_no_leak(swept_before)
     serve.delete("steady")
 
 
@@ -229,6 +241,7 @@ def test_a_steady_load_of_n_streams_at_n_over_2_per_replica_holds_exactly_2_repl
                "metrics_interval_s": 0.25, "num_cpus": 0.25}
     config = tiny_config(tiny_model_dirs, model={"draft": "ngram"}, target=scaling)
     base = deploy(config, "halves")
+    swept_before = swept_by_every_worker()
 
     def replicas():
         return serve.status().applications["halves"].deployments["Target"].replica_states.get("RUNNING", 0)
@@ -251,7 +264,7 @@ def test_a_steady_load_of_n_streams_at_n_over_2_per_replica_holds_exactly_2_repl
     held = counts[counts.index(2):]
     assert set(held) == {2}, f"exactly 2 replicas once the second came up ({counts})"
     assert set(counts[:counts.index(2)]) <= {1}, counts
-    check_for_the_known_leak("halves")
+    assert_no_leak(swept_before)
     serve.delete("halves")
 
 
@@ -376,7 +389,7 @@ def test_a_full_target_replica_refuses_leases_and_takes_one_again_once_a_lease_e
     stats = replica_stats("slots")
     assert stats["kv_capacity"] == 1 and "kv_capacity" in stats["ranks"][0]  # the workers report their runner's
     assert stats["swept"] == 0
-    # a call reaching the worker after the lease of "a" ended creates the sequence again (the README's known leak):
+    # a call reaching the worker after the lease of "a" ended would create the sequence again (none does today):
     # the replica's health checks find it and release it (deployments/workers/lease_ledger.py)
     import ray
 

@@ -1,11 +1,25 @@
 """The Draft/Target replicas' own logic without a cluster: lease accounting against the KV-cache capacity."""
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 
 from deployments.router.admission import LeaseRefused
 from deployments.transport.messages import LeaseInfo
-from deployments.workers.replicas import _LeasedReplica
+from deployments.workers.replicas import _LeasedReplica, detached_call
+
+
+class _Ref:
+    """Stands in for a Ray ObjectRef: `future()` resolves with `answer()` after `delay` s (never, with None)."""
+
+    def __init__(self, answer=lambda: None, delay: float | None = 0.0) -> None:
+        self._future: concurrent.futures.Future = concurrent.futures.Future()
+        if delay is not None:
+            threading.Timer(delay, lambda: self._future.set_result(answer())).start()
+
+    def future(self) -> concurrent.futures.Future:
+        return self._future
 
 
 class _Worker:
@@ -16,10 +30,7 @@ class _Worker:
         self.release = self
 
     def remote(self, seq_ids):
-        async def run():
-            await asyncio.sleep(0.01)  # the release reaches the worker a little later
-            self.released.extend(seq_ids)
-        return run()
+        return _Ref(lambda: self.released.extend(seq_ids), delay=0.01)  # reaches the worker a little later
 
 
 def test_a_replica_refuses_leases_past_its_capacity_and_frees_the_slot_once_the_worker_released():
@@ -74,12 +85,10 @@ class _ReleasingWorker(_Worker):
             self.worker, self.stale = worker, stale
 
         def remote(self, seq_ids, *args):
-            async def run():
-                if self.stale:
-                    return []
-                now = time.monotonic()
-                return {s: now - self.worker.released_at[s] for s in seq_ids if s in self.worker.released_at}
-            return run()
+            if self.stale:
+                return _Ref(lambda: [])
+            now = time.monotonic()
+            return _Ref(lambda: {s: now - self.worker.released_at[s] for s in seq_ids if s in self.worker.released_at})
 
 
 def test_the_sweep_closes_a_lease_whose_sequence_was_released_after_it_began(monkeypatch):
@@ -143,7 +152,7 @@ def test_a_release_that_never_answers_still_ends_the_lease(monkeypatch):
             self.release = self
 
         def remote(self, seq_ids):
-            return asyncio.Event().wait()  # never answers
+            return _Ref(delay=None)  # never answers
 
     replica = _LeasedReplica()
     replica.capacity = 1
@@ -191,3 +200,27 @@ def test_a_workers_startup_error_is_raised_as_itself_and_other_failures_as_ray_r
         model_deployments.started(["ref"])
     monkeypatch.setattr(model_deployments.ray, "get", lambda refs: ["stats"])
     assert model_deployments.started(["ref"]) == ["stats"]
+
+
+def test_a_worker_call_is_submitted_outside_the_calling_task_and_a_cancel_of_that_task_never_reaches_it():
+    """Ray cancels a cancelled task's calls with it; a lease's release is submitted from another thread (no parent
+    task) and shielded, so cancelling the lease's `finally` leaves the call to the worker alone."""
+    submitted, refs = [], []
+
+    class _Method:
+        def remote(self, *args):
+            submitted.append((threading.get_ident(), args))
+            refs.append(_Ref(delay=None))
+            return refs[-1]
+
+    async def go():
+        waiting = asyncio.ensure_future(detached_call(_Method(), ["a"], timeout_s=5))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        return waiting.cancelled(), threading.get_ident()
+
+    cancelled, loop_thread = asyncio.run(go())
+    assert cancelled and submitted[0][1] == (["a"],)
+    assert submitted[0][0] != loop_thread, "submitted from an executor thread"
+    assert not refs[0].future().cancelled(), "the worker's call is not cancelled with its caller"
