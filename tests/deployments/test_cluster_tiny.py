@@ -28,20 +28,13 @@ def ray_cluster():
         ray.shutdown()
 
 
-def replica_stats(app_name: str, attempts: int = 3, timeout_s: float = 30.0) -> dict:
-    """The Target deployment's `stats()` through a Serve handle from the driver, each try bounded: once (one CI
-    run of many) such a call, made right after a test's `asyncio.run` had ended, never got a reply, with the replica
-    and its worker idle, and the blocked `.result()` kept pytest-timeout from firing. The call is read-only, so a
-    lost one is simply asked again; the last try's timeout propagates."""
+def replica_stats(app_name: str, timeout_s: float = 60.0) -> dict:
+    """The Target deployment's `stats()` through a Serve handle from the driver. (Such a call once never got a
+    reply, with the replica and its worker idle: the replica's calls to its worker were wedged behind a cancelled
+    release, fixed by `replicas.detached_call`; no retry hides it now.)"""
     from ray import serve
 
-    handle = serve.get_deployment_handle("Target", app_name=app_name)
-    for _ in range(attempts - 1):
-        try:
-            return handle.stats.remote().result(timeout_s=timeout_s)
-        except TimeoutError:
-            pass
-    return handle.stats.remote().result(timeout_s=timeout_s)
+    return serve.get_deployment_handle("Target", app_name=app_name).stats.remote().result(timeout_s=timeout_s)
 
 
 def deploy(config, name):
