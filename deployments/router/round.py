@@ -145,8 +145,8 @@ class GroupRound:
     async def run(self, rows: list[LiveRequest], ks: list[int]) -> RoundResult | None:
         """One round for `rows` (all leased to one Target replica) with `ks` drafts each; None when the Target
         replica failed (the rows re-lease and re-prefill: deployments/router/recovery.py)."""
-        if self.config.draft.remote and any(ks):  # rows drafting for the first time take their Draft lease (set-up work,
-            start = time.perf_counter()  # once per request: counted apart from the round's orchestration)
+        if self.config.draft.remote and any(ks):  # rows drafting for the first time take their Draft lease
+            start = time.perf_counter()  # (set-up work, once per request: counted apart from the orchestration)
             await self.recovery.lease_drafts([live for live, k in zip(rows, ks)
                                               if k > 0 and live.ready is None and live.draft is None])
             self.stats.draft_lease_seconds += time.perf_counter() - start
