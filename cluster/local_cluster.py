@@ -59,14 +59,21 @@ def use_token_auth_in_this_process() -> None:
     Config.initialize("")
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
+def _free_ports(n: int, taken: set[int]) -> list[int]:
+    """`n` ports free now, distinct, and none of `taken` (which they join): the ports of a cluster are chosen before
+    its processes bind them, so a port closed here could otherwise be handed out twice (one CI run saw `ray start`
+    fail with the runtime-env agent and the client server given the same port)."""
+    socks, ports = [], []
     try:
-        for _ in range(n):
+        while len(ports) < n:
             s = socket.socket()
             s.bind(("127.0.0.1", 0))
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            port = s.getsockname()[1]
+            if port not in taken:
+                ports.append(port)
+                taken.add(port)
+        return ports
     finally:
         for s in socks:
             s.close()
@@ -84,9 +91,10 @@ class LocalCluster:
     object_store_bytes: int = 100 * 1024 * 1024
     gcs_address: str = ""
     dashboard_url: str = ""
+    ports: set[int] = field(default_factory=set)  # every port handed to this cluster's processes
 
     def _start(self, spec: NodeSpec, head: bool) -> None:
-        node_manager, object_manager, agent_listen, agent_grpc, metrics, runtime_env = _free_ports(6)
+        node_manager, object_manager, agent_listen, agent_grpc, metrics, runtime_env = _free_ports(6, self.ports)
         args = [_ray_bin(), "start", f"--num-cpus={spec.num_cpus:g}", "--num-gpus=0",
                 f"--resources={json.dumps(spec.resources)}", f"--temp-dir={self.dir}",
                 "--node-ip-address=127.0.0.1", f"--object-store-memory={self.object_store_bytes}",
@@ -95,7 +103,7 @@ class LocalCluster:
                 f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={runtime_env}",
                 "--min-worker-port=0", "--max-worker-port=0", "--disable-usage-stats"]
         if head:
-            gcs, dashboard, client = _free_ports(3)
+            gcs, dashboard, client = _free_ports(3, self.ports)
             args += ["--head", f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                      f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}"]
             self.gcs_address, self.dashboard_url = f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}"

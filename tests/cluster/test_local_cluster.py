@@ -52,3 +52,11 @@ def test_down_stops_its_processes_and_their_children_only(tmp_path):
                 subprocess.run(["kill", child], check=False)
             proc.kill()
             proc.wait()
+
+
+def test_a_cluster_never_hands_out_one_port_twice():
+    from cluster.local_cluster import _free_ports
+
+    taken: set[int] = set()
+    first, second = _free_ports(6, taken), _free_ports(3, taken)
+    assert len(set(first + second)) == 9 and taken == set(first + second)
