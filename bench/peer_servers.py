@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -198,6 +199,17 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
+def sigint_reaches_children() -> None:
+    """Let the servers this process starts stop on SIGINT (`stop`'s first, graceful signal).
+
+    A process started with SIGINT ignored (a job a non-interactive shell put in the background, `nohup`) passes the
+    ignoring on to every child it execs, and Python then installs no KeyboardInterrupt handler in them: `serve run`
+    would sit out each stop's full grace period before SIGTERM. A handled signal is reset to its default on exec,
+    so this process handling SIGINT again (as Python does by default) is enough. Main thread only (Python's rule)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @dataclass
 class ManagedServer:
     """One server process (and its session), with a log file; `start`, `wait_ready`, `stop`."""
@@ -213,6 +225,7 @@ class ManagedServer:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        sigint_reaches_children()
         log = open(self.log_path, "w")
         self._t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,

@@ -126,3 +126,10 @@ def make_byte_tokenizer() -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<pad>", "</s>"])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>")
+
+
+def pytest_configure(config):
+    # the servers tests start stop on SIGINT even where this run was started with SIGINT ignored (CI in the background)
+    from bench.peer_servers import sigint_reaches_children
+
+    sigint_reaches_children()

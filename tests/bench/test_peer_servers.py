@@ -1,9 +1,10 @@
 """bench/peer_servers.py: how `serve run` is started, and a server's start-up times (against a fake server)."""
 
+import subprocess
 import sys
 import textwrap
 
-from bench.peer_servers import SERVE_CLI_CODE, ManagedServer, port_free, serve_run_argv
+from bench.peer_servers import ROOT, SERVE_CLI_CODE, ManagedServer, port_free, serve_run_argv
 
 
 def test_serve_run_starts_from_the_script_or_through_python():
@@ -51,3 +52,23 @@ def test_ready_waits_for_health_200_then_a_completion_and_records_both(tmp_path)
     # no completion before /health said 200 (our /health is 200 once a completion can lease its replicas)
     assert calls.read_text().splitlines() == ["/health 503"] * 3 + ["/health 200", "/v1/completions 200"]
     assert 0 < server.timings["health_s"] <= server.timings["ready_s"]
+
+
+CHILD_SIGINT = textwrap.dedent("""
+    import signal, subprocess, sys
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job of a non-interactive shell starts
+    if sys.argv[1] == "restore":
+        from bench.peer_servers import sigint_reaches_children
+        sigint_reaches_children()
+    child = "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"
+    sys.exit(subprocess.call([sys.executable, "-c", child]))
+""")
+
+
+def test_servers_started_from_a_process_that_ignores_sigint_still_stop_on_it():
+    def child_ignores(mode: str) -> str:
+        return subprocess.run([sys.executable, "-c", CHILD_SIGINT, mode], capture_output=True, text=True, check=True,
+                              cwd=ROOT).stdout.strip()
+
+    assert child_ignores("inherit") == "True"  # what stop() met: each SIGINT ignored, the whole grace waited
+    assert child_ignores("restore") == "False"
