@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.api.chat_template import chat_template_text
 from engine.calibration.store import DEFAULT_DIR as DEFAULT_COST_CACHE
 from engine.factory import DraftSource, EngineConfig, draft_source
 from engine.models.loading import DTYPES
@@ -37,12 +38,28 @@ class ModelSection(StrictModel):
     max_model_len: int = Field(2048, ge=16, description="context window (prompt + output tokens)")
     trust_remote_code: bool = Field(False, description="run model code shipped with the weights (off: safer)")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where model workers run")
+    chat_template: str = Field(
+        "auto", description="the chat template conversations are rendered with: 'auto' = the model's own, except "
+        "the embedded 'smollm2', whose own renders no tools (the shipped smollm2_tools: its ChatML with tools); "
+        "the name of a template shipped in deployments/api/templates, a Jinja file, or the template's text "
+        "(vLLM's --chat-template)")
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        "hermes", description="how tool_choice 'auto' reads tool calls out of the model's output (vLLM's parser "
+        "names: deployments/api/tool_parsers.py); None: 'auto' with tools is refused, while 'required' and a named "
+        "function (constrained by a grammar) need no parser")
 
     @field_validator("target_dtype", "draft_dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:
         if v not in DTYPES and v != "auto":
             raise ValueError(f"unknown dtype {v!r}; choose one of {sorted(DTYPES) + ['auto']}")
+        return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_found(cls, v: str) -> str:
+        if v != "auto":
+            chat_template_text(v)  # ValueError: names none
         return v
 
 

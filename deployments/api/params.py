@@ -2,7 +2,7 @@
 
 The request models (deployments/api/routes.py) declare what the server implements and keep every other field a
 client sent (pydantic's `extra="allow"`). `refuse_unsupported` then accepts an undeclared field only where it is
-listed here with the value that means "not used" (clients often send defaults: `tools: []`,
+listed here with the value that means "not used" (clients often send defaults: `functions: []`,
 `logprobs: false`), or where it cannot change the output (`user`, a cache-routing hint). Any other
 undeclared field, or a listed one with another value, is answered 400 with `param` set to it, as OpenAI answers an
 unrecognized argument. So a user who sets a parameter gets either its effect or an error, never a quiet default.
@@ -23,14 +23,14 @@ NO_EFFECT = frozenset({
     "user", "safety_identifier",  # an end-user id for abuse monitoring
     "prompt_cache_key",  # a cache-routing hint
     "metadata",  # tags for stored completions (store is refused below)
-    "parallel_tool_calls",  # meaningful only with tools, which are refused unless empty
+    "parallel_tool_calls",  # meaningful only with tools (declared on chat completions; completions take none)
     "service_tier",  # a billing tier
 })
 
 # field -> the values that mean "not used": OpenAI's parameters, then vLLM's extensions (its defaults)
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     # OpenAI chat and completions
-    "tools": _EMPTY,
+    "tools": _EMPTY,  # completions (chat completions declare tools: deployments/api/tools.py)
     "tool_choice": (None, "none", "auto"),  # with no tools: nothing to call
     "functions": _EMPTY,
     "function_call": (None, "none", "auto"),
@@ -66,11 +66,9 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "vllm_xargs": _NULL,
 }
 
-# where a message may carry an undeclared field (tool calls: refused unless empty, with tools)
+# where a message may carry an undeclared field (tool calls are declared: deployments/api/tools.py)
 MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tool_calls": _EMPTY,
-    "tool_call_id": _NULL,
-    "function_call": _NULL,
+    "function_call": _NULL,  # the deprecated single call (tool_calls replaced it)
     "refusal": _NULL,
     "audio": _NULL,
 }

@@ -4,7 +4,8 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true
 `data: [DONE]`), GET /v1/models, POST /tokenize and /detokenize (vLLM's shapes), GET /health (200 once completions
 can run, 503 before), GET /stats. Extension fields: `speculative: {"k": int, "enabled": bool, "adaptive": bool,
 "overlap": bool}`, `top_k`, `ignore_eos`, vLLM's sampling parameters and `prompt_logprobs`; `usage.speculative`
-reports the request's rounds, drafted and accepted tokens.
+reports the request's rounds, drafted and accepted tokens. Chat completions take OpenAI's `tools` / `tool_choice`
+(deployments/api/tools.py; the output parsed by deployments/api/tool_parsers.py).
 
 The request models declare what the server implements; any other field a client sends is refused with a 400
 naming it unless it carries its unused value (deployments/api/params.py). Response shapes: api_responses.py.
@@ -35,6 +36,8 @@ from deployments.api.responses import (
     prompt_logprobs_json,
 )
 from deployments.api.structured import ResponseFormat, StructuredOutputs
+from deployments.api.tool_parsers import Assembled, delta_of, finish_reason, parser_for
+from deployments.api.tools import Tool, ToolCall, ToolChoice, template_tool_calls
 from engine.request.sampling import MAX_LOGPROBS
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "create_app"]
@@ -118,17 +121,20 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool-call fields: params.MESSAGE_NEUTRAL
+    model_config = ConfigDict(extra="allow")  # other fields: params.MESSAGE_NEUTRAL
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's earlier tool calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call whose result it carries")
 
     def template_dict(self, index: int) -> dict:
-        """The message as the chat template reads it: text parts joined by newlines (vLLM's joining)."""
+        """The message as the chat template reads it: text parts joined by newlines (vLLM's joining); tool calls
+        with their arguments as objects, a tool message with its call's id."""
         where = f"messages[{index}].content"
-        if self.content is None:
+        if self.content is None and not self.tool_calls:
             raise APIError(400, f"{where} is missing (a message without tool calls needs content)", param=where)
-        if isinstance(self.content, str):
+        if self.content is None or isinstance(self.content, str):
             text = self.content
         else:
             for j, part in enumerate(self.content):
@@ -137,9 +143,13 @@ class ChatMessage(BaseModel):
                                         "(this server serves a text model: only 'text' parts)",
                                    param=f"{where}[{j}].type", code="unsupported_content")
             text = "\n".join(part.text for part in self.content)
-        message = {"role": self.role, "content": text}
+        message = {"role": self.role, "content": text if text is not None else ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = template_tool_calls(self, index)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -148,6 +158,11 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, description="each output token's log-probability")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="and the n most likely alternatives")
+    # tool calling (deployments/api/tools.py)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = Field(None, description='"none", "auto" (the default with tools), "required", '
+                                                             'or {"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: bool | None = Field(None, description='false: "required" calls one tool')
 
     def logprobs_n(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -162,6 +177,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = Field(None, description="with messages: rendered by the chat template")
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -283,6 +299,8 @@ def create_app(router) -> FastAPI:
                    for i, (p, slot) in enumerate(zip(choices, slots))]
         echo = [_echo(router.tokenizer, p) if getattr(body, "echo", False) else "" for p in choices]
         texts = list(echo)
+        # chat choices that may call tools: their text is parsed into content and tool calls as it streams
+        parsers = [parser_for(p.tools) if chat and p.tools is not None else None for p in choices]
         completion_lps = [CompletionLogprobs() for _ in choices]
         chat_lps: list[list[dict]] = [[] for _ in choices]
         finals: list = [None] * len(choices)
@@ -322,8 +340,14 @@ def create_app(router) -> FastAPI:
                 choice = {"index": i, "finish_reason": last.finish_reason,
                           "logprobs": (({"content": chat_lps[i], "refusal": None} if chat
                                         else completion_lps[i].json()) if asked else None)}
-                choice.update({"message": {"role": "assistant", "content": texts[i]}} if chat else
-                              {"text": texts[i], "prompt_logprobs": prompt_lps[i]})
+                if parsers[i] is not None:
+                    message = Assembled()
+                    message.add(parsers[i].feed(texts[i]) + parsers[i].finish())
+                    choice["message"] = message.message()
+                    choice["finish_reason"] = finish_reason(last.finish_reason, parsers[i].count)
+                else:
+                    choice.update({"message": {"role": "assistant", "content": texts[i]}} if chat else
+                                  {"text": texts[i], "prompt_logprobs": prompt_lps[i]})
                 result.append(choice)
             response = {"id": rid, "object": obj, "created": created, "model": router.model_name, "choices": result,
                         "usage": merged_usage(finals, len(prepared))}
@@ -335,10 +359,11 @@ def create_app(router) -> FastAPI:
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(i: int, text: str | None, finish: str | None, logprobs: dict | None = None,
-                  role: bool = False) -> dict:
+                  role: bool = False, delta: dict | None = None) -> dict:
             if chat:
-                delta = {"role": "assistant", "content": text or ""} if role else (
-                    {"content": text} if text else {})
+                if delta is None:
+                    delta = {"role": "assistant", "content": text or ""} if role else (
+                        {"content": text} if text else {})
                 choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
                 choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
@@ -355,7 +380,13 @@ def create_app(router) -> FastAPI:
                         yield _sse(chunk(i, echo[i], None, echo_lps[i]))
                 async for i, out in merged:
                     logprobs = add_logprobs(i, out)
-                    if out.new_text or out.finished or logprobs:
+                    if parsers[i] is not None:
+                        events = parsers[i].feed(out.new_text) + (parsers[i].finish() if out.finished else [])
+                        delta = delta_of(events)
+                        finish = finish_reason(out.finish_reason, parsers[i].count)
+                        if delta or out.finished or logprobs:
+                            yield _sse(chunk(i, None, finish, logprobs, delta=delta or {}))
+                    elif out.new_text or out.finished or logprobs:
                         yield _sse(chunk(i, out.new_text, out.finish_reason, logprobs))
                     finals[i] = out
                 if include_usage:

@@ -12,16 +12,18 @@ import os
 import time
 from dataclasses import dataclass, replace
 
+from deployments.api.chat_template import chat_template_for
 from deployments.api.readiness import DeploymentState, DeploymentStatuses, Readiness, serve_statuses
 from deployments.api.routes import APIError, ChatCompletionRequest, CompletionRequest, create_app
 from deployments.api.structured import checked_grammar
+from deployments.api.tools import ToolPlan, check_conversation, plan_tools
 from deployments.config import SpecServeConfig
 from deployments.errors import Overloaded, ReplicaGone, RequestFailed
 from deployments.metrics import NullMetrics, observe
 from deployments.router.admission import AdmissionSlot
 from deployments.router.scheduler import Scheduler, SchedulerConfig
 from engine.models.loading import eos_token_ids, load_tokenizer, resolve
-from engine.request.grammar import GrammarCompiler, GrammarError
+from engine.request.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from engine.request.sampling import SamplingParams
 from engine.request.sequence import EmptyPromptError, PromptTooLongError
 
@@ -37,6 +39,7 @@ class Prepared:
     overlap: bool | None  # None: the server's setting; False: no drafting ahead for this request
     arrival: float  # time.perf_counter() when the request was read
     prompt_text: str | None = None  # a completion's prompt as the client sent it, when it was text (for echo)
+    tools: ToolPlan | None = None  # a chat request whose output may be tool calls: how to read them
 
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -80,6 +83,9 @@ class Router:
         self.metrics = metrics or NullMetrics()
         resolved = resolve(config.model.target)
         self.tokenizer = tokenizer or load_tokenizer(resolved, config.model.trust_remote_code)
+        template = chat_template_for(config.model.chat_template, config.model.target)
+        if template is not None:
+            self.tokenizer.chat_template = template
         self.scheduler = Scheduler(
             SchedulerConfig.of(config, eos_token_ids(resolved.directory, self.tokenizer)), self.tokenizer, broker)
         self.scheduler.metrics = self.metrics
@@ -170,18 +176,26 @@ class Router:
     def prepare_chat(self, body: ChatCompletionRequest) -> list[Prepared]:
         arrival = time.perf_counter()
         self._check_choices(1, body.n)
-        ids = self._chat_ids(body.messages, add_generation_prompt=True)
-        return [self._prepare(body, ids, body.max_completion_tokens or body.max_tokens, arrival, body.logprobs_n(),
-                              body.prompt_logprobs)]
+        self._check_template(body.messages)
+        plan, tool_grammar, tools = plan_tools(body, self.config.model.tool_call_parser, self.grammars,
+                                               self.tokenizer.chat_template)
+        ids = self._chat_ids(body.messages, add_generation_prompt=True, tools=tools)
+        prepared = self._prepare(body, ids, body.max_completion_tokens or body.max_tokens, arrival,
+                                 body.logprobs_n(), body.prompt_logprobs, tool_grammar=tool_grammar)
+        return [replace(prepared, tools=plan)]
 
-    def _chat_ids(self, messages, add_generation_prompt: bool) -> list[int]:
+    def _check_template(self, messages) -> None:
         if not messages:
             raise APIError(400, "messages is empty", param="messages", code="empty_prompt")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions",
                            param="messages", code="no_chat_template")
+
+    def _chat_ids(self, messages, add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+        self._check_template(messages)
+        check_conversation(messages)
         dicts = [m.template_dict(i) for i, m in enumerate(messages)]
-        return list(self.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+        return list(self.tokenizer.apply_chat_template(dicts, tools=tools, add_generation_prompt=add_generation_prompt,
                                                        tokenize=True, return_dict=True)["input_ids"])
 
     def choices(self, prepared: list[Prepared], n: int) -> list[Prepared]:
@@ -209,7 +223,8 @@ class Router:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         if body.messages is not None:
-            return self._chat_ids(body.messages, body.add_generation_prompt)
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+            return self._chat_ids(body.messages, body.add_generation_prompt, tools)
         return list(self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
 
     def detokenize(self, body) -> str:
@@ -223,7 +238,8 @@ class Router:
                            param="model", code="model_not_found")
 
     def _prepare(self, body, prompt_ids: list[int], max_tokens: int | None, arrival: float,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> Prepared:
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 tool_grammar: GrammarSpec | None = None) -> Prepared:
         cfg, limits = self.config, self.config.limits
         self._check_model(body.model)
         if body.stream and (body.prompt_logprobs or 0) > 0:  # vLLM's refusal: a stream has no place for them
@@ -244,6 +260,11 @@ class Router:
         if any(not s for s in stop):
             raise APIError(400, "stop strings must not be empty", param="stop")
         grammar = checked_grammar(body, self.grammars)  # a bad grammar: 400 naming its parameter, not admitted
+        if tool_grammar is not None:  # tool_choice "required" or a named function
+            if grammar is not None:
+                raise APIError(400, "tool_choice \"required\" or a named function constrains the output itself: "
+                                    "set response_format / structured_outputs or that, not both", param="tool_choice")
+            grammar = tool_grammar
         try:
             params = SamplingParams(
                 temperature=cfg.sampling.temperature if body.temperature is None else body.temperature,

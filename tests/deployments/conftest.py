@@ -43,6 +43,65 @@ def byte_model_dirs(tmp_path_factory):
     return save_model_pair(tmp_path_factory.mktemp("byte_models"), target, perturbed_copy(target, 0.05), tokenizer)
 
 
+# a chat template that reads tools (compactly: the tiny models' context is 256 tokens) and renders calls as the
+# hermes parser reads them
+TOOL_CHAT_TEMPLATE = (
+    '{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}'
+    '{% for m in messages %}{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{"name": '
+    '"{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}\n'
+    '{% endfor %}assistant: ')
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"], "additionalProperties": False}}}
+WEATHER_QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+WEATHER_ANSWER = "It is sunny in Paris."
+
+
+def weather_turns(call_id: str = "call_1") -> list[tuple[list[dict], str]]:
+    """An agent loop's two turns, (conversation, the reply the tool model learned): a call, then an answer."""
+    called = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    result = {"role": "tool", "tool_call_id": call_id, "content": "sunny"}
+    return [(WEATHER_QUESTION, WEATHER_CALL), (WEATHER_QUESTION + [called, result], WEATHER_ANSWER)]
+
+
+@pytest.fixture(scope="session")
+def tool_model_dirs(tmp_path_factory):
+    """A tiny byte-level pair whose chat template reads tools, and whose target was trained (a few seconds here) to
+    answer the weather question with a hermes tool call and the tool's result with a sentence: an agent loop a
+    tiny model can run. The draft is a perturbed copy."""
+    import torch
+
+    tokenizer = make_byte_tokenizer()
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    rows = []
+    for messages, reply in weather_turns():
+        template_messages = [dict(m, content=m["content"] or "") for m in messages]
+        for m in template_messages:
+            for call in m.get("tool_calls", ()):
+                call["function"] = dict(call["function"], arguments={"city": "Paris"})
+        prompt = tokenizer.apply_chat_template(template_messages, tools=[WEATHER_TOOL], tokenize=True,
+                                               return_dict=True)["input_ids"]
+        rows.append((list(prompt), tokenizer(reply)["input_ids"] + [tokenizer.eos_token_id]))
+    width = max(len(p) + len(r) for p, r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100)
+    for i, (prompt, reply) in enumerate(rows):
+        ids[i, :len(prompt) + len(reply)] = torch.tensor(prompt + reply)
+        labels[i, len(prompt):len(prompt) + len(reply)] = torch.tensor(reply)
+    target = make_tiny_model("llama", vocab=BYTE_VOCAB, seed=0).train()
+    optimizer = torch.optim.Adam(target.parameters(), lr=3e-3)
+    for _ in range(120):
+        loss = target(ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    target.eval()
+    return save_model_pair(tmp_path_factory.mktemp("tool_models"), target, perturbed_copy(target, 0.02), tokenizer)
+
+
 # the tiny WordLevel tokenizer has no chat template; this one maps any conversation to known words
 TINY_CHAT_TEMPLATE = "{% for m in messages %}w5 w9 w{{ 10 + m['content'] | length % 50 }} {% endfor %}"
 

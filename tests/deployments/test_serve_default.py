@@ -43,3 +43,53 @@ def test_the_default_config_serves_plain_decodings_text_with_ngram_drafts(client
     assert chat.choices[0].message.content == reference
     spec = chat.usage.model_extra["speculative"]
     assert spec["num_draft_tokens"] > 0 and spec["num_accepted_tokens"] > 0, spec
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"],
+    "additionalProperties": False}}}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_the_embedded_model_calls_tools_through_its_shipped_template(client):
+    """Named and required calls are constrained to the tools' schemas; auto parses whatever the 135M model says
+    (it rarely calls a tool by itself); a two-turn loop with the tool's result answers in text."""
+    import json
+
+    import jsonschema
+
+    named = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER, TIME], temperature=0,
+                                           max_tokens=60, tool_choice={"type": "function",
+                                                                       "function": {"name": "get_weather"}})
+    assert named.choices[0].finish_reason == "tool_calls", named.choices[0]
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert "speculative" in named.usage.model_extra
+
+    required = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER, TIME], temperature=0,
+                                              max_tokens=80, tool_choice="required")
+    assert required.choices[0].finish_reason == "tool_calls", required.choices[0]
+    for call in required.choices[0].message.tool_calls:
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+    auto = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER], temperature=0,
+                                          max_tokens=40).choices[0]
+    if auto.message.tool_calls:
+        assert auto.finish_reason == "tool_calls"
+        assert all(json.loads(c.function.arguments) is not None for c in auto.message.tool_calls)
+    else:
+        assert auto.finish_reason in ("stop", "length") and auto.message.content
+
+    called = named.choices[0].message
+    loop = QUESTION + [called.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": called.tool_calls[0].id, "content": "18 C and sunny"}]
+    answer = client.chat.completions.create(model=MODEL, messages=loop, tools=[WEATHER], temperature=0,
+                                            max_tokens=40, tool_choice="none").choices[0]
+    assert answer.message.content and not answer.message.tool_calls

@@ -47,14 +47,15 @@ def test_chat_parameters_not_implemented_are_refused_by_name(served):
     _, client, _ = served
     msgs = [{"role": "user", "content": "w5 w6"}]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    assert _refusal(lambda: client.chat.completions.create(model="tiny", messages=msgs, tools=tools))[
-        "param"] == "tools"
+    refused = _refusal(lambda: client.chat.completions.create(model="tiny", messages=msgs, tools=tools))
+    assert (refused["param"], refused["code"]) == ("tools", "tools_unsupported")  # its template reads no tools
+    assert _refusal(lambda: client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=4,
+                                                      extra_body={"tools": tools}))["param"] == "tools"
     assert _refusal(lambda: client.chat.completions.create(model="tiny", messages=msgs, store=True))[
         "param"] == "store"
-    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
-    with_call = msgs + [{"role": "assistant", "content": "w7", "tool_calls": call}]
-    assert _refusal(lambda: client.chat.completions.create(model="tiny", messages=with_call))[
-        "param"] == "messages[1].tool_calls"
+    legacy = msgs + [{"role": "assistant", "content": "w7", "function_call": {"name": "f", "arguments": "{}"}}]
+    assert _refusal(lambda: client.chat.completions.create(model="tiny", messages=legacy))[
+        "param"] == "messages[1].function_call"
 
 
 def test_neutral_values_of_unimplemented_parameters_are_accepted(served):
