@@ -42,7 +42,7 @@ def cluster():
 
             serve.shutdown()
             ray.shutdown()
-        cluster.down()
+        cluster.down(timeout_s=3)  # Ray's processes sit out a 20-s SIGTERM grace here; this cluster is disposable
         assert cluster.pids() == set() or not any(lc._alive(p) for p in cluster.pids()), "cluster processes left"
 
 

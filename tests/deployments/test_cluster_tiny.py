@@ -117,6 +117,36 @@ def swept_by_every_worker() -> dict[str, int]:
     return swept
 
 
+def target_replicas(app: str) -> int:
+    """The app's RUNNING Target replicas, as Serve reports them."""
+    from ray import serve
+
+    return serve.status().applications[app].deployments["Target"].replica_states.get("RUNNING", 0)
+
+
+def steady_load(base: str, app: str, streams: int, seconds: float) -> list[int]:
+    """`streams` threads sending back-to-back requests to `base` for `seconds`; the Target replica count every
+    half second meanwhile. The requests are long (120 tokens), so each stream's sequence holds its lease for most
+    of the time: between requests (HTTP, tokenizing, admission) a stream holds none, and with 60-token requests on
+    these fast tiny models those gaps left ~2 of 4 sequences live on average (one clean-clone CI then never saw a
+    second replica)."""
+    stop = time.time() + seconds
+    counts = []
+
+    def load():
+        while time.time() < stop:
+            complete(base, [5, 6, 7], n=120)
+
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        futures = [pool.submit(load) for _ in range(streams)]
+        while time.time() < stop:
+            counts.append(target_replicas(app))
+            time.sleep(0.5)
+        for f in futures:
+            f.result()
+    return counts
+
+
 def test_tp2_matches_tp1_and_each_rank_holds_a_shard(ray_cluster, tiny_model_dirs):
     from ray import serve
 
@@ -148,11 +178,7 @@ def test_load_scales_target_replicas_up_and_idleness_down(ray_cluster, tiny_mode
     base = deploy(config, "scale")
     swept_before = swept_by_every_worker()
 
-    def replicas():
-        status = serve.status().applications["scale"].deployments["Target"]
-        return status.replica_states.get("RUNNING", 0)
-
-    assert replicas() == 1
+    assert target_replicas("scale") == 1
     stop = time.time() + 40
     peak = 1
 
@@ -163,7 +189,7 @@ def test_load_scales_target_replicas_up_and_idleness_down(ray_cluster, tiny_mode
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(load) for _ in range(4)]
         while time.time() < stop:
-            peak = max(peak, replicas())
+            peak = max(peak, target_replicas("scale"))
             if peak >= 2:
                 break
             time.sleep(0.5)
@@ -172,9 +198,9 @@ def test_load_scales_target_replicas_up_and_idleness_down(ray_cluster, tiny_mode
     assert peak == 2, "load raised the Target replica count"
     assert_no_leak(swept_before)
     deadline = time.time() + 60
-    while time.time() < deadline and replicas() > 1:
+    while time.time() < deadline and target_replicas("scale") > 1:
         time.sleep(1)
-    assert replicas() == 1, "idleness lowered it again"
+    assert target_replicas("scale") == 1, "idleness lowered it again"
     serve.delete("scale")
 
 
@@ -191,28 +217,7 @@ def test_autoscaler_holds_steady_while_speculation_switches_off_and_on(ray_clust
                          speculation={"adaptive": True, "calibration": write_profile(tmp_path / "c.json", 2)})
     base = deploy(config, "steady")
     swept_before = swept_by_every_worker()
-
-    def replicas():
-        status = serve.status().applications["steady"].deployments["Target"]
-        return status.replica_states.get("RUNNING", 0)
-
-    stop = time.time() + 30
-    counts = []
-
-    def load():
-        # long requests, so each thread's sequence holds its lease for most of the time: between requests (HTTP,
-        # tokenizing, admission) a thread holds none, and with 60-token requests on these fast tiny models those gaps
-        # left ~2 sequences live on average; one clean-clone CI then never saw a second replica
-        while time.time() < stop:
-            complete(base, [5, 6, 7], n=120)
-
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(load) for _ in range(4)]
-        while time.time() < stop:
-            counts.append(replicas())
-            time.sleep(0.5)
-        for f in futures:
-            f.result()
+    counts = steady_load(base, "steady", streams=4, seconds=30)
     spec = httpx.get(f"{base}/stats", timeout=10).json()["speculative"]
     assert 0 < spec["num_drafts"] < spec["rounds"], "rounds ran both with and without drafts"
     # 4 sequences at 2 per replica: 2 replicas (the autoscaler counts live sequences, deployments/autoscaling.py: a
@@ -235,24 +240,7 @@ def test_a_steady_load_of_n_streams_at_n_over_2_per_replica_holds_exactly_2_repl
     config = tiny_config(tiny_model_dirs, model={"draft": "ngram"}, target=scaling)
     base = deploy(config, "halves")
     swept_before = swept_by_every_worker()
-
-    def replicas():
-        return serve.status().applications["halves"].deployments["Target"].replica_states.get("RUNNING", 0)
-
-    stop = time.time() + 30
-    counts = []
-
-    def load():
-        while time.time() < stop:
-            complete(base, [5, 6, 7], n=120)
-
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(load) for _ in range(4)]
-        while time.time() < stop:
-            counts.append(replicas())
-            time.sleep(0.5)
-        for f in futures:
-            f.result()
+    counts = steady_load(base, "halves", streams=4, seconds=30)
     assert 2 in counts, f"4 streams at 2 per replica: a second replica ({counts})"
     held = counts[counts.index(2):]
     assert set(held) == {2}, f"exactly 2 replicas once the second came up ({counts})"

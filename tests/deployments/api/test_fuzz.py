@@ -28,7 +28,8 @@ class FuzzRun:
 def server(tiny_model_dirs):
     config = tiny_config(tiny_model_dirs, limits={"max_tokens": 16})
     router = Router(config, LocalBroker(config))
-    router.tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    # a template that reads tools, so fuzzed tools and tool choices reach planning, their grammars and parsing
+    router.tokenizer.chat_template = TINY_CHAT_TEMPLATE + "{% if tools %}w7 {% endif %}"
     with http_server(router) as base:
         yield base, router
 
