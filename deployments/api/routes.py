@@ -162,7 +162,7 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = Field(None, description='"none", "auto" (the default with tools), "required", '
                                                              'or {"type": "function", "function": {"name": ...}}')
-    parallel_tool_calls: bool | None = Field(None, description='false: "required" calls one tool')
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call per choice")
 
     def logprobs_n(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -14,6 +14,7 @@ Parsers of `tool_choice: "auto"`, named as vLLM names them (`model.tool_call_par
 Constrained choices (deployments/api/tools.py): `required` parses the grammar's JSON array once the output ends;
 a named function's output is its arguments, streamed as they are generated.
 
+With `parallel_tool_calls: false` a reply keeps its first call only (vLLM's rule; "required"'s grammar allows one).
 A call is sent once it is complete (its closing tag, or the output's end), except a named function's arguments,
 which stream. Whitespace around calls is dropped (OpenAI's `content: null` beside tool calls); a reply without
 calls keeps its text exactly.
@@ -88,6 +89,7 @@ class _Parser:
     reply that calls tools has no blank content; a reply without calls keeps its text exactly)."""
 
     count: int = 0  # calls started
+    single: bool = False  # at most one call: later ones are dropped (parallel_tool_calls: false)
     _held: str = ""  # content's trailing whitespace not sent yet: sent before more content, dropped at a call
     _after_call: bool = False  # the next content follows a call (its leading whitespace is dropped)
 
@@ -104,7 +106,7 @@ class _Parser:
     def _calls(self, calls: list[tuple[str, str]]) -> list[Event]:
         events: list[Event] = []
         self._held, self._after_call = "", True
-        for name, arguments in calls:
+        for name, arguments in (calls[:max(0, 1 - self.count)] if self.single else calls):
             events += [CallStart(self.count, new_call_id(), name), Arguments(self.count, arguments)]
             self.count += 1
         return events
@@ -222,11 +224,11 @@ def parser_for(plan: ToolPlan) -> _Parser:
     if plan.mode == "named":
         return NamedParser(function=plan.function or "")
     if plan.mode == "required":
-        return RequiredParser()
+        return RequiredParser(single=plan.single)
     if plan.parser == "hermes":
-        return HermesParser()
+        return HermesParser(single=plan.single)
     if plan.parser == "llama3_json":
-        return Llama3JsonParser()
+        return Llama3JsonParser(single=plan.single)
     raise ValueError(f"unknown tool-call parser {plan.parser!r}; one of {', '.join(PARSERS)}")
 
 

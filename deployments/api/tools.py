@@ -88,6 +88,7 @@ class ToolPlan:
     mode: Literal["auto", "required", "named"]
     parser: str | None = None  # auto: the server's tool-call parser
     function: str | None = None  # named: the function called
+    single: bool = False  # parallel_tool_calls: false: at most one call (auto: the first the model writes)
 
 
 def template_tool_calls(message, index: int) -> list[dict]:
@@ -159,14 +160,14 @@ def plan_tools(body, parser: str | None, compiler: GrammarCompiler,
             raise APIError(400, 'tool_choice "auto" needs a tool-call parser, and this server has none '
                                 "(model.tool_call_parser: hermes or llama3_json); \"required\" or a named function "
                                 "work without one", param="tool_choice", code="tool_choice_unsupported")
-        return ToolPlan("auto", parser=parser), None, rendered
+        return ToolPlan("auto", parser=parser, single=body.parallel_tool_calls is False), None, rendered
     if compiler.unavailable is not None:
         raise APIError(400, f"tool_choice {_shown(choice)} needs constrained generation, which is not available "
                             f"for this model: {compiler.unavailable}", param="tool_choice",
                        code="structured_outputs_unavailable")
     if choice == "required":
-        one = getattr(body, "parallel_tool_calls", None) is False
-        return ToolPlan("required"), _compiled(compiler, required_schema(tools, one)), rendered
+        one = body.parallel_tool_calls is False
+        return ToolPlan("required", single=one), _compiled(compiler, required_schema(tools, one)), rendered
     name = choice.function.name
     if name not in names:
         raise APIError(400, f"tool_choice names function {name!r}, which is not among the tools "

@@ -96,3 +96,12 @@ def test_a_reply_that_called_finishes_with_tool_calls_unless_cut_short():
     assert finish_reason("stop", 1) == "tool_calls"
     assert finish_reason("length", 1) == "length"
     assert finish_reason("stop", 0) == "stop"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_only():
+    two = ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {}}'
+           '</tool_call>')
+    assert parsed(ToolPlan("auto", parser="hermes", single=True), [two])["calls"] == [("a", {})]
+    assert parsed(ToolPlan("auto", parser="llama3_json", single=True),
+                  ['{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}'])["calls"] == [("a", {})]
+    assert [c for c, _ in parsed(HERMES, [two])["calls"]] == ["a", "b"]
