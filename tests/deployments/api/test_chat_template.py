@@ -10,8 +10,9 @@ from deployments.api.chat_template import chat_template_for, chat_template_text
 from deployments.config import SpecServeConfig
 from engine.models.loading import load_tokenizer, resolve
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
