@@ -123,7 +123,8 @@ def cache_attention(
     splits = splits or num_splits(batch, kv_heads, capacity, q.device)
     part_out = torch.empty(batch, kv_heads, splits, block_m, block_d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, kv_heads, splits, block_m, dtype=torch.float32, device=q.device)
-    out = torch.empty(batch, heads, width, dim, dtype=q.dtype, device=q.device)
+    # written as [B, W, H, D] (the layout the output projection reads: its caller's transpose is then a view)
+    out = torch.empty(batch, width, heads, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
     _kernels()[0][(batch, kv_heads, splits)](
         q, k_cache, v_cache, rows.slots, rows.starts, rows.limits, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2),

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from engine.models.cpu import extension as cpu_extension
 from engine.models.llama_fast import _rope  # x [B, heads, W, D] rotated by cos/sin [B, 1, W, D]
 from engine.models.static import attention as attention_kernels
+from engine.models.static import fused_ops
 from engine.models.static.attention import RowIndex
 
 if TYPE_CHECKING:
@@ -85,6 +86,8 @@ class LayerOps:
         self.model, self.fused = model, fused
         self.positions, self.first_slot, self.kv_len = positions, first_slot, kv_len  # the step's, [B, W] positions
         self.rows = rows  # a graph step's slots and key limits as device tensors (`StaticLlama.forward_rows`)
+        # a graph step's elementwise work as one Triton kernel each (engine/models/static/fused_ops.py)
+        self.triton = rows is not None and fused_ops.available()
         self._visible: torch.Tensor | None = None
 
     @classmethod
@@ -102,18 +105,24 @@ class LayerOps:
         return self._visible
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [B, W, H]
+        if self.triton:
+            return fused_ops.rms_norm(x, weight, self.model.eps)
         if self.fused is not None:
             return self.fused["rms_norm"](x, weight, self.model.eps)
         return _rms_norm(x, weight, self.model.eps)
 
     def add_norm(self, hidden: torch.Tensor, delta: torch.Tensor,
                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, W, H] hidden + delta, its norm)
+        if self.triton:
+            return fused_ops.add_rms_norm(hidden, delta, weight, self.model.eps)
         if self.fused is not None:  # adds in place: `hidden` is the step's own tensor
             return hidden, self.fused["add_rms_norm"](hidden, delta.contiguous(), weight, self.model.eps)
         hidden = hidden + delta
         return hidden, _rms_norm(hidden, weight, self.model.eps)
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:  # [B, W, 2I] -> [B, W, I]
+        if self.triton and not self.model.gelu:
+            return fused_ops.silu_mul(gate_up)
         if self.fused is not None and not self.model.gelu:
             return self.fused["silu_mul"](gate_up.contiguous())
         gate, up = gate_up.chunk(2, dim=-1)
@@ -151,6 +160,9 @@ class LayerOps:
                       v_cache: torch.Tensor) -> torch.Tensor:  # qkv [B, W, ...] -> q [B, H, W, D]
         """RoPE on the queries and keys; keys and values written to the cache at (first_slot + b, :, position)."""
         m, positions, first_slot = self.model, self.positions, self.first_slot
+        if self.triton:
+            return fused_ops.rope_to_cache(qkv, m.cos, m.sin, self.rows, k_cache, v_cache, m.num_heads,
+                                           m.num_kv_heads)
         if self.fused is not None:
             return self.fused["rope_to_cache"](qkv.contiguous(), m.cos, m.sin, positions, k_cache, v_cache,
                                                first_slot, m.num_heads, m.num_kv_heads)
