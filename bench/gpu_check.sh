@@ -3,16 +3,21 @@
 # device time in all, 10 a command). Prepare here, once:
 #     bash ../shared/gpu/pack_site.sh .gpu && echo /.gpu/ >> .git/info/exclude    # Ray and Serve's wheels, ~45 MB
 # then one device run per stage, carry [".gpu"], command `bash bench/gpu_check.sh STAGE` (results under $OUT):
-#     tests   the CUDA-only tests (graph capture and replay against eager, the attention kernel on the GPU, no host
-#             sync inside a replay, bf16 greedy) and the in-process runner at the 8B shape:              ~3 min
+#     tests   the CUDA-only tests (graph capture and replay against eager, the attention and fused elementwise
+#             kernels on the GPU, no host sync inside a replay, bf16 greedy) and the in-process runner at the 8B
+#             shape with a profile of its graph step (kernels by device time):                         ~3 min
 #     1.5b    bench/gpu_serve.py on the 1.5B synthetic pair, plain and speculative at 1, 8 and 32 streams:  ~4 min
 #     8b      the same on the Llama-3.1-8B-shaped pair with noise 0.02 (greedy agreement ~0.8 at reduced width on a
 #             CPU, bench/RESULTS.md; the report gives the rate measured on the GPU):                       ~7 min
+#     exact   the 1.5B pair in float32, plain and speculative at 1 and 8 streams: whether greedy texts are equal
+#             where bf16 rounding cannot flip near-ties (in bf16 they differed: bench/RESULTS.md, session 26): ~4 min
 # gpu_serve runs Serve as `make run` does (throughput mode behind HAProxy, whose wheel the pack carries); add
-# --ray-serve-proxy for Serve's own proxy. tests and 8b fit one session's 15 minutes with the machine's start; 1.5b
-# then waits for the next. Record what they print in bench/RESULTS.md with the commit and the command.
+# --ray-serve-proxy for Serve's own proxy. Measured (bench/RESULTS.md, session 26): tests 2.6 min, 8b 5.1, 1.5b 4.3;
+# run back to back (the machine stays warm 30 s after a call), tests + 8b + one more stage fit a session's 15 minutes
+# with the machine's start. The servers' configs and logs come back as one runs.tgz (the device returns 8 files).
+# Record what they print in bench/RESULTS.md with the commit and the command.
 set -u
-STAGE=${1:?usage: gpu_check.sh tests|1.5b|8b}
+STAGE=${1:?usage: gpu_check.sh tests|1.5b|8b|exact}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 bash .gpu/unpack.sh || { echo "no .gpu/ carried: see this script's header"; exit 2; }
@@ -22,8 +27,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 case "$STAGE" in
   tests)
     timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-      tests/engine/models/static/test_runner_cuda.py tests/engine/models/static/test_attention.py 2>&1 | tee "$OUT/cuda_tests.txt"
-    timeout 200 python3 -m bench.gpu_runner_bench --batches 1,8,32 --runners static,eager --reps 10 \
+      tests/engine/models/static/test_runner_cuda.py tests/engine/models/static/test_attention.py \
+      tests/engine/models/static/test_fused_ops.py 2>&1 | tee "$OUT/cuda_tests.txt"
+    timeout 200 python3 -m bench.gpu_runner_bench --batches 1,8,32 --runners static,eager --reps 10 --profile \
       --out "$OUT/gpu_runner_bench.json" 2>&1 | tee "$OUT/gpu_runner_bench.txt"
     ;;
   1.5b)
@@ -34,6 +40,14 @@ case "$STAGE" in
     timeout 560 python3 -m bench.gpu_serve --shape 8b --noise 0.02 --budget-s 480 --serve-cli python \
       --pair-root /tmp/pairs --out "$OUT/gpu_serve_8b.json" 2>&1 | tee "$OUT/gpu_serve_8b.txt"
     ;;
+  exact)
+    timeout 290 python3 -m bench.gpu_serve --shape 1.5b --concurrency 1 8 --budget-s 240 --serve-cli python \
+      --set model.target_dtype=float32 --set model.draft_dtype=float32 \
+      --pair-root /tmp/pairs --out "$OUT/gpu_serve_exact.json" 2>&1 | tee "$OUT/gpu_serve_exact.txt"
+    ;;
   *)
     echo "unknown stage $STAGE"; exit 2 ;;
 esac
+if compgen -G "$OUT/*_runs" > /dev/null; then
+  (cd "$OUT" && tar czf runs.tgz ./*_runs && rm -rf ./*_runs)
+fi

@@ -59,26 +59,59 @@ def build_model(layers: int, device: torch.device):
     return model.eval()
 
 
-def time_steps(runner, batch: int, width: int, context: int, reps: int) -> float:
-    """Median seconds of one forward of `width` new tokens on each of `batch` sequences of `context` tokens."""
+def _sequences(runner, batch: int, width: int, context: int) -> tuple[list[str], list[int]]:
+    """`batch` sequences of `context` prompt tokens in the runner's cache: (their ids, the prompt)."""
     ids = [f"b{batch}w{width}-{i}" for i in range(batch)]
     prompt = [(7 * t) % 30000 + 5 for t in range(context)]
     for s in ids:
         runner.add(s)
         runner.forward([s], [runner.sync(s, prompt)], [1])
-    feed = [11] * width
-    times = []
-    for _ in range(reps + 3):
-        for s in ids:
-            runner.sync(s, prompt + [9])  # back to exactly `context` tokens
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        runner.forward(ids, [feed] * batch, [width] * batch)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    return ids, prompt
+
+
+def _timed_step(runner, ids: list[str], prompt: list[int], width: int) -> float:
+    """Seconds of one forward of `width` new tokens on each sequence, from exactly the prompt's tokens."""
+    for s in ids:
+        runner.sync(s, prompt + [9])  # back to exactly `context` tokens
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    runner.forward(ids, [[11] * width] * len(ids), [width] * len(ids))
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def time_steps(runner, batch: int, width: int, context: int, reps: int) -> float:
+    """Median seconds of one forward of `width` new tokens on each of `batch` sequences of `context` tokens."""
+    ids, prompt = _sequences(runner, batch, width, context)
+    times = [_timed_step(runner, ids, prompt, width) for _ in range(reps + 3)]
     for s in ids:
         runner.release(s)
     return statistics.median(times[3:])
+
+
+def profile_steps(runner, batch: int, width: int, context: int, steps: int = 5, top: int = 20) -> dict:
+    """Where a step's device time goes (torch.profiler; kernels inside graph replays included): kernels per step,
+    device ms per step, and the `top` kernels by device time, each with its launches and ms per step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    ids, prompt = _sequences(runner, batch, width, context)
+    _timed_step(runner, ids, prompt, width)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            _timed_step(runner, ids, prompt, width)
+    for s in ids:
+        runner.release(s)
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    kernels.sort(key=device_us, reverse=True)
+    return {"batch": batch, "width": width, "kernels_per_step": sum(e.count for e in kernels) / steps,
+            "device_ms_per_step": sum(device_us(e) for e in kernels) / steps / 1e3,
+            "top": [{"kernel": e.key[:90], "launches_per_step": e.count / steps,
+                     "ms_per_step": device_us(e) / steps / 1e3} for e in kernels[:top]]}
 
 
 def main() -> None:
@@ -93,6 +126,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--runners", default="static,eager,transformers")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile the static runner's graph step at batch 1 (widths 1 and K+1): kernels by time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -134,6 +169,14 @@ def main() -> None:
                 results["rows"].append(row)
                 print(f"{kind:12s} batch {batch:3d} width {width}: {seconds * 1e3:8.2f} ms  roofline "
                       f"{roofline * 1e3:6.2f} ms  x{seconds / roofline:5.2f}", flush=True)
+        if kind == "static" and args.profile:
+            for width in (1, args.k + 1):
+                found = profile_steps(runner, 1, width, args.context)
+                results.setdefault("profile", []).append(found)
+                print(f"profile batch 1 width {width}: {found['kernels_per_step']:.0f} kernels, "
+                      f"{found['device_ms_per_step']:.2f} device ms a step", flush=True)
+                for k in found["top"]:
+                    print(f"  {k['ms_per_step']:7.3f} ms {k['launches_per_step']:6.0f}x  {k['kernel']}", flush=True)
         del runner
         torch.cuda.empty_cache()
     if args.out:

@@ -87,8 +87,9 @@ class SpeculationSection(StrictModel):
         False, description="draft round r+1 while the target verifies round r, assuming round r is fully "
                            "accepted (used when the guess is right, discarded otherwise)")
     decode_ahead: bool = Field(
-        True, description="for rounds of rows that will not draft next round (plain decoding), the target decodes "
-                          "each row's next token right after answering, while the router handles the answer "
+        True, description="for rounds without drafts (plain decoding, or rounds the plan left plain at this load), "
+                          "the target decodes each row's next token right after answering, while the router handles "
+                          "the answer "
                           "(deployments/workers/decode_ahead.py): the router's hop overlaps the model's step. The output "
                           "does not change; a guess that does not hold costs one step")
 

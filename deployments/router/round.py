@@ -171,7 +171,7 @@ class GroupRound:
         chained = verified is not None
         if verified is None:
             calls = [VerifyCall(live.delta(live.target_sent), drafts.tokens[b], drafts.proposals.get(b),
-                                self._decodes_ahead(live)) for b, live in enumerate(rows)]
+                                self._decodes_ahead(live, ks[b])) for b, live in enumerate(rows)]
             aheads = self.ahead.start(rows, drafts.tokens) if self.config.overlap else []
             try:
                 verified = await target.verify(calls)
@@ -258,10 +258,16 @@ class GroupRound:
         drafts.take(rows, members, calls, result.draft)
         return result
 
-    def _decodes_ahead(self, live: LiveRequest) -> bool:
-        """Whether the target may decode the row's next token ahead (deployments/workers/decode_ahead.py): the row never
-        drafts (plain decoding), has no grammar or prompt tokens to score, and goes on after this round."""
-        return (self.config.decode_ahead and live.seq.k == 0 and live.seq.params.grammar is None
+    def _decodes_ahead(self, live: LiveRequest, k: int) -> bool:
+        """Whether the target may decode the row's next token ahead (deployments/workers/decode_ahead.py): the row drafts
+        nothing this round, has no grammar or prompt tokens to score, and goes on after this round.
+
+        A row drafts nothing when its request never drafts, or when the plan left the round plain (speculation does
+        not pay at this load); the next round, at about the same batch, is planned alike, so the guess that it is
+        plain again holds but where the load changes. A wrong guess costs the target worker one step (its result is
+        dropped, the row's cache rolls back); a right one hides the router's hop behind the device's step, which on a
+        GPU is what a round without drafts costs beyond plain decoding (bench/RESULTS.md, session 26)."""
+        return (self.config.decode_ahead and k == 0 and live.seq.params.grammar is None
                 and not live.seq.wants_prompt_logprobs() and live.seq.remaining() > 1)
 
     def _chainable(self, live: LiveRequest) -> bool:

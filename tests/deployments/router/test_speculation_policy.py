@@ -1,6 +1,7 @@
 """Overlapped drafting and adaptive K in the router's rounds, on tiny models without a cluster."""
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -309,3 +310,17 @@ def test_a_seeded_request_gives_the_same_served_text_for_any_k_batch_policy_over
     broker.fail_at_call["draft"] = broker.calls["draft"] + 3  # the Draft worker dies mid-request
     assert asyncio.run(generate(router, prompts[0], SEEDED[0], k=3, adaptive=False)) == reference[0]
     assert broker.keys["draft"] != "draft-0", "the Draft replica was replaced mid-request"
+
+
+def test_rounds_the_load_leaves_plain_decode_ahead_and_drafting_resumes_exactly(tiny_model_dirs):
+    """Above `max_batch_for_speculation` live requests the rounds draft nothing: the target decodes their rows'
+    next tokens ahead (as for requests that never draft), and once the load falls the last request drafts again;
+    every text stays plain decoding's."""
+    router, broker = router_for(tiny_model_dirs, max_batch_for_speculation=1)
+    lengths = [40, 12, 12, 12]
+    outputs = run_all(router, PROMPTS, [dataclasses.replace(GREEDY, max_tokens=n) for n in lengths])
+    for prompt, tokens, n in zip(PROMPTS, outputs, lengths):
+        assert text(router, tokens) == plain_reference(tiny_model_dirs, prompt, n)
+    ahead = broker.cores["target"].ahead.stats
+    assert ahead.used > 0, "plain rounds were answered from steps decoded ahead"
+    assert router.scheduler.stats.spec.num_draft_tokens > 0, "the last request drafted once alone"
