@@ -39,16 +39,15 @@ run: install
 	env $$($(BIN)/python -m deployments.ray_env) $(BIN)/serve run serve_config.yaml
 
 # Modules that drive a Ray cluster run in their own pytest processes, so Ray's driver threads never share a
-# process with the rest of the suite.
+# process with the rest of the suite; the last line's modules drive `serve run` subprocesses over HTTP (no driver
+# here), so they share one process.
 test: test-deps install
 	$(BIN)/python -m pytest -m "not ray" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m ray tests/deployments/test_cluster_tiny.py $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m ray tests/deployments/test_faults.py $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -m ray tests/deployments/test_serve_e2e.py $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -m ray tests/deployments/test_serve_default.py $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m ray tests/cluster/test_multinode.py $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -m ray tests/deployments/test_observability.py $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -m ray tests/bench/test_gpu_serve.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m ray tests/deployments/test_serve_e2e.py tests/deployments/test_serve_default.py \
+		tests/deployments/test_observability.py tests/bench/test_gpu_serve.py $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m bench.engine_bench
