@@ -55,6 +55,8 @@ class DraftModelProposer:
         top_probs = torch.zeros(batch, k_max, n)
         feeds = self._feeds(requests)
         matchers = self._matchers(requests)
+        if self._feeds_on_device(requests, matchers):
+            return self._greedy_on_device(requests, feeds, stop)
         active = list(range(batch))
         for step in range(k_max):
             logits = self.runner.forward([requests[i].seq_id for i in active], [feeds[i] for i in active],
@@ -94,6 +96,37 @@ class DraftModelProposer:
                      for b, r in enumerate(requests)]
         return Proposal(token_ids=token_ids, num_tokens=num_tokens,
                         proposals=proposals if any(p is not None for p in proposals) else None)
+
+    def _feeds_on_device(self, requests: Sequence[DraftRequest], matchers: list) -> bool:
+        """Whether this round's steps can feed each other on the device (`_greedy_on_device`): every row greedy,
+        unprocessed, without a grammar, drafting the same k, on a runner whose steps take device tokens."""
+        return (getattr(self.runner, "takes_device_tokens", False) and len({r.k for r in requests}) == 1
+                and all(r.sampling.greedy and r.processing is None for r in requests)
+                and all(m is None for m in matchers))
+
+    def _greedy_on_device(self, requests: Sequence[DraftRequest], feeds: list[list[int]],
+                          stop: Callable[[], bool] | None) -> Proposal:
+        """Greedy drafts whose steps feed each other on the device: each step's argmax is the next step's input
+        (StaticRunner.forward_fed), and the host reads the round's tokens once, at the end. The host's work for
+        step j+1 (its inputs, the graph's launch) then overlaps step j on the device instead of waiting for its
+        token: on a GPU each draft step otherwise paid a sync and the host's work in full (bench/RESULTS.md,
+        session 26). The tokens are those of `propose`'s step loop: the argmax of the same logits."""
+        seq_ids, k = [r.seq_id for r in requests], requests[0].k
+        logits = self.runner.forward(seq_ids, feeds, [1] * len(requests))  # [A, 1, V]
+        picked = []
+        for step in range(k):
+            picked.append(logits[:, 0, : self.target_vocab_size].argmax(dim=-1))  # [A]: stays on the device
+            if step + 1 == k or (stop is not None and stop()):
+                break
+            logits = self.runner.forward_fed(seq_ids, picked[-1])
+        drafted = torch.stack(picked, dim=1).cpu()  # [A, steps]: the round's one read of the device
+        for b, seq_id in enumerate(seq_ids):
+            self.runner.settle(seq_id, drafted[b, :-1].tolist())  # the steps fed all but the last pick
+        steps = drafted.shape[1]
+        token_ids = torch.full((len(requests), k), -1, dtype=torch.long)
+        token_ids[:, :steps] = drafted
+        return Proposal(token_ids=token_ids, num_tokens=torch.full((len(requests),), steps, dtype=torch.long),
+                        proposals=None)  # greedy rows ship no proposal
 
     def _matchers(self, requests: Sequence[DraftRequest]) -> list[GrammarMatcher | None]:
         """Each request's grammar matcher synced to its tokens (None: no grammar, or no grammars here, or a grammar

@@ -38,31 +38,21 @@ def replica_stats(app_name: str, timeout_s: float = 60.0) -> dict:
 
 
 def deploy(config, name):
-    return deploy_all({name: config})[name]
-
-
-def deploy_all(configs: dict) -> dict[str, str]:
-    """Applications by name, deployed at once (their replicas start side by side), each once its router answers:
-    name -> its base URL."""
     from ray import serve
 
     from deployments.app import build_app
 
-    for name, config in configs.items():
-        serve.run(build_app(config.model_dump()), name=name, route_prefix=f"/{name}", blocking=False)
-    bases = {name: f"http://127.0.0.1:{PORT}/{name}" for name in configs}
-    waiting, deadline = set(configs), time.time() + 180
-    while waiting and time.time() < deadline:
-        for name in sorted(waiting):
-            try:
-                if httpx.get(f"{bases[name]}/v1/models", timeout=2).status_code == 200:
-                    waiting.discard(name)
-            except httpx.HTTPError:
-                pass
-        time.sleep(1 if waiting else 0)
-    if waiting:
-        raise TimeoutError(f"apps {sorted(waiting)} did not come up")
-    return bases
+    serve.run(build_app(config.model_dump()), name=name, route_prefix=f"/{name}", blocking=False)
+    base = f"http://127.0.0.1:{PORT}/{name}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
+                return base
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"app {name} did not come up")
 
 
 def complete(base, prompt, n=24):
@@ -160,9 +150,8 @@ def steady_load(base: str, app: str, streams: int, seconds: float) -> list[int]:
 def test_tp2_matches_tp1_and_each_rank_holds_a_shard(ray_cluster, tiny_model_dirs):
     from ray import serve
 
-    bases = deploy_all({"tp1": tiny_config(tiny_model_dirs, tp_size=1),
-                        "tp2": tiny_config(tiny_model_dirs, tp_size=2, target={"num_cpus": 0.5, "torch_threads": 1})})
-    tp1, tp2 = bases["tp1"], bases["tp2"]
+    tp1 = deploy(tiny_config(tiny_model_dirs, tp_size=1), "tp1")
+    tp2 = deploy(tiny_config(tiny_model_dirs, tp_size=2, target={"num_cpus": 0.5, "torch_threads": 1}), "tp2")
     prompts = [[5, 6, 7, 8], [20, 21, 22, 23, 24, 25, 26], [40, 3]]
     for p in prompts:
         assert complete(tp2, p) == complete(tp1, p)
@@ -404,11 +393,10 @@ def test_one_and_two_kv_slots_start_measure_their_costs_and_serve_speculative_co
     policy's start-up measurement used to ask for 16 and kill the constructor, again and again)."""
     from ray import serve
 
-    bases = deploy_all({f"slots{slots}": tiny_config(tiny_model_dirs, runner={"max_num_seqs": slots},
-                                                     speculation={"adaptive": True}) for slots in (1, 2)})
     for slots in (1, 2):
         name = f"slots{slots}"
-        base = bases[name]
+        base = deploy(tiny_config(tiny_model_dirs, runner={"max_num_seqs": slots},
+                                  speculation={"adaptive": True}), name)
         assert replica_stats(name)["kv_capacity"] == slots
         r = httpx.post(f"{base}/v1/completions", timeout=120, json={
             "model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True,

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 # the fused fp32 layer operators of engine/models/cpu/csrc/layer_ops.cpp an eager CPU step runs (`LayerOps`)
 FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_mul", "rope_to_cache", "cache_attention")
+# devices whose eager steps (prompt chunks, shapes no graph was captured for) also run the Triton elementwise kernels
+# of engine/models/static/fused_ops.py, as graph steps do: launches, not arithmetic, bound an eager CUDA step (an
+# 8B-shaped step took 46 ms eagerly on an H100, bench/RESULTS.md). Tests add "cpu" to run them in Triton's interpreter.
+TRITON_EAGER_DEVICES = {"cuda"}
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., H], weight [H] fp32
@@ -86,8 +90,11 @@ class LayerOps:
         self.model, self.fused = model, fused
         self.positions, self.first_slot, self.kv_len = positions, first_slot, kv_len  # the step's, [B, W] positions
         self.rows = rows  # a graph step's slots and key limits as device tensors (`StaticLlama.forward_rows`)
-        # a graph step's elementwise work as one Triton kernel each (engine/models/static/fused_ops.py)
-        self.triton = rows is not None and fused_ops.available()
+        # the elementwise work as one Triton kernel each (engine/models/static/fused_ops.py): graph steps, and eager
+        # steps on TRITON_EAGER_DEVICES (their attention stays ATen's)
+        self.triton = fused_ops.available() and not torch.compiler.is_compiling() and (
+            rows is not None or positions.device.type in TRITON_EAGER_DEVICES)
+        self._cache_rows = rows  # where RoPE's kernel writes each row's keys and values
         self._visible: torch.Tensor | None = None
 
     @classmethod
@@ -98,6 +105,15 @@ class LayerOps:
             fused = {name: cpu_extension.op(name) for name in FUSED_OPS}
             fused = fused if all(fused.values()) else None
         return cls(model, fused, positions, first_slot, kv_len)
+
+    def cache_rows(self) -> RowIndex:
+        """The step's rows as device tensors: a graph step's own, or an eager step's consecutive slots from
+        first_slot and its rows' start positions (built once per step)."""
+        if self._cache_rows is None:
+            starts = self.positions[:, 0].contiguous()
+            slots = torch.arange(self.first_slot, self.first_slot + starts.shape[0], device=starts.device)
+            self._cache_rows = RowIndex(slots=slots, starts=starts, limits=starts + self.positions.shape[1])
+        return self._cache_rows
 
     def visible(self) -> torch.Tensor:  # [B, 1, W, L]: built once per step, and only where a path masks
         if self._visible is None:
@@ -161,7 +177,7 @@ class LayerOps:
         """RoPE on the queries and keys; keys and values written to the cache at (first_slot + b, :, position)."""
         m, positions, first_slot = self.model, self.positions, self.first_slot
         if self.triton:
-            return fused_ops.rope_to_cache(qkv, m.cos, m.sin, self.rows, k_cache, v_cache, m.num_heads,
+            return fused_ops.rope_to_cache(qkv, m.cos, m.sin, self.cache_rows(), k_cache, v_cache, m.num_heads,
                                            m.num_kv_heads)
         if self.fused is not None:
             return self.fused["rope_to_cache"](qkv.contiguous(), m.cos, m.sin, positions, k_cache, v_cache,

@@ -42,6 +42,7 @@ from engine.models.static.prefix_cache import runner_prefix_cache
 from engine.models.static.tp import agree_num_slots, shard_of
 
 MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks first
+PENDING = -1  # a token fed from the device whose value the host has not read yet (`forward_fed`)
 
 
 STEP_MODES = ("eager", "inductor", "graphs")
@@ -212,6 +213,37 @@ class StaticRunner(SlotTableAccess):
         self.forward_calls += 1
         self.forward_rows += len(states)
         return logits
+
+    @property
+    def takes_device_tokens(self) -> bool:
+        """Whether `forward_fed` runs here: graph steps, without a prefix cache (which reads every fed token)."""
+        return self.graphs is not None and self.prefix_cache is None
+
+    @torch.inference_mode()
+    def forward_fed(self, seq_ids: Sequence[str],
+                    tokens: torch.Tensor,  # [B] int64 on the device: each row's next token (a draft's last pick)
+                    ) -> torch.Tensor:  # [B, 1, V] float32, a view of the graph's output: valid until the next step
+        """A decode step whose input tokens never visit the host: the next step can be queued before this one's
+        tokens are known there, so a draft's host work per step overlaps the device's steps instead of waiting on
+        each. The rows' tokens are recorded as PENDING until `settle` gives their values."""
+        assert self.takes_device_tokens
+        states = [self._seqs[s] for s in seq_ids]
+        if any(len(state.tokens) + 1 > self.max_model_len for state in states):
+            raise ContextWindowError(f"a sequence would pass {self.max_model_len} tokens")
+        rows = bucket(len(states), self.batch_buckets)
+        logits = self.graphs.step_fed([s.slot for s in states], [len(s.tokens) for s in states], tokens, rows)
+        for state in states:
+            state.tokens.append(PENDING)
+        self.forward_calls += 1
+        self.forward_rows += len(states)
+        return logits[: len(states), :1]
+
+    def settle(self, seq_id: str, tokens: Sequence[int]) -> None:
+        """The values of a sequence's last len(tokens) tokens fed from the device (`forward_fed`)."""
+        if tokens:
+            state = self._seqs[seq_id]
+            assert all(t == PENDING for t in state.tokens[-len(tokens):]), "only fed tokens are settled"
+            state.tokens[-len(tokens):] = [int(t) for t in tokens]
 
     @torch.inference_mode()
     def prompt_logits(self, seq_id: str, new_tokens: Sequence[int]) -> torch.Tensor:  # [N, V] float32

@@ -1,0 +1,72 @@
+"""The draft model's greedy steps fed on the device (StaticRunner.forward_fed): the same drafts as the step loop that
+reads each token on the host, round after round, with the runner's token record settled; other rows keep that loop."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.models.static.runner import PENDING, KVBudget, StaticRunner
+from engine.proposers.base import DraftRequest
+from engine.proposers.draft_model import DraftModelProposer
+from tests.conftest import make_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class HostFedRunner(StaticRunner):
+    """The same graph-step runner, whose drafts take the host's step loop."""
+
+    takes_device_tokens = False
+
+
+def proposer(cls, model) -> DraftModelProposer:
+    # the graph step's forward (run eagerly off CUDA; Triton's kernels in its interpreter where it is set)
+    return DraftModelProposer(cls(model, budget=KVBudget(gib=0.05, max_num_seqs=4), compile="graphs",
+                                  prefill_chunk=16), target_vocab_size=model.config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama", seed=7)
+
+
+def test_fed_greedy_drafts_equal_the_host_loops_round_after_round(model):
+    fed, host = proposer(StaticRunner, model), proposer(HostFedRunner, model)
+    assert fed.runner.takes_device_tokens and not host.runner.takes_device_tokens
+    calls = []
+    forward_fed = fed.runner.forward_fed
+    fed.runner.forward_fed = lambda *a: calls.append(1) or forward_fed(*a)
+    committed = {"a": [5, 6, 7, 8], "b": [20, 21, 22, 23, 24, 25]}
+    for round_ in range(4):
+        requests = [DraftRequest(seq_id, list(tokens), 3, GREEDY) for seq_id, tokens in committed.items()]
+        got, want = fed.propose(requests), host.propose(requests)
+        assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.num_tokens, want.num_tokens)
+        assert got.proposals is None
+        for seq_id in committed:
+            record = fed.runner._seqs[seq_id].tokens
+            assert PENDING not in record and record == host.runner._seqs[seq_id].tokens
+        # the target accepts a different share of each row's drafts every round, then adds its own token
+        for b, seq_id in enumerate(committed):
+            accepted = (round_ + b) % 4
+            committed[seq_id] += got.token_ids[b, :accepted].tolist() + [(round_ * 7 + b) % 60 + 2]
+    assert len(calls) == 4 * 2, "two fed steps a round (k = 3)"
+
+
+def test_a_stop_between_fed_steps_ends_the_round_and_leaves_no_pending_token(model):
+    fed = proposer(StaticRunner, model)
+    requests = [DraftRequest("a", [5, 6, 7], 3, GREEDY)]
+    got = fed.propose(requests, stop=lambda: True)
+    assert got.num_tokens.tolist() == [1] and got.token_ids[0, 1:].tolist() == [-1, -1]
+    assert fed.runner._seqs["a"].tokens == [5, 6, 7]  # the one pick was never fed
+
+
+@pytest.mark.parametrize("change", [{"k": 2}, {"sampling": SamplingParams(temperature=0.8)}], ids=["mixed-k", "sampled"])
+def test_rows_that_differ_keep_the_host_loop(model, change):
+    fed = proposer(StaticRunner, model)
+    fed.runner.forward_fed = None  # any call would fail
+    requests = [DraftRequest("a", [5, 6, 7], 3, GREEDY), dataclasses.replace(DraftRequest("b", [9, 8], 3, GREEDY),
+                                                                              **change)]
+    got = fed.propose(requests)
+    assert got.num_tokens.tolist() == [3, change.get("k", 3)]
