@@ -46,7 +46,7 @@ from engine.proposers.base import DraftRequest
 from engine.request.sequence import RequestOutput
 from engine.spec.accept import commit
 from engine.spec.plan import plan_ks
-from engine.spec.policy import AcceptanceTracker
+from engine.spec.policy import PROBE_EVERY, AcceptanceTracker
 
 logger = logging.getLogger("ray.serve")
 
@@ -263,11 +263,14 @@ class GroupRound:
         nothing this round, has no grammar or prompt tokens to score, and goes on after this round.
 
         A row drafts nothing when its request never drafts, or when the plan left the round plain (speculation does
-        not pay at this load); the next round, at about the same batch, is planned alike, so the guess that it is
-        plain again holds but where the load changes. A wrong guess costs the target worker one step (its result is
-        dropped, the row's cache rolls back); a right one hides the router's hop behind the device's step, which on a
-        GPU is what a round without drafts costs beyond plain decoding (bench/RESULTS.md, session 26)."""
-        return (self.config.decode_ahead and k == 0 and live.seq.params.grammar is None
+        not pay at this load). The next round, at about the same batch, is planned alike, so the guess that it is
+        plain again holds but where the load changes, or where the next round is the row's first chance to probe its
+        drafts again (engine/spec/policy.PROBE_EVERY): that round is not guessed (a probe not taken then waits for a
+        lighter load). A wrong guess costs the target worker one step (dropped; the row's cache rolls back); a right
+        one hides the router's hop behind the device's step, on a GPU what a round without drafts costs beyond plain
+        decoding (bench/RESULTS.md, session 26)."""
+        plain_next = live.seq.k == 0 or live.tracker.rounds_without_drafts + 1 != PROBE_EVERY
+        return (self.config.decode_ahead and k == 0 and plain_next and live.seq.params.grammar is None
                 and not live.seq.wants_prompt_logprobs() and live.seq.remaining() > 1)
 
     def _chainable(self, live: LiveRequest) -> bool:

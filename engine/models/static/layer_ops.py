@@ -92,8 +92,8 @@ class LayerOps:
         self.rows = rows  # a graph step's slots and key limits as device tensors (`StaticLlama.forward_rows`)
         # the elementwise work as one Triton kernel each (engine/models/static/fused_ops.py): graph steps, and eager
         # steps on TRITON_EAGER_DEVICES (their attention stays ATen's)
-        self.triton = fused_ops.available() and not torch.compiler.is_compiling() and (
-            rows is not None or positions.device.type in TRITON_EAGER_DEVICES)
+        self.triton = ((rows is not None or positions.device.type in TRITON_EAGER_DEVICES)
+                       and not torch.compiler.is_compiling() and fused_ops.available())
         self._cache_rows = rows  # where RoPE's kernel writes each row's keys and values
         self._visible: torch.Tensor | None = None
 

@@ -89,3 +89,22 @@ def test_the_served_round_and_the_in_process_engine_emit_the_same_tokens(tiny_mo
     assert done.token_ids == served and len(served) == params.max_tokens
     assert done.stats.as_dict() == row.seq.stats.as_dict(), "the same rounds: drafts and acceptances by position"
     assert row.seq.stats.num_drafts > 0 and row.seq.stats.num_accepted_tokens > 0
+
+
+def test_a_row_the_plan_left_plain_decodes_ahead_unless_its_next_round_may_probe(tiny_model_dirs):
+    """decode-ahead's guess (deployments/router/round.py): a row without drafts this round is plain next round too,
+    except in the round before its first chance to probe (PROBE_EVERY rounds without drafts), where it is not marked;
+    past that chance (a probe the load did not allow) it is marked again."""
+    from engine.spec.policy import PROBE_EVERY
+
+    config = tiny_config(tiny_model_dirs)
+    broker = LocalBroker(config)
+    router = Router(config, broker)
+    [live] = _rows(router, broker, 1)
+    round_ = router.scheduler.round
+    marked = {}
+    for count in range(PROBE_EVERY + 3):
+        live.tracker.rounds_without_drafts = count
+        marked[count] = round_._decodes_ahead(live, 0)
+    assert [c for c, m in marked.items() if not m] == [PROBE_EVERY - 1], marked
+    assert not round_._decodes_ahead(live, 2), "a row that drafts this round is not decoded ahead"
