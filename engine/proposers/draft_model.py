@@ -56,7 +56,7 @@ class DraftModelProposer:
         feeds = self._feeds(requests)
         matchers = self._matchers(requests)
         if self._feeds_on_device(requests, matchers):
-            return self._greedy_on_device(requests, feeds, stop)
+            return self._on_device(requests, feeds, stop)
         active = list(range(batch))
         for step in range(k_max):
             logits = self.runner.forward([requests[i].seq_id for i in active], [feeds[i] for i in active],
@@ -98,24 +98,36 @@ class DraftModelProposer:
                         proposals=proposals if any(p is not None for p in proposals) else None)
 
     def _feeds_on_device(self, requests: Sequence[DraftRequest], matchers: list) -> bool:
-        """Whether this round's steps can feed each other on the device (`_greedy_on_device`): every row greedy,
-        unprocessed, without a grammar, drafting the same k, on a runner whose steps take device tokens."""
+        """Whether this round's steps can feed each other on the device (`_on_device`): no row processed or under a
+        grammar (those need each token on the host), every row drafting the same k, on a runner whose steps take
+        device tokens."""
         return (getattr(self.runner, "takes_device_tokens", False) and len({r.k for r in requests}) == 1
-                and all(r.sampling.greedy and r.processing is None for r in requests)
-                and all(m is None for m in matchers))
+                and all(r.processing is None for r in requests) and all(m is None for m in matchers))
 
-    def _greedy_on_device(self, requests: Sequence[DraftRequest], feeds: list[list[int]],
-                          stop: Callable[[], bool] | None) -> Proposal:
-        """Greedy drafts whose steps feed each other on the device: each step's argmax is the next step's input
-        (StaticRunner.forward_fed), and the host reads the round's tokens once, at the end. The host's work for
-        step j+1 (its inputs, the graph's launch) then overlaps step j on the device instead of waiting for its
-        token: on a GPU each draft step otherwise paid a sync and the host's work in full (bench/RESULTS.md,
-        session 26). The tokens are those of `propose`'s step loop: the argmax of the same logits."""
-        seq_ids, k = [r.seq_id for r in requests], requests[0].k
-        logits = self.runner.forward(seq_ids, feeds, [1] * len(requests))  # [A, 1, V]
-        picked = []
+    def _on_device(self, requests: Sequence[DraftRequest], feeds: list[list[int]],
+                   stop: Callable[[], bool] | None) -> Proposal:
+        """Drafts whose steps feed each other on the device: each step's tokens are the next step's input
+        (StaticRunner.forward_fed), and the host reads the round's tokens and proposals once, at the end. The host's
+        work for step j+1 (its inputs, the graph's launch) then overlaps step j on the device instead of waiting for
+        its tokens: on a GPU each draft step otherwise paid a sync and the host's work in full (bench/RESULTS.md,
+        session 26). The picks are `propose`'s step loop's: greedy rows' argmax, the others by their scheme
+        (engine/spec/proposal.py) from the same logits."""
+        seq_ids, k, batch = [r.seq_id for r in requests], requests[0].k, len(requests)
+        greedy = all(r.sampling.greedy for r in requests)
+        sampling = BatchSampling.from_params([r.sampling for r in requests])
+        n = min(self.top_n, self.target_vocab_size)
+        logits = self.runner.forward(seq_ids, feeds, [1] * batch)  # [A, 1, V]
+        picked, top_ids, top_probs = [], [], []
         for step in range(k):
-            picked.append(logits[:, 0, : self.target_vocab_size].argmax(dim=-1))  # [A]: stays on the device
+            step_logits = logits[:, :, : self.target_vocab_size]
+            if greedy:  # the argmax that logits_to_probs' one-hot rows and choose_draft_tokens would give
+                picked.append(step_logits[:, 0].argmax(dim=-1))  # [A]: stays on the device
+            else:
+                probs = logits_to_probs(step_logits, sampling)[:, 0]
+                tokens, ids, values = choose_draft_tokens(probs, [r.scheme(step) for r in requests], n)
+                picked.append(tokens)
+                top_ids.append(ids)
+                top_probs.append(values)
             if step + 1 == k or (stop is not None and stop()):
                 break
             logits = self.runner.forward_fed(seq_ids, picked[-1])
@@ -123,10 +135,17 @@ class DraftModelProposer:
         for b, seq_id in enumerate(seq_ids):
             self.runner.settle(seq_id, drafted[b, :-1].tolist())  # the steps fed all but the last pick
         steps = drafted.shape[1]
-        token_ids = torch.full((len(requests), k), -1, dtype=torch.long)
+        token_ids = torch.full((batch, k), -1, dtype=torch.long)
         token_ids[:, :steps] = drafted
-        return Proposal(token_ids=token_ids, num_tokens=torch.full((len(requests),), steps, dtype=torch.long),
-                        proposals=None)  # greedy rows ship no proposal
+        proposals = None
+        if any(r.ships_proposal for r in requests):
+            ids = torch.zeros(batch, k, n, dtype=torch.int32)
+            probs = torch.zeros(batch, k, n)
+            ids[:, :steps], probs[:, :steps] = torch.stack(top_ids, dim=1).cpu(), torch.stack(top_probs, dim=1).cpu()
+            proposals = [CompactProposal(ids[b], probs[b]) if r.ships_proposal else None
+                         for b, r in enumerate(requests)]
+        return Proposal(token_ids=token_ids, num_tokens=torch.full((batch,), steps, dtype=torch.long),
+                        proposals=proposals)
 
     def _matchers(self, requests: Sequence[DraftRequest]) -> list[GrammarMatcher | None]:
         """Each request's grammar matcher synced to its tokens (None: no grammar, or no grammars here, or a grammar

@@ -129,42 +129,50 @@ def logits_to_probs(
     batch, _, vocab = logits.shape
     assert sampling.temperature.shape == (batch,), "one sampling row per batch row"
     logits = logits.float()
-    greedy = sampling.greedy.to(logits.device)
-    probs = torch.empty_like(logits)
-    if greedy.any():
-        idx = logits[greedy].argmax(dim=-1, keepdim=True)
-        probs[greedy] = torch.zeros_like(logits[greedy]).scatter_(-1, idx, 1.0)
+    device = logits.device
+    # the settings are host tensors: which rows take which path is decided here, never by reading the device (on a
+    # GPU each such read waits for the step that made the logits)
+    greedy = sampling.greedy
+    if bool(greedy.all()):
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     sampled = ~greedy
-    if sampled.any():
-        probs[sampled] = _filtered_softmax(
-            logits[sampled],
-            sampling.temperature[sampled.cpu()].to(logits.device),
-            sampling.top_k[sampled.cpu()].to(logits.device),
-            sampling.top_p[sampled.cpu()].to(logits.device),
-            vocab,
-            None if sampling.min_p is None else sampling.min_p[sampled.cpu()].to(logits.device),
-        )
+    if not bool(greedy.any()):
+        return _filtered_softmax(logits, sampling, vocab)
+    probs = torch.empty_like(logits)
+    rows = _to(greedy.nonzero()[:, 0], device)
+    probs[rows] = torch.zeros_like(logits[rows]).scatter_(-1, logits[rows].argmax(dim=-1, keepdim=True), 1.0)
+    rows = sampled.nonzero()[:, 0]
+    probs[_to(rows, device)] = _filtered_softmax(logits[_to(rows, device)], _rows_of(sampling, rows), vocab)
     return probs
+
+
+def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`, queued behind the stream's work (a blocking copy would wait for it)."""
+    return host.to(device, non_blocking=True)
+
+
+def _rows_of(sampling: BatchSampling, rows: torch.Tensor) -> BatchSampling:  # rows [S] int64 on the host
+    return BatchSampling(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows], sampling.greedy[rows],
+                         None if sampling.min_p is None else sampling.min_p[rows])
 
 
 def _filtered_softmax(
     logits: torch.Tensor,  # [S, T, V] float32
-    temperature: torch.Tensor,  # [S]
-    top_k: torch.Tensor,  # [S] int64, 0 = disabled
-    top_p: torch.Tensor,  # [S]
+    sampling: BatchSampling,  # S sampled rows (host tensors)
     vocab: int,
-    min_p: torch.Tensor | None = None,  # [S], 0 = disabled
 ) -> torch.Tensor:  # [S, T, V]
-    scaled = logits / temperature[:, None, None]
-    if min_p is not None and bool((min_p > 0.0).any()):
+    device = logits.device
+    scaled = logits / _to(sampling.temperature, device)[:, None, None]
+    if sampling.min_p is not None and bool((sampling.min_p > 0.0).any()):
         # min-p (Nguyen et al. 2024, arXiv 2407.01082; vLLM's MinPLogitsProcessor): keep the tokens whose probability
         # is at least min_p times the most likely token's, at the temperature-scaled distribution
         probs = scaled.softmax(dim=-1)
-        floor = probs.amax(dim=-1, keepdim=True) * min_p[:, None, None]
+        floor = probs.amax(dim=-1, keepdim=True) * _to(sampling.min_p, device)[:, None, None]
         scaled = scaled.masked_fill(probs < floor, float("-inf"))
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+    if bool((sampling.top_k > 0).any()) or bool((sampling.top_p < 1.0).any()):
+        top_k, top_p = _to(sampling.top_k, device), _to(sampling.top_p, device)
         sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device)
+        ranks = torch.arange(vocab, device=device)
         k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
         drop = (ranks[None, None, :] >= k[:, None, None]).expand_as(sorted_logits).clone()  # beyond top-k
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)

@@ -92,19 +92,26 @@ def choose_draft_tokens(
     top_probs = torch.zeros(rows, n, device=device)
     coupled = [a for a, s in enumerate(schemes) if not s.greedy and s.coupled]
     if coupled:
-        seeds = seeds_tensor([schemes[a].seed for a in coupled], device)
-        positions = torch.tensor([[schemes[a].position] for a in coupled], device=device)
-        noisy = probs[coupled].log() + gumbel(seeds, positions, vocab)[:, 0]
-        tokens[coupled] = noisy.argmax(dim=-1)
+        at, seeds, positions = _rows_on(coupled, schemes, device)
+        noisy = probs[at].log() + gumbel(seeds, positions, vocab)[:, 0]
+        tokens[at] = noisy.argmax(dim=-1)
     sampled = [a for a, s in enumerate(schemes) if not s.greedy and not s.coupled]
     if sampled:
-        values, ids = probs[sampled].topk(n, dim=-1)  # [S, N], descending: q itself there
-        seeds = seeds_tensor([schemes[a].seed for a in sampled], device)
-        positions = torch.tensor([[schemes[a].position] for a in sampled], device=device)
-        tokens[sampled] = _sample_proposal(values, ids, vocab, seeds, positions)
-        top_ids[sampled] = ids.int()
-        top_probs[sampled] = values
+        at, seeds, positions = _rows_on(sampled, schemes, device)
+        values, ids = probs[at].topk(n, dim=-1)  # [S, N], descending: q itself there
+        tokens[at] = _sample_proposal(values, ids, vocab, seeds, positions)
+        top_ids[at] = ids.int()
+        top_probs[at] = values
     return tokens, top_ids, top_probs
+
+
+def _rows_on(rows: list[int], schemes: Sequence[RowScheme], device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # rows [R], seeds [R], positions [R, 1]
+    """Rows of one scheme, their seeds and positions as device tensors, copied from host memory behind the stream's
+    work (a blocking copy would wait for the step that made the probabilities)."""
+    host = (torch.tensor(rows), seeds_tensor([schemes[a].seed for a in rows]),
+            torch.tensor([[schemes[a].position] for a in rows]))
+    return tuple(t.to(device, non_blocking=True) for t in host)
 
 
 def _sample_proposal(

@@ -126,8 +126,14 @@ def test_level_allowance_keeps_the_later_start_ups_and_shares_the_rest():
 
 def test_greedy_equality_over_the_prompts_both_ran():
     got = gpu_serve.greedy_equality({0: "x", 1: "y", 2: "z"}, {0: "x", 1: "q"})
-    assert got == {"prompts": 2, "same": 1, "fraction": 0.5}
+    assert got == {"prompts": 2, "same": 1, "fraction": 0.5, "diverged_at_words": [0]}
     assert gpu_serve.greedy_equality({}, {0: "x"})["fraction"] is None
+
+
+def test_pairs_that_differ_report_the_word_where_they_first_differ():
+    plain = {0: "w1 w2 w3 w4", 1: "w1 w2", 2: "w5 w6", 3: "w7"}
+    spec = {0: "w1 w2 w9 w4", 1: "w1 w2 w3", 2: "w5 w6", 3: "w8"}
+    assert gpu_serve.greedy_equality(plain, spec)["diverged_at_words"] == [0, 2, 2]  # sorted; a prefix: its end
 
 
 def test_table_and_json_from_fake_measurements():
@@ -136,7 +142,7 @@ def test_table_and_json_from_fake_measurements():
     level.update(gpu_serve.roofline_ratios(level, 2, roof))
     plain = {**level, "mean_accepted_length": None, "acceptance_rate": None}
     report = {"device_name": "fake GPU", "roofline": roof, "speedup": {"speculative": {2: 1.5}},
-              "greedy_equal": {"speculative": {2: {"prompts": 2, "same": 2}}},
+              "greedy_equal": {"speculative": {2: {"prompts": 3, "same": 2, "diverged_at_words": [17]}}},
               "pair": {"shape": "tiny", "noise": 0.0, "vocab": 49152, "params": param_counts(SHAPES["tiny"])},
               "variants": {"plain": {"startup": {"health_s": 30.0, "ready_s": 34.0}, "levels": {2: plain}},
                            "speculative": {"startup": {"health_s": 31.0}, "levels": {2: level},
@@ -146,7 +152,8 @@ def test_table_and_json_from_fake_measurements():
     assert "error: RuntimeError: late" in text and "speculative / plain tok/s: 2 streams 1.50x" in text
     rows = [line for line in text.splitlines() if line.startswith("| plain") or line.startswith("| speculative")]
     assert rows[0].startswith("| plain | 2 | 40.0 |") and rows[0].endswith("| - |")
-    assert "| 3.25 | 0.75 | 2.00 | 9.00 |" in rows[1] and rows[1].endswith("| 2/2 |")
+    assert "| 3.25 | 0.75 | 2.00 | 9.00 |" in rows[1] and rows[1].endswith("| 2/3 |")
+    assert "speculative: first word where a text differs from plain: 2 streams [17]" in text
     assert json.loads(json.dumps(report))["speedup"] == {"speculative": {"2": 1.5}}
 
 

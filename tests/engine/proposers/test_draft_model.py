@@ -1,5 +1,6 @@
-"""The draft model's greedy steps fed on the device (StaticRunner.forward_fed): the same drafts as the step loop that
-reads each token on the host, round after round, with the runner's token record settled; other rows keep that loop."""
+"""The draft model's steps fed on the device (StaticRunner.forward_fed): the same drafts and proposals as the step loop
+that reads each token on the host, round after round, with the runner's token record settled, for greedy, seeded
+and unseeded sampled rows; rows with different k or logits processors keep that loop."""
 
 import dataclasses
 
@@ -32,7 +33,14 @@ def model():
     return make_tiny_model("llama", seed=7)
 
 
-def test_fed_greedy_drafts_equal_the_host_loops_round_after_round(model):
+ROWS = {"greedy": [(GREEDY, False), (GREEDY, False)],
+        "sampled": [(SamplingParams(temperature=0.9, top_k=20), False), (SamplingParams(temperature=0.7), False)],
+        "seeded": [(SamplingParams(temperature=0.9, top_p=0.8), True), (SamplingParams(temperature=1.0), True)],
+        "mixed": [(GREEDY, False), (SamplingParams(temperature=0.9), True)]}
+
+
+@pytest.mark.parametrize("kind", sorted(ROWS))
+def test_fed_drafts_equal_the_host_loops_round_after_round(model, kind):
     fed, host = proposer(StaticRunner, model), proposer(HostFedRunner, model)
     assert fed.runner.takes_device_tokens and not host.runner.takes_device_tokens
     calls = []
@@ -40,10 +48,13 @@ def test_fed_greedy_drafts_equal_the_host_loops_round_after_round(model):
     fed.runner.forward_fed = lambda *a: calls.append(1) or forward_fed(*a)
     committed = {"a": [5, 6, 7, 8], "b": [20, 21, 22, 23, 24, 25]}
     for round_ in range(4):
-        requests = [DraftRequest(seq_id, list(tokens), 3, GREEDY) for seq_id, tokens in committed.items()]
+        requests = [DraftRequest(seq_id, list(tokens), 3, params, seed=11 * b + round_, coupled=coupled)
+                    for b, ((seq_id, tokens), (params, coupled)) in enumerate(zip(committed.items(), ROWS[kind]))]
         got, want = fed.propose(requests), host.propose(requests)
         assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.num_tokens, want.num_tokens)
-        assert got.proposals is None
+        assert (got.proposals is None) == (want.proposals is None) == (kind != "sampled")
+        for mine, theirs in zip(got.proposals or [], want.proposals or []):
+            assert torch.equal(mine.token_ids, theirs.token_ids) and torch.equal(mine.probs, theirs.probs)
         for seq_id in committed:
             record = fed.runner._seqs[seq_id].tokens
             assert PENDING not in record and record == host.runner._seqs[seq_id].tokens
@@ -62,7 +73,14 @@ def test_a_stop_between_fed_steps_ends_the_round_and_leaves_no_pending_token(mod
     assert fed.runner._seqs["a"].tokens == [5, 6, 7]  # the one pick was never fed
 
 
-@pytest.mark.parametrize("change", [{"k": 2}, {"sampling": SamplingParams(temperature=0.8)}], ids=["mixed-k", "sampled"])
+def _biased():
+    from engine.request.builtin_processors import LogitBias
+    from engine.request.logits_processing import RowProcessing
+
+    return RowProcessing((LogitBias((5,), (2.0,)),), [9, 8], 2)
+
+
+@pytest.mark.parametrize("change", [{"k": 2}, {"processing": _biased()}], ids=["mixed-k", "processed"])
 def test_rows_that_differ_keep_the_host_loop(model, change):
     fed = proposer(StaticRunner, model)
     fed.runner.forward_fed = None  # any call would fail
