@@ -47,16 +47,16 @@ class DraftModelProposer:
     def propose(self, requests: Sequence[DraftRequest], stop: Callable[[], bool] | None = None) -> Proposal:
         """Draft up to k tokens per request; `stop()`, checked between steps, ends drafting early (the caller
         no longer wants the result; `num_tokens` then counts the steps done)."""
+        feeds = self._feeds(requests)
+        matchers = self._matchers(requests)
+        if self._feeds_on_device(requests, matchers):
+            return self._on_device(requests, feeds, stop)
         batch, k_max = len(requests), max(r.k for r in requests)
         token_ids = torch.full((batch, k_max), -1, dtype=torch.long)
         num_tokens = torch.tensor([r.k for r in requests], dtype=torch.long)
         n = min(self.top_n, self.target_vocab_size)
         top_ids = torch.zeros(batch, k_max, n, dtype=torch.int32)
         top_probs = torch.zeros(batch, k_max, n)
-        feeds = self._feeds(requests)
-        matchers = self._matchers(requests)
-        if self._feeds_on_device(requests, matchers):
-            return self._on_device(requests, feeds, stop)
         active = list(range(batch))
         for step in range(k_max):
             logits = self.runner.forward([requests[i].seq_id for i in active], [feeds[i] for i in active],
@@ -114,7 +114,7 @@ class DraftModelProposer:
         (engine/spec/proposal.py) from the same logits."""
         seq_ids, k, batch = [r.seq_id for r in requests], requests[0].k, len(requests)
         greedy = all(r.sampling.greedy for r in requests)
-        sampling = BatchSampling.from_params([r.sampling for r in requests])
+        sampling = None if greedy else BatchSampling.from_params([r.sampling for r in requests])
         n = min(self.top_n, self.target_vocab_size)
         logits = self.runner.forward(seq_ids, feeds, [1] * batch)  # [A, 1, V]
         picked, top_ids, top_probs = [], [], []

@@ -134,16 +134,20 @@ def logits_to_probs(
     # GPU each such read waits for the step that made the logits)
     greedy = sampling.greedy
     if bool(greedy.all()):
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    sampled = ~greedy
+        return _one_hot_argmax(logits)
     if not bool(greedy.any()):
         return _filtered_softmax(logits, sampling, vocab)
     probs = torch.empty_like(logits)
-    rows = _to(greedy.nonzero()[:, 0], device)
-    probs[rows] = torch.zeros_like(logits[rows]).scatter_(-1, logits[rows].argmax(dim=-1, keepdim=True), 1.0)
-    rows = sampled.nonzero()[:, 0]
-    probs[_to(rows, device)] = _filtered_softmax(logits[_to(rows, device)], _rows_of(sampling, rows), vocab)
+    at = _to(greedy.nonzero()[:, 0], device)
+    probs[at] = _one_hot_argmax(logits[at])
+    rows = (~greedy).nonzero()[:, 0]
+    at = _to(rows, device)
+    probs[at] = _filtered_softmax(logits[at], _rows_of(sampling, rows), vocab)
     return probs
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, T, V] -> [B, T, V]: a greedy row's distribution
+    return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
 
 
 def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -94,7 +94,7 @@ def rope_to_cache(
 
 
 def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+    return _triton().next_power_of_2(n)
 
 
 def _warps(size: int) -> int:
@@ -102,11 +102,16 @@ def _warps(size: int) -> int:
     return max(1, min(16, _next_power_of_2(size) // 512))
 
 
+def _triton():
+    """Triton, imported on first use as the attention kernel imports it (importing this module must not need it)."""
+    assert attention_kernels._import_triton()
+    return attention_kernels.triton
+
+
 @functools.cache
 def _kernels() -> dict:
-    """The Triton kernels, defined on first use (importing this module must not need Triton)."""
-    assert attention_kernels._import_triton()
-    triton, tl = attention_kernels.triton, attention_kernels.tl
+    """The Triton kernels, defined on first use."""
+    triton, tl = _triton(), attention_kernels.tl
 
     @triton.jit
     def add_rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, total_ptr, out_ptr, size, eps,
