@@ -12,7 +12,7 @@
 #     exact   the 1.5B pair in float32, plain and speculative at 1 and 8 streams: whether greedy texts are equal
 #             where bf16 rounding cannot flip near-ties (in bf16 they differed: bench/RESULTS.md, session 26): ~4 min
 # gpu_serve runs Serve as `make run` does (throughput mode behind HAProxy, whose wheel the pack carries); add
-# --ray-serve-proxy for Serve's own proxy. Measured (bench/RESULTS.md, session 26): tests 2.6 min, 8b 5.1, 1.5b 4.3;
+# --ray-serve-proxy for Serve's own proxy. Measured (bench/RESULTS.md, sessions 26-27): tests 2.5 min, 8b 4.7-5.1, 1.5b 4.3, exact 4.0;
 # run back to back (the machine stays warm 30 s after a call), tests + 8b + one more stage fit a session's 15 minutes
 # with the machine's start. The servers' configs and logs come back as one runs.tgz (the device returns 8 files).
 # Record what they print in bench/RESULTS.md with the commit and the command.

@@ -87,22 +87,23 @@ def test_rope_rotates_queries_and_writes_keys_and_values_at_each_rows_slot_and_p
 
 
 def test_eager_steps_on_a_triton_device_run_the_kernels_and_give_the_aten_logits(monkeypatch):
-    """Prompt chunks and uncaptured shapes run eagerly; on CUDA their elementwise work takes the same kernels
-    (here the CPU stands in, through Triton's interpreter), rows written at consecutive slots from first_slot."""
+    """Prompt chunks and uncaptured shapes run eagerly; on CUDA their elementwise work takes the same kernels (without
+    a GPU the CPU stands in, through Triton's interpreter), rows written at consecutive slots from first_slot."""
     from engine.models.static import layer_ops
     from engine.models.static.runner import KVBudget, StaticRunner
     from tests.conftest import make_tiny_model
     from tests.engine.models.static.test_runner import ROUNDS, assert_same_logits, scripted
 
-    model = make_tiny_model("qwen2", seed=2)  # biased qkv: the kernel reads the projection's output as it is
+    model = make_tiny_model("qwen2", seed=2).to(DEVICE)  # biased qkv: the kernel reads the projection's output
     build = lambda: StaticRunner(model, budget=KVBudget(gib=0.05, max_num_seqs=4), compile="off",  # noqa: E731
                                  prefill_chunk=16)
     monkeypatch.setattr(layer_ops.LayerOps, "for_step", classmethod(
         lambda cls, m, positions, first_slot, kv_len: cls(m, None, positions, first_slot, kv_len)))  # no CPU ops
+    monkeypatch.setattr(layer_ops, "TRITON_EAGER_DEVICES", set())  # the reference: ATen's operators
     aten = scripted(build(), ROUNDS)
     calls = []
     rope = fused_ops.rope_to_cache
     monkeypatch.setattr(fused_ops, "rope_to_cache", lambda *a: calls.append(1) or rope(*a))
-    monkeypatch.setattr(layer_ops, "TRITON_EAGER_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(layer_ops, "TRITON_EAGER_DEVICES", {DEVICE})
     assert_same_logits(scripted(build(), ROUNDS), aten, atol=1e-4, rtol=1e-4)
     assert calls, "the eager steps ran the Triton kernels"
