@@ -17,6 +17,21 @@ from deployments.workers.target import TargetWorkerCore
 from tests.conftest import BYTE_VOCAB, make_byte_tokenizer, make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
 
+@pytest.fixture(scope="package")
+def readme_app_with_draft_model(tmp_path_factory):
+    """`serve run` of serve_config.yaml with a draft model (tests/deployments/serve_cluster.py), Ray's Prometheus
+    endpoint on its own port: one cluster for the modules that drive it over HTTP (test_observability runs first,
+    on the fresh cluster its exact counter sums need, then test_serve_e2e; the Makefile orders them). Package scope:
+    stopped once this package's last test has run, before another module starts its own cluster on the same ports.
+    Yields the `serve run` process and the metrics port."""
+    from tests.deployments.serve_cluster import free_port, readme_config_with_draft_model, serve_app
+
+    tmp = tmp_path_factory.mktemp("readme_app")
+    metrics_port = free_port()
+    with serve_app(tmp, metrics_port=metrics_port, config=readme_config_with_draft_model(tmp)) as proc:
+        yield proc, metrics_port
+
+
 def save_model_pair(root, target, draft, tokenizer=None):
     """Save a target and a draft (safetensors, the tiny tokenizer or `tokenizer`, EOS id 1) as model dirs; returns
     their paths."""

@@ -14,7 +14,7 @@ import pytest
 
 from deployments import dashboard
 from deployments.metrics import E2E_BUCKETS, EXPORTED_PREFIX as P, TTFT_BUCKETS
-from tests.deployments.serve_cluster import BASE, free_port, readme_config_with_draft_model, serve_app, wait_until
+from tests.deployments.serve_cluster import BASE, free_port, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -24,11 +24,12 @@ PROMPTS = ["Name three fruits.", "Write a haiku about rain.", "What is 12 times 
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(readme_app_with_draft_model, tmp_path_factory):
     if shutil.which("prometheus") is None:
         pytest.fail("prometheus is not installed; `make test` installs Debian's package")
+    _, metrics_port = readme_app_with_draft_model
     tmp = tmp_path_factory.mktemp("obs")
-    metrics_port, prom_port = free_port(), free_port()
+    prom_port = free_port()
     (tmp / "prometheus.yml").write_text(json.dumps({  # JSON is YAML
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}],
@@ -37,12 +38,11 @@ def stack(tmp_path_factory):
                              f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
                             stdout=open(tmp / "prometheus.log", "w"), stderr=subprocess.STDOUT)
     try:
-        with serve_app(tmp, metrics_port=metrics_port, config=readme_config_with_draft_model(tmp)):
-            api = f"http://127.0.0.1:{prom_port}/api/v1"
-            wait_until(lambda: httpx.get(f"http://127.0.0.1:{prom_port}/-/ready").status_code == 200, 60,
-                       "prometheus to be ready")
-            wait_until(lambda: _scalar(api, 'max(up{job="ray"})') == 1.0, 60, "prometheus to scrape Ray")
-            yield api
+        api = f"http://127.0.0.1:{prom_port}/api/v1"
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{prom_port}/-/ready").status_code == 200, 60,
+                   "prometheus to be ready")
+        wait_until(lambda: _scalar(api, 'max(up{job="ray"})') == 1.0, 60, "prometheus to scrape Ray")
+        yield api
     finally:
         prom.terminate()
         prom.wait(30)
@@ -91,7 +91,7 @@ def test_prometheus_metrics_agree_with_usage(stack):
     drafts = sum(s["num_drafts"] for s in spec)
     assert drafted > 0
 
-    # counters reach exactly the sums of the responses' usage (a fresh cluster: only these requests ran)
+    # counters reach exactly the sums of the responses' usage (a fresh cluster: this module runs first on it)
     total = lambda name: _scalar(api, f"sum({P}{name})")  # noqa: E731
     wait_until(lambda: total("e2e_request_latency_seconds_count") == len(PROMPTS)
                and total("spec_decode_num_draft_tokens_total") == drafted, 90, "metrics to reach Prometheus")

@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from tests.deployments.serve_cluster import readme_config_with_draft_model, serve_app, served_target
+from tests.deployments.serve_cluster import served_target
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -20,10 +20,8 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    with serve_app(tmp, config=readme_config_with_draft_model(tmp)) as proc:
-        yield proc
+def cluster(readme_app_with_draft_model):
+    return readme_app_with_draft_model[0]
 
 
 @pytest.fixture(scope="module")
