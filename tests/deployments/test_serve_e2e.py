@@ -49,8 +49,10 @@ def reference():
 
 
 def test_completions_and_chat_equal_plain_decoding(client, reference):
+    # fixed K, so the text is checked with drafts in it: the adaptive policy plans from the costs and acceptance this
+    # router has seen (test_observability's requests ran before on this cluster), and on a busy machine may not draft
     comp = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=32,
-                                     temperature=0)
+                                     temperature=0, extra_body={"speculative": {"k": 3, "adaptive": False}})
     assert comp.choices[0].text == reference("The three primary colors are", False, 32)
     assert comp.usage.completion_tokens <= 32 and comp.usage.prompt_tokens > 0
     spec = comp.model_extra.get("usage", {}) or comp.usage.model_extra["speculative"]
