@@ -14,11 +14,12 @@ One command for a GPU machine, within --budget-s (default 8 minutes) of wall tim
    config derived from serve_config.yaml (validated by deployments.config.SpecServeConfig; one router replica, so
    its /stats sees every round), with Ray Serve's settings of `make run` (deployments/ray_env.py) unless
    --ray-serve-proxy; start-up is launch to /health 200 (and to the first completion);
-4. per concurrency C: one warm-up wave of C streams, then waves of C concurrent greedy streams (random token prompts
-   of --prompt-tokens, --max-tokens each, ignore_eos) until the level's share of the budget is spent (at least
-   one, at most --max-waves).
+4. per concurrency C: one warm-up wave of C requests, then C streams of greedy requests (random token prompts of
+   --prompt-tokens, --max-tokens each, ignore_eos), each stream sending its next request as its last one ends,
+   as vLLM's benchmark client keeps --max-concurrency requests in flight, until --requests-per-stream x C are sent
+   or the level's share of the budget is spent (each stream sends at least one).
 
-Reported per variant and C: tok/s (all streams' tokens over the waves' wall time), TTFT p50, TPOT p50, mean
+Reported per variant and C: tok/s (all streams' tokens over the level's wall time), TTFT p50, TPOT p50, mean
 accepted length (vLLM's: 1 + accepted / drafting rounds, from the router's /stats) and acceptance rate, host ms
 per round (the router's orchestration: round wall time less the workers' compute) against the workers' compute ms
 per round (draft + verify: device time plus the workers' own host work), and each figure's ratio to its roofline
@@ -123,7 +124,7 @@ class Record:
 
 
 def level_summary(records: list[Record], wall_s: float, before: dict, after: dict) -> dict:
-    """A level's figures from its measured waves and the router's /stats before and after them."""
+    """A level's figures from its measured requests and the router's /stats before and after them."""
     tokens = sum(r.completion_tokens for r in records)
     ttft = [r.arrivals[0] - r.sent for r in records if r.arrivals]
     tpot = [(r.arrivals[-1] - r.arrivals[0]) / (r.completion_tokens - 1)
@@ -274,7 +275,7 @@ async def one_stream(client: httpx.AsyncClient, model: str, index: int, prompt: 
 
 async def wave(client: httpx.AsyncClient, model: str, indices: range, args, vocab: int
                ) -> tuple[list[Record], float]:
-    """Streams of the indexed prompts, all at once; their records and the wave's wall time."""
+    """Streams of the indexed prompts, all at once; their records and the wave's wall time (the warm-up)."""
     start = time.perf_counter()
     records = await asyncio.gather(*(one_stream(client, model, i, prompt_ids(i, args.prompt_tokens, vocab,
                                                                                args.seed), args.max_tokens)
@@ -282,20 +283,41 @@ async def wave(client: httpx.AsyncClient, model: str, indices: range, args, voca
     return list(records), time.perf_counter() - start
 
 
+async def streams(client: httpx.AsyncClient, model: str, c: int, indices: range, args, vocab: int,
+                  allowance_s: float) -> tuple[list[Record], float]:
+    """`c` streams, each sending its next request as its last one ends (vLLM's benchmark client with
+    --max-concurrency keeps c requests in flight alike), over the indexed prompts in order; once `allowance_s` is
+    spent a stream takes no new prompt (each sends at least one). The records and the wall time from the first send
+    to the last answer. Waves of c requests that all start together and wait for the slowest would measure fewer
+    than c streams wherever requests' lengths in rounds differ, as speculative ones do (a row's accepted lengths),
+    and plain ones do not."""
+    prompts = iter(indices)
+    records: list[Record] = []
+    start = time.perf_counter()
+
+    async def one_client() -> None:
+        sent = 0
+        for i in prompts:  # one iterator shared by the c streams: each prompt is sent once
+            if sent and time.perf_counter() - start > allowance_s:
+                break
+            records.append(await one_stream(client, model, i, prompt_ids(i, args.prompt_tokens, vocab, args.seed),
+                                            args.max_tokens))
+            sent += 1
+
+    await asyncio.gather(*(one_client() for _ in range(c)))
+    return records, time.perf_counter() - start
+
+
 async def measure_level(base_url: str, model: str, c: int, args, vocab: int, allowance_s: float
                         ) -> tuple[dict, dict[int, str]]:
-    """A warm-up wave, then measured waves of c streams while the allowance lasts; (summary, texts by prompt)."""
+    """A warm-up wave, then c streams over up to --requests-per-stream x c prompts (at least --min-requests) while
+    the allowance lasts; (summary, texts by prompt)."""
     async with httpx.AsyncClient(base_url=base_url, timeout=args.request_timeout) as client:
         await wave(client, model, range(WARMUP_BASE, WARMUP_BASE + c), args, vocab)
         before = (await client.get("/stats")).json()
-        records, wall, start = [], 0.0, time.perf_counter()
         first = LEVEL_PROMPTS * c  # each level its own prompts: none is a prefix-cache hit from an earlier level
-        for w in range(max(args.max_waves, -(-args.min_requests // c))):
-            got, seconds = await wave(client, model, range(first + w * c, first + (w + 1) * c), args, vocab)
-            records += got
-            wall += seconds
-            if time.perf_counter() - start + seconds > allowance_s:
-                break
+        count = max(args.requests_per_stream * c, args.min_requests)
+        records, wall = await streams(client, model, c, range(first, first + count), args, vocab, allowance_s)
         after = (await client.get("/stats")).json()
     return level_summary(records, wall, before, after), {r.prompt_index: r.text for r in records}
 
@@ -373,12 +395,13 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--max-waves", type=int, default=3, help="measured waves per level at most (at least one; "
-                    "more at low concurrency, see --min-requests)")
+    ap.add_argument("--requests-per-stream", type=int, default=3, help="measured requests per level at most, in "
+                    "units of its streams (each stream sends its next request as its last ends; see --min-requests)")
     ap.add_argument("--min-requests", type=int, default=8,
-                    help="a level may run up to this many requests' worth of waves even past --max-waves (a wave of "
-                         "one stream is one TTFT sample)")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="wall time for the whole run; trims waves")
+                    help="a level may run up to this many requests even past --requests-per-stream (one request is "
+                         "one TTFT sample)")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="wall time for the whole run; trims the levels' "
+                    "requests")
     ap.add_argument("--k", type=int, default=None, help="speculation.num_speculative_tokens (default: the config's)")
     ap.add_argument("--fixed-k", action="store_true", help="speculation.adaptive: false (draft K every round)")
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="runner.kv_cache_gib (default: the fraction)")

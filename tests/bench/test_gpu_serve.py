@@ -64,6 +64,47 @@ def test_a_mistyped_override_fails_before_any_server_starts():
                                                                     args), 8000)
 
 
+def _fake_streams(monkeypatch, seconds_of: dict[int, float]):
+    """gpu_serve.one_stream replaced by a request of `seconds_of[index]` that records how many were in flight."""
+    import asyncio
+
+    state = {"in_flight": 0, "most": 0, "order": []}
+
+    async def one_stream(client, model, index, prompt, max_tokens):
+        state["in_flight"] += 1
+        state["most"] = max(state["most"], state["in_flight"])
+        state["order"].append(index)
+        await asyncio.sleep(seconds_of[index])
+        state["in_flight"] -= 1
+        return gpu_serve.Record(index, 0.0, [], f"t{index}", max_tokens)
+
+    monkeypatch.setattr(gpu_serve, "one_stream", one_stream)
+    return state
+
+
+def test_streams_keep_c_requests_in_flight_and_do_not_wait_for_the_slowest(monkeypatch):
+    """c = 2 streams over 6 prompts: prompt 0 is slow (1 s), the rest 0.2 s. The second stream sends its next
+    request as each ends, so it sends prompts 1-5 while prompt 0 runs: 1 s, where waves of 2 would take 1.4."""
+    import asyncio
+
+    seconds = {0: 1.0, **{i: 0.2 for i in range(1, 6)}}
+    state = _fake_streams(monkeypatch, seconds)
+    args = _args("--max-tokens", "4")
+    records, wall = asyncio.run(gpu_serve.streams(None, "m", 2, range(6), args, 1000, allowance_s=60.0))
+    assert sorted(r.prompt_index for r in records) == list(range(6)) and state["order"] == list(range(6))
+    assert state["most"] == 2  # never more than c in flight, and c at once
+    assert 0.95 < wall < 1.3, wall
+
+
+def test_streams_take_no_new_prompt_once_the_allowance_is_spent(monkeypatch):
+    import asyncio
+
+    state = _fake_streams(monkeypatch, {i: 0.1 for i in range(30)})
+    records, _ = asyncio.run(gpu_serve.streams(None, "m", 3, range(30), _args(), 1000, allowance_s=0.15))
+    assert 3 <= len(records) < 30  # each stream sent one at least, then stopped within the allowance
+    assert len(records) <= 3 * 3 and state["most"] == 3
+
+
 def test_prompts_are_fixed_random_tokens_above_the_special_ones():
     a = gpu_serve.prompt_ids(3, 16, 49152)
     assert a == gpu_serve.prompt_ids(3, 16, 49152) != gpu_serve.prompt_ids(4, 16, 49152)
@@ -171,7 +212,7 @@ def test_served_run_of_the_tiny_pair_on_cpu(tmp_path):
     noise-free pair accepted, and plain and speculative greedy texts equal."""
     out = tmp_path / "gpu_serve.json"
     report = gpu_serve.main(["--shape", "tiny", "--device", "cpu", "--concurrency", "1", "2", "--max-tokens", "8",
-                             "--prompt-tokens", "16", "--max-waves", "1", "--fixed-k", "--k", "3",
+                             "--prompt-tokens", "16", "--requests-per-stream", "1", "--fixed-k", "--k", "3",
                              "--kv-cache-gib", "0.05", "--pair-root", str(tmp_path / "pairs"), "--port", "8217",
                              "--budget-s", "60", "--ray-serve-proxy", "--serve-cli", "python",
                              "--out", str(out)])
