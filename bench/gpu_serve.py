@@ -273,16 +273,6 @@ async def one_stream(client: httpx.AsyncClient, model: str, index: int, prompt: 
     return Record(index, sent, arrivals, text, usage["completion_tokens"] if usage else len(arrivals))
 
 
-async def wave(client: httpx.AsyncClient, model: str, indices: range, args, vocab: int
-               ) -> tuple[list[Record], float]:
-    """Streams of the indexed prompts, all at once; their records and the wave's wall time (the warm-up)."""
-    start = time.perf_counter()
-    records = await asyncio.gather(*(one_stream(client, model, i, prompt_ids(i, args.prompt_tokens, vocab,
-                                                                               args.seed), args.max_tokens)
-                                     for i in indices))
-    return list(records), time.perf_counter() - start
-
-
 async def streams(client: httpx.AsyncClient, model: str, c: int, indices: range, args, vocab: int,
                   allowance_s: float) -> tuple[list[Record], float]:
     """`c` streams, each sending its next request as its last one ends (vLLM's benchmark client with
@@ -310,10 +300,10 @@ async def streams(client: httpx.AsyncClient, model: str, c: int, indices: range,
 
 async def measure_level(base_url: str, model: str, c: int, args, vocab: int, allowance_s: float
                         ) -> tuple[dict, dict[int, str]]:
-    """A warm-up wave, then c streams over up to --requests-per-stream x c prompts (at least --min-requests) while
+    """A warm-up of c requests at once, then c streams over up to --requests-per-stream x c prompts (at least --min-requests) while
     the allowance lasts; (summary, texts by prompt)."""
     async with httpx.AsyncClient(base_url=base_url, timeout=args.request_timeout) as client:
-        await wave(client, model, range(WARMUP_BASE, WARMUP_BASE + c), args, vocab)
+        await streams(client, model, c, range(WARMUP_BASE, WARMUP_BASE + c), args, vocab, 0.0)  # one request each
         before = (await client.get("/stats")).json()
         first = LEVEL_PROMPTS * c  # each level its own prompts: none is a prefix-cache hit from an earlier level
         count = max(args.requests_per_stream * c, args.min_requests)

@@ -133,19 +133,19 @@ def steady_load(base: str, app: str, streams: int, expect: int, hold_s: float = 
     (120 tokens), so each stream's sequence holds its lease for most of the time: between requests (HTTP,
     tokenizing, admission) a stream holds none, and with 60-token requests on these fast tiny models those gaps left
     ~2 of 4 sequences live on average (one clean-clone CI then never saw a second replica)."""
-    stop = [time.time() + limit_s]
+    stop = time.time() + limit_s  # the load threads read it as it moves
     counts = []
 
     def load():
-        while time.time() < stop[0]:
+        while time.time() < stop:
             complete(base, [5, 6, 7], n=120)
 
     with concurrent.futures.ThreadPoolExecutor(streams) as pool:
         futures = [pool.submit(load) for _ in range(streams)]
-        while time.time() < stop[0]:
+        while time.time() < stop:
             counts.append(target_replicas(app))
             if counts[-1] >= expect:
-                stop[0] = min(stop[0], time.time() + hold_s)
+                stop = min(stop, time.time() + hold_s)
             time.sleep(0.5)
         for f in futures:
             f.result()
