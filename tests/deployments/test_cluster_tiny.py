@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from tests.deployments.conftest import tiny_config, write_profile
+from tests.deployments.conftest import LocalBroker, http_server, tiny_config, write_profile
 from tests.deployments.serve_cluster import serve_env
 
 pytestmark = pytest.mark.ray
@@ -153,13 +153,18 @@ def steady_load(base: str, app: str, streams: int, expect: int, hold_s: float = 
 
 
 def test_tp2_matches_tp1_and_each_rank_holds_a_shard(ray_cluster, tiny_model_dirs):
+    """The served TP-2 application's greedy texts equal one rank's: the same router and worker cores in this process
+    over the unsharded models (tests/deployments/conftest.py's LocalBroker; no second application to deploy)."""
     from ray import serve
 
-    tp1 = deploy(tiny_config(tiny_model_dirs, tp_size=1), "tp1")
+    from deployments.router.router import Router
+
     tp2 = deploy(tiny_config(tiny_model_dirs, tp_size=2, target={"num_cpus": 0.5, "torch_threads": 1}), "tp2")
     prompts = [[5, 6, 7, 8], [20, 21, 22, 23, 24, 25, 26], [40, 3]]
-    for p in prompts:
-        assert complete(tp2, p) == complete(tp1, p)
+    tp1_config = tiny_config(tiny_model_dirs, tp_size=1)
+    with http_server(Router(tp1_config, LocalBroker(tp1_config))) as tp1:
+        for p in prompts:
+            assert complete(tp2, p) == complete(tp1, p)
     stats = replica_stats("tp2")
     ranks = stats["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -169,7 +174,6 @@ def test_tp2_matches_tp1_and_each_rank_holds_a_shard(ray_cluster, tiny_model_dir
         assert r["runner"] == "StaticRunner", r  # the static runner over the rank's shard (engine/models/static/tp.py)
         assert r["gomp_spincount"] == "20000", r  # the worker processes got their environment
     assert_no_sequence_outlives_its_request()
-    serve.delete("tp1")
     serve.delete("tp2")
 
 
@@ -269,7 +273,7 @@ def test_health_check_answers_during_a_long_model_call_and_fails_a_hung_one(ray_
     ray.kill(worker)
 
 
-def test_health_is_503_while_the_target_cannot_start_and_200_once_a_completion_can_run(ray_cluster, tiny_model_dirs):
+def test_health_is_503_naming_the_missing_target_while_it_cannot_start(ray_cluster, tiny_model_dirs):
     from ray import serve
 
     from deployments.app import build_app
@@ -291,15 +295,10 @@ def test_health_is_503_while_the_target_cannot_start_and_200_once_a_completion_c
         error = r.json()["error"]
         assert error["code"] == "not_ready" and "no Target replica" in error["message"], error
     assert answers[-1][1] < 10, "the probe waits about readiness.PROBE_TIMEOUT_S, not for the Target to start"
-    serve.delete("stuck")
-    ready = deploy(tiny_config(tiny_model_dirs), "ready")
-    deadline = time.time() + 120
-    while (r := httpx.get(f"{ready}/health", timeout=10)).status_code != 200:
-        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready", r.text
-        assert time.time() < deadline, "never ready"
-        time.sleep(0.5)
-    assert complete(ready, [5, 6, 7, 8], n=4), "ready means a completion runs at once"
-    serve.delete("ready")
+    # Serve stops the never-placed Target replica after its graceful_shutdown_timeout_s (20 s, deployments/app.py):
+    # nothing of it runs meanwhile, so the next tests go on while the application goes away. Health turning 200 once
+    # a completion can run: test_one_and_two_kv_slots_...
+    serve.delete("stuck", _blocking=False)
 
 
 def test_a_full_target_replica_refuses_leases_and_takes_one_again_once_a_lease_ended(ray_cluster, tiny_model_dirs):
@@ -360,16 +359,21 @@ def test_a_full_target_replica_refuses_leases_and_takes_one_again_once_a_lease_e
     serve.delete("slots")
 
 
-def test_one_and_two_kv_slots_start_measure_their_costs_and_serve_speculative_completions(ray_cluster,
-                                                                                          tiny_model_dirs):
+def test_one_and_two_kv_slots_start_measure_their_costs_and_serve_once_health_says_200(ray_cluster, tiny_model_dirs):
     """Replicas whose KV caches hold one or two sequences measure their costs at start within them (the adaptive
-    policy's start-up measurement used to ask for 16 and kill the constructor, again and again)."""
+    policy's start-up measurement used to ask for 16 and kill the constructor, again and again); /health answers
+    503 not_ready until they can serve, and once it answers 200 a speculative completion runs at once."""
     from ray import serve
 
     for slots in (1, 2):
         name = f"slots{slots}"
         base = deploy(tiny_config(tiny_model_dirs, runner={"max_num_seqs": slots},
                                   speculation={"adaptive": True}), name)
+        deadline = time.time() + 120
+        while (r := httpx.get(f"{base}/health", timeout=10)).status_code != 200:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready", r.text
+            assert time.time() < deadline, "never ready"
+            time.sleep(0.5)
         assert replica_stats(name)["kv_capacity"] == slots
         r = httpx.post(f"{base}/v1/completions", timeout=120, json={
             "model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True,

@@ -33,14 +33,25 @@ def prompts(target):
     return [encode_prompt(tokenizer, q, chat=True) for q in QUESTIONS]
 
 
+PARAMS = SamplingParams(max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts):
+    """Plain greedy decoding of each prompt alone (k=0: no proposer is asked), the reference of both drafts."""
+    runner, tokenizer = target
+    engine = SpeculativeEngine(runner, tokenizer, build_proposer(EngineConfig(draft="ngram"), tokenizer,
+                                                                 runner.vocab_size), 0)
+    return [engine.generate([p], PARAMS, k=0)[0] for p in prompts]
+
+
 @pytest.mark.parametrize("draft", ["smollm2", "ngram"])
-def test_greedy_speculative_equals_plain_on_smollm2(target, prompts, draft):
+def test_greedy_speculative_equals_plain_on_smollm2(target, prompts, plain, draft):
     runner, tokenizer = target
     config = EngineConfig(draft=draft)
     engine = SpeculativeEngine(runner, tokenizer, build_proposer(config, tokenizer, runner.vocab_size),
                                config.num_speculative_tokens)
-    params = SamplingParams(max_tokens=40)
-    plain = [engine.generate([p], params, k=0)[0] for p in prompts]
+    params = PARAMS
     batch1 = [engine.generate([p], params)[0] for p in prompts[:2]]
     batch4 = engine.generate(prompts, params)
     for i, c in enumerate(batch4):
