@@ -300,8 +300,8 @@ async def streams(client: httpx.AsyncClient, model: str, c: int, indices: range,
 
 async def measure_level(base_url: str, model: str, c: int, args, vocab: int, allowance_s: float
                         ) -> tuple[dict, dict[int, str]]:
-    """A warm-up of c requests at once, then c streams over up to --requests-per-stream x c prompts (at least --min-requests) while
-    the allowance lasts; (summary, texts by prompt)."""
+    """A warm-up of c requests at once, then c streams over up to --requests-per-stream x c prompts (at least
+    --min-requests) while the allowance lasts; (summary, texts by prompt)."""
     async with httpx.AsyncClient(base_url=base_url, timeout=args.request_timeout) as client:
         await streams(client, model, c, range(WARMUP_BASE, WARMUP_BASE + c), args, vocab, 0.0)  # one request each
         before = (await client.get("/stats")).json()

@@ -297,7 +297,7 @@ def test_health_is_503_naming_the_missing_target_while_it_cannot_start(ray_clust
     assert answers[-1][1] < 10, "the probe waits about readiness.PROBE_TIMEOUT_S, not for the Target to start"
     # Serve stops the never-placed Target replica after its graceful_shutdown_timeout_s (20 s, deployments/app.py):
     # nothing of it runs meanwhile, so the next tests go on while the application goes away. Health turning 200 once
-    # a completion can run: test_one_and_two_kv_slots_...
+    # a completion can run: test_one_and_two_kv_slots_start_measure_their_costs_and_serve_once_health_says_200
     serve.delete("stuck", _blocking=False)
 
 

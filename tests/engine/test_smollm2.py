@@ -38,11 +38,10 @@ PARAMS = SamplingParams(max_tokens=40)
 
 @pytest.fixture(scope="module")
 def plain(target, prompts):
-    """Plain greedy decoding of each prompt alone (k=0: no proposer is asked), the reference of both drafts."""
+    """Plain greedy decoding of each prompt alone (no proposer), the reference of both drafts."""
     runner, tokenizer = target
-    engine = SpeculativeEngine(runner, tokenizer, build_proposer(EngineConfig(draft="ngram"), tokenizer,
-                                                                 runner.vocab_size), 0)
-    return [engine.generate([p], PARAMS, k=0)[0] for p in prompts]
+    engine = SpeculativeEngine(runner, tokenizer, None, 0)
+    return [engine.generate([p], PARAMS)[0] for p in prompts]
 
 
 @pytest.mark.parametrize("draft", ["smollm2", "ngram"])
@@ -51,9 +50,8 @@ def test_greedy_speculative_equals_plain_on_smollm2(target, prompts, plain, draf
     config = EngineConfig(draft=draft)
     engine = SpeculativeEngine(runner, tokenizer, build_proposer(config, tokenizer, runner.vocab_size),
                                config.num_speculative_tokens)
-    params = PARAMS
-    batch1 = [engine.generate([p], params)[0] for p in prompts[:2]]
-    batch4 = engine.generate(prompts, params)
+    batch1 = [engine.generate([p], PARAMS)[0] for p in prompts[:2]]
+    batch4 = engine.generate(prompts, PARAMS)
     for i, c in enumerate(batch4):
         assert c.token_ids == plain[i].token_ids, f"prompt {i}: batch-4 speculative output differs from plain"
     for i, c in enumerate(batch1):
