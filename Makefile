@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # a C++ compiler for engine/models/cpu/extension.py's operators, which tests/engine/models/cpu/test_extension.py requires on x86.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test-deps run test test-unit test-ray test-ray-alone bench clean
+.PHONY: install test-deps run test test-unit test-ray bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,20 +38,21 @@ test-deps:
 run: install
 	env $$($(BIN)/python -m deployments.ray_env) $(BIN)/serve run serve_config.yaml
 
-# The unit tests ("not ray") keep about one of this machine's two cores busy (tiny models, Python-bound), and the
-# Ray modules of test-ray leave a core idle while clusters start and requests wait: the two run side by side
-# (`make -j2`, each lane's output printed when it ends). test_cluster_tiny runs alone after them: its autoscaling
-# tests need replicas that start and leases that follow a steady load, and beside the unit tests (both cores busy)
-# neither steady-load test saw its second replica start within a 30-s window.
+# The two lanes run side by side (`make -j2`, each lane's output printed when it ends): the unit tests ("not ray")
+# only compute, and run at a low CPU priority (tests/low_priority.py: their own session, nice 10); the Ray modules
+# wait on clusters that start, replicas that scale and health checks with deadlines, and run at the normal one, so
+# the unit tests take the cycles they leave idle and give them back at once. test_cluster_tiny's steady-load tests
+# need replicas that start within their window: beside the unit tests at the same priority (both cores busy) neither
+# saw its second replica start within 30 s.
 test: test-deps install
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-unit test-ray
-	$(MAKE) --no-print-directory test-ray-alone
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-unit test-ray UNIT_PRIORITY=low
 
 test-unit: install
-	$(BIN)/python -m pytest -m "not ray" $(PYTEST_ARGS)
+	$(if $(filter low,$(UNIT_PRIORITY)),$(BIN)/python -m tests.low_priority) $(BIN)/python -m pytest -m "not ray" \
+		$(PYTEST_ARGS)
 
 # Modules that drive a Ray cluster run in their own pytest processes, so Ray's driver threads never share a
-# process with the rest of the suite; the last line's modules drive `serve run` subprocesses over HTTP (no driver
+# process with the rest of the suite; the third line's modules drive `serve run` subprocesses over HTTP (no driver
 # here), so they share one process, and test_observability then test_serve_e2e share one cluster (in that order:
 # tests/deployments/conftest.py's readme_app_with_draft_model).
 test-ray: install
@@ -59,8 +60,6 @@ test-ray: install
 	$(BIN)/python -m pytest -m ray tests/cluster/test_multinode.py $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -m ray tests/deployments/test_serve_default.py tests/deployments/test_observability.py \
 		tests/deployments/test_serve_e2e.py tests/bench/test_gpu_serve.py $(PYTEST_ARGS)
-
-test-ray-alone: install
 	$(BIN)/python -m pytest -m ray tests/deployments/test_cluster_tiny.py $(PYTEST_ARGS)
 
 bench: install

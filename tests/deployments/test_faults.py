@@ -126,13 +126,22 @@ def stream(base: str, body: dict, on_first_text=None) -> dict:
     return out
 
 
-def test_killing_one_tensor_parallel_rank_mid_stream(app):
-    import ray
+@pytest.fixture
+def target(app):
+    """A handle on the Target deployment, shut down before the cluster: a handle's router thread outliving
+    `ray.shutdown` would push its metrics through an automatic `ray.init` at exit."""
     from ray import serve
+
+    handle = serve.get_deployment_handle("Target", app_name=APP)
+    yield handle
+    handle.shutdown()
+
+
+def test_killing_one_tensor_parallel_rank_mid_stream(app, target):
+    import ray
 
     reference = complete(app, LONG)
     seeded_reference = complete(app, {**SEEDED, "speculative": {"enabled": False}})
-    target = serve.get_deployment_handle("Target", app_name=APP)
     before = target.stats.remote().result()
     workers = alive_actors("specserve-target-")
     assert len(workers) == TP, [a.name for a in workers]
