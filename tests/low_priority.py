@@ -5,9 +5,9 @@ replicas that scale and health checks with deadlines; the unit tests only comput
 take the cycles the Ray modules leave idle and give them back at once when a cluster needs them.
 
 Linux schedules by session first ("autogroups", on by default) and by nice value within a session only, and the
-Ray processes these tests start live in sessions of their own (`serve run`, its cluster): CMD therefore gets a
-new session whose autogroup is lowered, besides its own nice value. SIGINT and SIGTERM sent to this process are
-passed on to CMD's session, which no longer shares the terminal's process group."""
+Ray processes these tests start live partly in sessions of their own (`serve run`, the clusters bench/gpu_serve.py
+starts): CMD therefore gets a new session whose autogroup is lowered, besides its own nice value. SIGINT and
+SIGTERM sent to this process are passed on to CMD's session, which no longer shares the terminal's process group."""
 
 from __future__ import annotations
 
