@@ -34,12 +34,12 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m tests.low_priority CMD [ARGS...]", file=sys.stderr)
         return 2
-    children: list[subprocess.Popen] = []
+    proc: subprocess.Popen | None = None
 
     def forward(signum, _frame):
-        for child in children:
+        if proc is not None:
             try:
-                os.killpg(child.pid, signum)
+                os.killpg(proc.pid, signum)
             except ProcessLookupError:
                 pass
 
@@ -48,7 +48,6 @@ def main(argv: list[str]) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, forward)
     proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=_lower_priority)
-    children.append(proc)
     code = proc.wait()
     return code if code >= 0 else 128 - code
 
