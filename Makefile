@@ -34,8 +34,11 @@ test-deps:
 	command -v g++ >/dev/null || { $(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends g++; }
 
+# The config is checked first, as the application builder validates it (deployments/check_config.py): Serve retries
+# building an app whose config does not validate without end, so a bad key stops here, named, before Ray starts.
 # Ray Serve's throughput mode behind HAProxy (deployments/ray_env.py): Ray reads it from the environment it starts in
 run: install
+	$(BIN)/python -m deployments.check_config serve_config.yaml
 	env $$($(BIN)/python -m deployments.ray_env) $(BIN)/serve run serve_config.yaml
 
 # The two lanes run side by side (`make -j2`, each lane's output printed when it ends): the unit tests ("not ray")

@@ -1,7 +1,9 @@
 """The application builder: one validated config in, three bound deployments out.
 
 `serve run serve_config.yaml` calls `build_app(args)`; every `serve.deployment` option (placement-group bundles
-from `tp_size`, autoscaling, queue limits, resources) is computed here and nowhere else.
+from `tp_size`, autoscaling, queue limits, resources) is computed here and nowhere else. The args are validated by
+`config.config_from_args`, which `specserve-check-config` (deployments/check_config.py) also runs: Serve retries a
+builder that raises without end, so a config is best checked before it reaches Serve.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from ray import serve
 
 from deployments.autoscaling import POLICY
-from deployments.config import ScalingSection, SpecServeConfig
+from deployments.config import ScalingSection, SpecServeConfig, config_from_args
 from deployments.router.router import RETRY_AFTER_S, build_router_server
 from deployments.workers.replicas import DraftServer, TargetServer
 
@@ -87,7 +89,7 @@ def deployment_options(cfg: SpecServeConfig) -> dict[str, dict]:
 
 
 def build_app(args: dict | None = None):
-    cfg = SpecServeConfig.model_validate(args or {})
+    cfg = config_from_args(args)  # the same validation `specserve-check-config` runs, without Ray
     options = deployment_options(cfg)
     engine_config = cfg.engine_config()
     target = serve.deployment(TargetServer, name="Target").options(**options["Target"]).bind(

@@ -6,6 +6,7 @@ computes every `serve.deployment` option from this model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -263,3 +264,10 @@ class SpecServeConfig(StrictModel):
             prefill_chunk=self.runner.prefill_chunk, prefix_caching=self.runner.prefix_caching,
             kv_cache_dtype=self.runner.kv_cache_dtype, cost_cache=s.cost_cache,
         )
+
+
+def config_from_args(args: Mapping | None) -> SpecServeConfig:
+    """An application's `args` (serve_config.yaml, a RayService's serveConfigV2) as the validated config: the one
+    path from args to config, taken by `build_app`, `specserve-check-config` and `specserve-calibrate` alike, so a
+    config the check passes is one the builder accepts. Raises pydantic's ValidationError naming the field."""
+    return SpecServeConfig.model_validate(args or {})
