@@ -2,10 +2,11 @@
 
 Loads the config's target and draft in this process, times verify passes and draft steps by batch size
 (engine/calibration/measure.py) and writes the cost profile that `speculation.calibration` points the router's K policy
-at. It prints the table and, for a few acceptance rates, the K the policy would pick per batch size and the largest
-batch at which it still drafts (the knee). Each model is measured at the batch sizes its KV cache holds
-(`runner.max_num_seqs`, the KV budget); the policy extrapolates beyond them (engine/spec/policy.cost_at). Without a
-profile file the Draft and Target replicas measure the same costs themselves at start.
+at. It prints the table and, for a few acceptance rates, the K the round plan (engine/spec/plan.plan_round) gives a
+round of that many rows that all accept at that rate, and the largest such round that still drafts (the knee). Each
+model is measured at the batch sizes its KV cache holds (`runner.max_num_seqs`, the KV budget); the profile
+extrapolates beyond them (engine/spec/policy.cost_at). Without a profile file the Draft and Target replicas measure
+the same costs themselves at start.
 """
 
 from __future__ import annotations
@@ -19,12 +20,25 @@ import time
 
 import yaml
 
-from deployments.config import SpecServeConfig
+from deployments.config import SpecServeConfig, config_from_args
 from engine.calibration.measure import measure_draft_costs, measure_target_costs, profile_from_costs
 from engine.factory import build_proposer, build_target, capture_graphs
-from engine.spec.policy import choose_k
+from engine.spec.plan import RowOutlook, plan_round
+from engine.spec.policy import CostProfile
 
 ACCEPTANCES = (0.5, 0.7, 0.9)
+BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def planned_k(profile: CostProfile, batch: int, acceptance: float, max_k: int) -> int:
+    """The K the served rounds' plan gives a round of `batch` rows that all accept at `acceptance`."""
+    return max(plan_round(profile, [RowOutlook(acceptance, max_k)] * batch))
+
+
+def knee(profile: CostProfile, acceptance: float, max_k: int) -> int:
+    """The largest round (up to 4x the largest measured batch) whose plan still drafts at this acceptance; 0: none."""
+    return max((b for b in range(1, 4 * profile.batch_sizes[-1] + 1) if planned_k(profile, b, acceptance, max_k)),
+               default=0)
 
 
 def config_from(path: str, app: str | None) -> SpecServeConfig:
@@ -35,7 +49,7 @@ def config_from(path: str, app: str | None) -> SpecServeConfig:
     chosen = [a for a in apps if app is None or a.get("name") == app]
     if not chosen:
         raise SystemExit(f"no application {app!r} in {path}")
-    return SpecServeConfig.model_validate(chosen[0].get("args") or {})
+    return config_from_args(chosen[0].get("args"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,12 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         row = "  ".join(f"{1000 * t:14.1f}" for t in profile.verify_seconds[i])
         print(f"{batch:5d}  {row}  {1000 * profile.draft_step_seconds[i]:13.1f}")
     print(f"draft prefill: {1000 * profile.draft_prefill_seconds_per_token:.2f} ms per prompt token")
-    print("\nK the policy picks (acceptance a = per-token acceptance rate):")
-    batches = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-    print("a      " + " ".join(f"b={b:<3d}" for b in batches) + "  knee (largest batch that drafts)")
+    print("\nK the round plan gives b rows that all accept at a (the per-token acceptance rate):")
+    print("a      " + " ".join(f"b={b:<3d}" for b in BATCHES) + "  knee (largest batch that drafts)")
     for a in ACCEPTANCES:
-        ks = " ".join(f"{choose_k(profile, b, a, max_k):<5d}" for b in batches)
-        print(f"{a:<5}  {ks}  {profile.knee(a, max_k)}")
+        ks = " ".join(f"{planned_k(profile, b, a, max_k):<5d}" for b in BATCHES)
+        print(f"{a:<5}  {ks}  {knee(profile, a, max_k)}")
     print(f"\nwrote {args.out}; point `speculation.calibration` at it to use it instead of measuring at start")
     return 0
 

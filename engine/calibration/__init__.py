@@ -1,1 +1,1 @@
-"""Start-up cost measurements the draft-length policy decides with, and their on-disk cache."""
+"""Start-up cost measurements the round plan (engine/spec/plan.py) decides with, and their on-disk cache."""

@@ -1,4 +1,4 @@
-"""Measuring the costs `engine.spec.policy.choose_k` decides with: verify passes and draft steps, by batch size.
+"""Measuring the costs the round plan decides with (engine/spec/plan.py): verify passes and draft steps, by batch size.
 
 The measurement is a plain timing of `ModelRunner.forward` at each batch size and width on synthetic sequences
 of `context` tokens (the cache is rolled back between repetitions, so every repetition sees the same context);
@@ -6,7 +6,7 @@ the minimum over repetitions is kept, which filters out the machine's other work
 tensor-parallel target runs the same calls, so its collectives line up.
 
 Only batch sizes the runner's KV cache holds are measured (`measurable_batch_sizes`): a runner of few slots
-(`runner.max_num_seqs: 1`) measures fewer sizes, never more sequences than it can hold, and the policy extrapolates
+(`runner.max_num_seqs: 1`) measures fewer sizes, never more sequences than it can hold, and the profile extrapolates
 beyond the largest (engine/spec/policy.py, `cost_at`).
 """
 

@@ -1,10 +1,10 @@
 """Start-up cost measurements kept on disk, so a restarted replica does not measure again.
 
-A Draft or Target replica whose K policy needs costs measures them at start (engine/calibration/measure.py): much
+A Draft or Target replica whose round plan needs costs measures them at start (engine/calibration/measure.py): much
 of a SmolLM2 Target worker's start on this project's 2-core VM (bench/RESULTS.md). The figures depend only on the model,
 the runner's settings, the threads and the hardware, so they are kept as JSON under a key of all of these (as inductor
 keeps compiled graphs), and a restart on the same machine with the same settings reads them back. Costs only steer the
-choice of K (engine/spec/policy.py), never what is sampled, so a reused measurement can cost speed but never
+choice of K (engine/spec/plan.py), never what is sampled, so a reused measurement can cost speed but never
 correctness. Delete the directory to measure again.
 """
 

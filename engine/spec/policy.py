@@ -1,19 +1,18 @@
-"""How many draft tokens a round uses: by load and by each request's observed acceptance.
+"""What a round costs and how well each request's drafts agree: the inputs of the round plan (engine/spec/plan.py).
 
 Leviathan et al. 2022 (arXiv 2211.17192), section 3.4: with per-token acceptance rate a and K drafts a round
 emits E(a, K) = (1 - a^(K+1)) / (1 - a) tokens in expectation, and costs K draft steps plus one verify pass of
 K+1 tokens. Speculation pays while E(a, K) / cost(K) beats plain decoding's 1 / cost(0). Both costs depend on the
 batch: at batch 1 verifying K+1 tokens costs little more than one decode step (memory-bound), but as the batch
 grows the verify pass becomes compute-bound and the drafts stop being free. `CostProfile` holds those costs as
-measured on one machine for one model pair (engine/calibration/measure.py), and `choose_k` picks the K with the most
-expected tokens per second: per request (its own acceptance) at the round's batch size (the load). With more
-live sequences than the knee, every request's K is 0 and rounds are plain batched decoding.
+measured on one machine for one model pair (engine/calibration/measure.py); `plan_round` (engine/spec/plan.py) is
+the one place that weighs them against the rows' acceptance and picks each round's K, 0 for every row once the
+batch is past the point where drafting pays.
 
 `CostCorrection` pulls the profile toward the costs the rounds really see. `AcceptanceTracker` estimates a per
 request from recent rounds; a request whose drafts keep failing drops to K = 0 and probes with K = 1 every `PROBE_EVERY`
-rounds, so a request whose text turns predictable gets its drafts back. engine/spec/plan.py turns these per-request
-estimates into a round's K for the batch as a whole. Without a profile, `load_adjusted_k`'s fixed threshold is the
-(uncalibrated) fallback.
+rounds, so a request whose text turns predictable gets its drafts back. Without a profile, `load_adjusted_k`'s fixed
+threshold is the (uncalibrated) fallback.
 """
 
 from __future__ import annotations
@@ -77,7 +76,8 @@ def cost_at(sizes: Sequence[int], values: Sequence[float], batch: int) -> float:
 
 @dataclass(frozen=True)
 class CostProfile:
-    """Measured seconds per round part, by batch size; the unit every `choose_k` decision is made in."""
+    """Measured seconds per round part, by batch size; the unit every round plan (engine/spec/plan.py) is made
+    in."""
 
     batch_sizes: tuple[int, ...]  # ascending, e.g. (1, 2, 4, 8, 16)
     verify_seconds: tuple[tuple[float, ...], ...]  # [batch][w]: one target pass over w+1 tokens per sequence
@@ -129,16 +129,7 @@ class CostProfile:
         draft = self.draft(drafting, k) + self.draft_overhead_seconds if drafting and k else 0.0
         return draft + self.verify(batch, k) + self.round_overhead_seconds
 
-    def knee(self, acceptance: float, k_max: int) -> int:
-        """The largest batch (up to 4x the largest measured) at which `choose_k` still drafts for this acceptance."""
-        last = 0
-        for batch in range(1, 4 * self.batch_sizes[-1] + 1):
-            if choose_k(self, batch, acceptance, k_max) > 0:
-                last = batch
-        return last
-
-    # ---- files (written by `python -m engine.calibration.measure`)
-    # -----------------------------------------------------
+    # ---- files (written by `specserve-calibrate`, deployments/calibrate.py) ------------------------------------
     def to_json(self, path: str | Path, **meta) -> None:
         Path(path).write_text(json.dumps({**asdict(self), "meta": meta}, indent=2) + "\n")
 
@@ -162,16 +153,6 @@ def worth_starting(profile: CostProfile, batch: int, acceptance: float, k: int, 
     plain = profile.round_seconds(batch, 0)
     speculative = profile.round_seconds(batch, k) / expected_tokens(acceptance, k)
     return remaining * (plain - speculative) > context * profile.draft_prefill_seconds_per_token
-
-
-def choose_k(profile: CostProfile, batch: int, acceptance: float, k_max: int) -> int:
-    """The K in [0, k_max] with the most expected tokens per second for a request in a round of `batch` rows."""
-    best_k, best_rate = 0, 1.0 / profile.round_seconds(batch, 0)
-    for k in range(1, k_max + 1):
-        rate = expected_tokens(acceptance, k) / profile.round_seconds(batch, k)
-        if rate > best_rate * 1.001:  # ties go to the smaller K (less work for the same tokens)
-            best_k, best_rate = k, rate
-    return best_k
 
 
 def _clamped_ratio(seconds: float, predicted: float) -> float:

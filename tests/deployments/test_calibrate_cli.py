@@ -18,3 +18,16 @@ def test_calibrate_writes_a_profile_the_config_accepts(tiny_model_dirs, tmp_path
     assert all(t > 0 for t in profile.draft_step_seconds) and profile.draft_prefill_seconds_per_token > 0
     assert "knee" in capsys.readouterr().out
     tiny_config(tiny_model_dirs, speculation={"calibration": str(out)})  # validates as a profile
+
+
+def test_the_printed_ks_and_knee_are_the_round_plans(tmp_path):
+    """The table `specserve-calibrate` prints comes from the served rounds' plan (engine/spec/plan.plan_round): on a
+    profile where drafting pays up to two rows, b rows of one acceptance draft at 1 and 2 rows, never beyond."""
+    from deployments.calibrate import knee, planned_k
+    from tests.deployments.conftest import write_profile
+
+    profile = CostProfile.from_json(write_profile(tmp_path / "costs.json", knee_batch=2))
+    for acceptance in (0.5, 0.9):
+        assert [planned_k(profile, b, acceptance, 3) > 0 for b in (1, 2, 3, 8, 32)] == [True, True, False, False, False]
+        assert knee(profile, acceptance, 3) == 2
+    assert planned_k(profile, 1, 0.5, 3) < planned_k(profile, 1, 0.9, 3) == 3, "fewer drafts where fewer agree"

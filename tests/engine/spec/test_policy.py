@@ -1,4 +1,5 @@
-"""K by load and by acceptance (engine/spec/policy.py) and the cost measurement behind it (engine/calibration/measure.py)."""
+"""Costs, corrections and acceptance (engine/spec/policy.py) as the round plan (engine/spec/plan.py) reads them, and the
+cost measurement behind them (engine/calibration/measure.py)."""
 
 import pytest
 
@@ -10,7 +11,6 @@ from engine.spec.policy import (
     AcceptanceTracker,
     CostCorrection,
     CostProfile,
-    choose_k,
     expected_tokens,
     load_adjusted_k,
     worth_starting,
@@ -26,6 +26,17 @@ def cpu_like_profile() -> CostProfile:
     return CostProfile(sizes, verify, draft)
 
 
+def planned_k(profile: CostProfile, batch: int, acceptance: float, k_max: int) -> int:
+    """The K the round plan gives a round of `batch` rows that all accept at `acceptance`."""
+    return max(plan_round(profile, [RowOutlook(acceptance, k_max)] * batch))
+
+
+def last_drafting_batch(profile: CostProfile, acceptance: float, k_max: int) -> int:
+    """The largest batch (up to 4x the largest measured) whose plan drafts, 0 for none."""
+    return max((b for b in range(1, 4 * profile.batch_sizes[-1] + 1) if planned_k(profile, b, acceptance, k_max)),
+               default=0)
+
+
 def test_expected_tokens_matches_leviathan():
     assert expected_tokens(0.0, 3) == 1.0
     assert expected_tokens(1.0, 3) == 4.0
@@ -35,26 +46,27 @@ def test_expected_tokens_matches_leviathan():
 
 def test_k_shrinks_to_zero_as_the_batch_grows():
     profile = cpu_like_profile()
-    ks = [choose_k(profile, batch, 0.8, 4) for batch in (1, 2, 4, 8, 16, 32)]
+    ks = [planned_k(profile, batch, 0.8, 4) for batch in (1, 2, 4, 8, 16, 32)]
     assert ks[0] >= 2, ks
     assert ks == sorted(ks, reverse=True), ks
     assert ks[-1] == 0 and ks[-2] == 0, ks
-    knee = profile.knee(0.8, 4)
-    assert choose_k(profile, knee, 0.8, 4) > 0 and choose_k(profile, knee + 1, 0.8, 4) == 0
+    last = last_drafting_batch(profile, 0.8, 4)
+    assert 1 <= last < 4 * profile.batch_sizes[-1]
+    assert all(planned_k(profile, b, 0.8, 4) > 0 for b in range(1, last + 1)), "drafting stops once, at one batch"
 
 
 def test_k_follows_acceptance_and_respects_the_bound():
     profile = cpu_like_profile()
-    ks = [choose_k(profile, 1, a, 4) for a in (0.05, 0.3, 0.6, 0.9, 0.99)]
+    ks = [planned_k(profile, 1, a, 4) for a in (0.05, 0.3, 0.6, 0.9, 0.99)]
     assert ks[0] == 0 and ks == sorted(ks), ks
     assert max(ks) <= 4
-    assert choose_k(profile, 1, 0.99, 2) == 2
+    assert planned_k(profile, 1, 0.99, 2) == 2
 
 
 def test_free_drafts_and_free_verification_always_speculate():
     sizes = (1, 4)
     flat = CostProfile(sizes, ((0.01, 0.01, 0.01), (0.01, 0.01, 0.01)), (0.0, 0.0))
-    assert choose_k(flat, 64, 0.2, 2) == 2
+    assert planned_k(flat, 64, 0.2, 2) == 2
 
 
 def test_profile_interpolates_extrapolates_and_round_trips(tmp_path):
@@ -126,14 +138,14 @@ def test_a_timing_inflated_by_other_work_gives_way_to_a_bigger_pass():
 
 def test_observed_round_costs_correct_a_profile_that_was_measured_too_slow():
     measured = cpu_like_profile().scaled(draft=3.0, verify=1.0)  # the draft was timed on a busy machine
-    assert choose_k(measured, 1, 0.9, 4) == 0
+    assert planned_k(measured, 1, 0.9, 4) == 0
     correction = CostCorrection()
     true = cpu_like_profile()
     for _ in range(4):  # a few probing rounds report what one K=1 draft and its verify really took
         correction.observe_draft(measured, 1, 1, true.draft(1, 1))
         correction.observe_verify(measured, 1, 1, true.verify(1, 1))
     assert correction.draft == pytest.approx(1 / 3) and correction.verify == pytest.approx(1.0)
-    assert choose_k(correction.apply(measured), 1, 0.9, 4) == choose_k(true, 1, 0.9, 4) > 0
+    assert planned_k(correction.apply(measured), 1, 0.9, 4) == planned_k(true, 1, 0.9, 4) > 0
 
 
 def test_plain_and_drafting_passes_are_corrected_apart_once_both_are_seen():
@@ -142,11 +154,11 @@ def test_plain_and_drafting_passes_are_corrected_apart_once_both_are_seen():
     base = cpu_like_profile()
     profile = CostProfile(base.batch_sizes, base.verify_seconds, (0.0,) * 5)  # n-gram drafts: no draft model
     batch, acceptance = 1, 0.5
-    assert choose_k(profile, batch, acceptance, 4) > 0
+    assert planned_k(profile, batch, acceptance, 4) > 0
     correction = CostCorrection()
     correction.observe_verify(profile, batch, 1, 2.5 * profile.verify(batch, 1))
     assert correction.verify == correction.verify_wide == pytest.approx(2.5)  # one kind seen: it stands for both
-    assert choose_k(correction.apply(profile), batch, acceptance, 4) > 0  # everything dearer alike: still drafts
+    assert planned_k(correction.apply(profile), batch, acceptance, 4) > 0  # everything dearer alike: still drafts
     for _ in range(20):
         correction.observe_verify(profile, batch, 0, 1.0 * profile.verify(batch, 0))
         correction.observe_verify(profile, batch, 1, 2.5 * profile.verify(batch, 1))
@@ -154,7 +166,7 @@ def test_plain_and_drafting_passes_are_corrected_apart_once_both_are_seen():
     corrected = correction.apply(profile)
     assert corrected.verify(batch, 0) == pytest.approx(profile.verify(batch, 0))
     assert corrected.verify(batch, 2) == pytest.approx(2.5 * profile.verify(batch, 2))
-    assert choose_k(corrected, batch, acceptance, 4) == 0
+    assert planned_k(corrected, batch, acceptance, 4) == 0
     cheap = CostCorrection()  # wide passes observed cheaper than plain ones never cost less than a plain pass
     cheap.observe_verify(profile, batch, 0, 2.0 * profile.verify(batch, 0))
     cheap.observe_verify(profile, batch, 1, 0.1 * profile.verify(batch, 1))
@@ -165,7 +177,7 @@ def test_a_request_starts_drafting_only_if_the_rest_of_it_repays_the_draft_prefi
     base = cpu_like_profile()
     profile = CostProfile(base.batch_sizes, base.verify_seconds, base.draft_step_seconds,
                           draft_prefill_seconds_per_token=0.002)
-    k = choose_k(profile, 1, 0.9, 4)
+    k = planned_k(profile, 1, 0.9, 4)
     assert k > 0
     assert worth_starting(profile, 1, 0.9, k, context=100, remaining=500)
     assert not worth_starting(profile, 1, 0.9, k, context=100, remaining=3)
@@ -182,7 +194,7 @@ def test_round_overhead_counts_against_plain_decoding_too():
     corrected = correction.apply(base)
     assert corrected.round_seconds(1, 0) == pytest.approx(base.round_seconds(1, 0) + 0.030)
     # a fixed cost per round favours fewer, longer rounds: speculation pays at a lower acceptance
-    lowest = lambda p: min(a / 100 for a in range(1, 100) if choose_k(p, 1, a / 100, 4) > 0)  # noqa: E731
+    lowest = lambda p: min(a / 100 for a in range(1, 100) if planned_k(p, 1, a / 100, 4) > 0)  # noqa: E731
     assert lowest(corrected) < lowest(base)
 
 
@@ -204,7 +216,7 @@ def test_what_a_drafting_round_spends_outside_the_workers_counts_against_draftin
     assert corrected.round_seconds(1, 2) == pytest.approx(profile.verify(1, 2) + correction.overhead
                                                           + correction.draft_overhead)
     assert corrected.round_seconds(4, 2, drafting=0) == pytest.approx(profile.verify(4, 2) + correction.overhead)
-    assert choose_k(correction.apply(profile), 1, 0.2, 4) == 0 < choose_k(profile, 1, 0.2, 4)
+    assert planned_k(correction.apply(profile), 1, 0.2, 4) == 0 < planned_k(profile, 1, 0.2, 4)
 
 
 def test_a_round_costs_drafts_only_for_the_rows_that_draft():
@@ -272,19 +284,21 @@ def test_a_profile_of_few_batch_sizes_extrapolates_to_the_ks_a_full_one_picks():
     two = profile_from_costs(linear_costs((1, 2)), linear_costs((1, 2)))
     assert two.batch_sizes == (1, 2)
     for a in (0.5, 0.8, 0.95):
-        full_ks = [choose_k(full, b, a, 3) for b in range(1, 33)]
-        assert [choose_k(two, b, a, 3) for b in range(1, 33)] == full_ks
+        full_ks = [planned_k(full, b, a, 3) for b in range(1, 33)]
+        assert [planned_k(two, b, a, 3) for b in range(1, 33)] == full_ks
         assert full_ks[0] > 0 and full_ks[-1] == 0, "drafting pays at one row, not at 32 (the profile is sensible)"
     assert two.verify(8, 2) == pytest.approx(full.verify(8, 2))
     one = profile_from_costs(linear_costs((1,)), linear_costs((1,)))  # a runner of one slot
     assert one.verify(4, 0) == pytest.approx(4 * one.verify(1, 0)), "one point: taken per row"
-    assert 0 <= one.knee(0.8, 3) <= 4
+    assert planned_k(one, 1, 0.8, 3) > 0
+    assert {planned_k(one, b, 0.8, 3) for b in range(1, 17)} == {planned_k(one, 1, 0.8, 3)}, \
+        "costs per row alike at every batch: the same plan at every batch"
 
 
 def test_extrapolation_never_makes_a_bigger_batch_cheaper():
     profile = CostProfile((1, 2), ((0.020, 0.030), (0.012, 0.018)), (0.004, 0.002))  # not monotone (hand-edited)
     assert profile.verify(16, 0) == pytest.approx(0.012) and profile.draft(16, 1) == pytest.approx(0.002)
-    assert choose_k(profile, 64, 0.8, 1) in (0, 1)
+    assert planned_k(profile, 64, 0.8, 1) in (0, 1)
 
 
 def test_draft_and_target_measured_at_different_sizes_combine_at_the_targets():
@@ -308,7 +322,7 @@ def test_costs_measured_on_two_slots_give_a_policy_for_bigger_batches():
     assert profile.batch_sizes == (1, 2)
     for batch in (3, 8, 16):
         assert profile.verify(batch, 2) >= profile.verify(2, 2) > 0 and profile.draft(batch, 1) >= profile.draft(1, 1)
-        assert 0 <= choose_k(profile, batch, 0.8, 2) <= 2
+        assert 0 <= planned_k(profile, batch, 0.8, 2) <= 2
 
 
 def test_cost_measurement_waits_for_cuda_work_before_stopping_the_clock(monkeypatch):
