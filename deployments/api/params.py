@@ -1,6 +1,6 @@
 """Request parameters this server does not implement: refused with a 400 naming them, never silently ignored.
 
-The request models (deployments/api/routes.py) declare what the server implements and keep every other field a
+The request models (deployments/api/request_models.py) declare what the server implements and keep every other field a
 client sent (pydantic's `extra="allow"`). `refuse_unsupported` then accepts an undeclared field only where it is
 listed here with the value that means "not used" (clients often send defaults: `functions: []`,
 `logprobs: false`), or where it cannot change the output (`user`, a cache-routing hint). Any other

@@ -15,8 +15,8 @@ conversation's messages, and what a request's choice of tool asks of generation.
 
 Every tool's `parameters` schema is compiled here (cached by the compiler), so an invalid one is a 400 naming it
 whatever the choice. A model whose chat template never reads `tools` cannot be told about them: a request with
-tools is refused with a 400 rather than generated without them (`model.chat_template` can name a template that
-reads them).
+tools is refused with a 400 rather than generated (or, on /tokenize, rendered) without them (`model.chat_template`
+can name a template that reads them).
 """
 
 from __future__ import annotations
@@ -136,6 +136,19 @@ def template_reads_tools(template: str | None) -> bool:
     return template is not None and re.search(r"\btools\b", template) is not None
 
 
+def template_tools(tools: list[Tool] | None, template: str | None) -> list[dict] | None:
+    """A request's tools as the chat template reads them, for chat completions and /tokenize alike (the one place
+    they are rendered); None without tools. A 400 `tools_unsupported` where the template never reads `tools`: the
+    model could not be told about them, and a prompt silently without them would mislead."""
+    if not tools:
+        return None
+    if not template_reads_tools(template):
+        raise APIError(400, "this model's chat template does not read `tools`, so the model cannot be told about "
+                            "them (the server's model.chat_template can name a template that does)", param="tools",
+                       code="tools_unsupported")
+    return [tool.model_dump(exclude_none=True) for tool in tools]
+
+
 def plan_tools(body, parser: str | None, compiler: GrammarCompiler,
                template: str | None) -> tuple[ToolPlan | None, GrammarSpec | None, list[dict] | None]:
     """(how the output becomes tool calls, the grammar generation follows, the tools for the chat template) of a
@@ -147,11 +160,7 @@ def plan_tools(body, parser: str | None, compiler: GrammarCompiler,
             raise APIError(400, "tool_choice needs tools (none were given)", param="tool_choice")
         return None, None, None
     names = _check_tools(tools, compiler)
-    if not template_reads_tools(template):
-        raise APIError(400, "this model's chat template does not read `tools`, so the model cannot be told about "
-                            "them (the server's model.chat_template can name a template that does)", param="tools",
-                       code="tools_unsupported")
-    rendered = [tool.model_dump(exclude_none=True) for tool in tools]
+    rendered = template_tools(tools, template)
     choice = "auto" if choice is None else choice
     if choice == "none":
         return None, None, rendered

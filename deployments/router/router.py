@@ -1,7 +1,9 @@
-"""The Router: tokenizes, validates and admits requests, then streams what the Scheduler's rounds produce.
+"""The Router: checks and admits requests, then streams what the Scheduler's rounds produce.
 
-`Router` is a plain class (unit-tested with an in-process lease broker); `RouterServer` is its Ray Serve ingress
-deployment, holding handles to the Draft and Target deployments.
+`Router` is a plain class (unit-tested with an in-process lease broker): HTTP-level checks and admission at the door,
+/health, the choices' admission places and their output streams; requests are checked and tokenized by its
+`RequestPreparer` (deployments/router/prepare.py). `RouterServer` is its Ray Serve ingress deployment, holding
+handles to the Draft and Target deployments.
 """
 
 from __future__ import annotations
@@ -10,36 +12,23 @@ import hmac
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from deployments.api.chat_template import chat_template_for
+from deployments.api.errors import APIError
 from deployments.api.readiness import DeploymentState, DeploymentStatuses, Readiness, serve_statuses
-from deployments.api.routes import APIError, ChatCompletionRequest, CompletionRequest, create_app
-from deployments.api.structured import checked_grammar
-from deployments.api.tools import ToolPlan, check_conversation, plan_tools
+from deployments.api.request_models import ChatCompletionRequest, CompletionRequest
+from deployments.api.routes import create_app
 from deployments.config import SpecServeConfig
 from deployments.errors import Overloaded, ReplicaGone, RequestFailed
 from deployments.metrics import NullMetrics, observe
 from deployments.router.admission import AdmissionSlot
+from deployments.router.prepare import Prepared, RequestPreparer
 from deployments.router.scheduler import Scheduler, SchedulerConfig
 from engine.models.loading import eos_token_ids, load_tokenizer, resolve
-from engine.request.grammar import GrammarCompiler, GrammarError, GrammarSpec
-from engine.request.sampling import SamplingParams
-from engine.request.sequence import EmptyPromptError, PromptTooLongError
+from engine.request.grammar import GrammarCompiler, GrammarError
 
 logger = logging.getLogger("ray.serve")
-
-
-@dataclass(frozen=True)
-class Prepared:
-    prompt_ids: list[int]
-    params: SamplingParams
-    k: int | None
-    adaptive: bool | None  # None: the server's K policy; False: exactly k every round
-    overlap: bool | None  # None: the server's setting; False: no drafting ahead for this request
-    arrival: float  # time.perf_counter() when the request was read
-    prompt_text: str | None = None  # a completion's prompt as the client sent it, when it was text (for echo)
-    tools: ToolPlan | None = None  # a chat request whose output may be tool calls: how to read them
 
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -98,6 +87,7 @@ class Router:
             self.grammars.prepare()
         except GrammarError as exc:  # kept: constrained requests get a 400 saying so (structured.checked_grammar)
             logger.error("structured outputs are unavailable for this model: %s", exc)
+        self.preparer = RequestPreparer(config, self.tokenizer, self.grammars)
 
     @property
     def model_name(self) -> str:
@@ -139,64 +129,19 @@ class Router:
             raise not_ready_error(missing, await self.readiness.why(missing))
         return {"status": "ok", "live_sequences": self.scheduler.num_live}
 
-    # ---- request preparation --------------------------------------------------------------------------------
+    # ---- request preparation (deployments/router/prepare.py) ----------------------------------------------------
     def prepare_completion(self, body: CompletionRequest) -> list[Prepared]:
         """One Prepared per prompt of the request (a list of prompts gives several)."""
-        arrival = time.perf_counter()
-        prompts = body.prompts()
-        self._check_choices(len(prompts), body.n)
-        # vLLM's rule: `echo` with `logprobs` scores the prompt with that top n unless prompt_logprobs says otherwise
-        prompt_logprobs = body.prompt_logprobs if body.prompt_logprobs is not None else (
-            body.logprobs if body.echo else None)
-        return [replace(self._prepare(body, self._prompt_ids(prompt), body.max_tokens, arrival, body.logprobs,
-                                      prompt_logprobs),
-                        prompt_text=prompt if isinstance(prompt, str) else None)
-                for prompt in prompts]
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, "prompt is empty", param="prompt", code="empty_prompt")
-            return self.tokenizer(prompt)["input_ids"]
-        self._check_token_ids(prompt, "prompt", "prompt token ids")
-        return list(prompt)
-
-    def _check_token_ids(self, ids, param: str, what: str) -> None:
-        """A 400 naming `param` when an id is outside the tokenizer's vocabulary."""
-        vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in ids):
-            raise APIError(400, f"{what} must be in [0, {vocab})", param=param)
-
-    def _check_choices(self, prompts: int, n: int) -> None:
-        limit = self.config.limits.max_choices
-        if prompts * n > limit:
-            raise APIError(400, f"{prompts} prompt(s) x n={n} choices is over the limit of {limit} per request",
-                           param="n")
+        return self.preparer.completion(body)
 
     def prepare_chat(self, body: ChatCompletionRequest) -> list[Prepared]:
-        arrival = time.perf_counter()
-        self._check_choices(1, body.n)
-        self._check_template(body.messages)
-        plan, tool_grammar, tools = plan_tools(body, self.config.model.tool_call_parser, self.grammars,
-                                               self.tokenizer.chat_template)
-        ids = self._chat_ids(body.messages, add_generation_prompt=True, tools=tools)
-        prepared = self._prepare(body, ids, body.max_completion_tokens or body.max_tokens, arrival,
-                                 body.logprobs_n(), body.prompt_logprobs, tool_grammar=tool_grammar)
-        return [replace(prepared, tools=plan)]
+        return self.preparer.chat(body)
 
-    def _check_template(self, messages) -> None:
-        if not messages:
-            raise APIError(400, "messages is empty", param="messages", code="empty_prompt")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions",
-                           param="messages", code="no_chat_template")
+    def tokenize(self, body) -> list[int]:
+        return self.preparer.tokenize(body)
 
-    def _chat_ids(self, messages, add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
-        self._check_template(messages)
-        check_conversation(messages)
-        dicts = [m.template_dict(i) for i, m in enumerate(messages)]
-        return list(self.tokenizer.apply_chat_template(dicts, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                       tokenize=True, return_dict=True)["input_ids"])
+    def detokenize(self, body) -> str:
+        return self.preparer.detokenize(body)
 
     def choices(self, prepared: list[Prepared], n: int) -> list[Prepared]:
         """n choices per prompt, in OpenAI's order (prompt by prompt). Seeded requests give choice j the seed
@@ -216,93 +161,6 @@ class Router:
                 taken.release()
             raise overloaded_error(exc) from exc
         return slots
-
-    # ---- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------------------------
-    def tokenize(self, body) -> list[int]:
-        self._check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give either prompt or messages", param="prompt")
-        if body.messages is not None:
-            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-            return self._chat_ids(body.messages, body.add_generation_prompt, tools)
-        return list(self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
-
-    def detokenize(self, body) -> str:
-        self._check_model(body.model)
-        self._check_token_ids(body.tokens, "tokens", "token ids")
-        return self.tokenizer.decode(body.tokens)
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
-
-    def _prepare(self, body, prompt_ids: list[int], max_tokens: int | None, arrival: float,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 tool_grammar: GrammarSpec | None = None) -> Prepared:
-        cfg, limits = self.config, self.config.limits
-        self._check_model(body.model)
-        if body.stream and (body.prompt_logprobs or 0) > 0:  # vLLM's refusal: a stream has no place for them
-            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
-        if not prompt_ids:
-            raise APIError(400, "prompt is empty", param="prompt", code="empty_prompt")
-        if len(prompt_ids) > limits.max_prompt_tokens or len(prompt_ids) >= cfg.model.max_model_len:
-            raise APIError(400, f"prompt has {len(prompt_ids)} tokens; the limit is "
-                                f"{min(limits.max_prompt_tokens, cfg.model.max_model_len - 1)}",
-                           param="prompt", code="context_length_exceeded")
-        max_tokens = max_tokens or cfg.sampling.max_tokens
-        if max_tokens > limits.max_tokens:
-            raise APIError(400, f"max_tokens {max_tokens} is over the limit of {limits.max_tokens}",
-                           param="max_tokens")
-        stop = body.stop_list()
-        if len(stop) > limits.max_stop_strings:
-            raise APIError(400, f"at most {limits.max_stop_strings} stop strings", param="stop")
-        if any(not s for s in stop):
-            raise APIError(400, "stop strings must not be empty", param="stop")
-        grammar = checked_grammar(body, self.grammars)  # a bad grammar: 400 naming its parameter, not admitted
-        if tool_grammar is not None:  # tool_choice "required" or a named function
-            if grammar is not None:
-                raise APIError(400, "tool_choice \"required\" or a named function constrains the output itself: "
-                                    "set response_format / structured_outputs or that, not both", param="tool_choice")
-            grammar = tool_grammar
-        try:
-            params = SamplingParams(
-                temperature=cfg.sampling.temperature if body.temperature is None else body.temperature,
-                top_p=cfg.sampling.top_p if body.top_p is None else body.top_p,
-                top_k=cfg.sampling.top_k if body.top_k is None else body.top_k,
-                max_tokens=max_tokens, stop=tuple(stop), seed=body.seed, ignore_eos=body.ignore_eos,
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar, **self._vllm_sampling(body),
-            )
-        except ValueError as exc:  # SamplingParams' messages begin with the parameter's name
-            name = str(exc).split(" ", 1)[0]
-            raise APIError(400, str(exc), param=name if name in SamplingParams.__dataclass_fields__ else None
-                           ) from exc
-        k, adaptive, overlap = None, None, None
-        if body.speculative is not None:
-            k = 0 if not body.speculative.enabled else body.speculative.k
-            adaptive, overlap = body.speculative.adaptive, body.speculative.overlap
-        if self.config.log_prompts:
-            logger.info("prompt: %r", self.tokenizer.decode(prompt_ids))
-        return Prepared(prompt_ids, params, k, adaptive, overlap, arrival)
-
-    def _vllm_sampling(self, body) -> dict:
-        """vLLM's sampling parameters of a request, as SamplingParams fields; token ids outside the vocabulary are
-        a 400 naming the parameter."""
-        bias = {}
-        for key, value in (body.logit_bias or {}).items():
-            try:
-                bias[int(key)] = value
-            except ValueError:
-                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
-        self._check_token_ids(bias, "logit_bias", "logit_bias token ids")
-        stop_ids = body.stop_token_ids or []
-        self._check_token_ids(stop_ids, "stop_token_ids", "stop_token_ids")
-        fields = {"presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
-                  "repetition_penalty": body.repetition_penalty, "min_p": body.min_p}
-        return {**{k: v for k, v in fields.items() if v is not None}, "logit_bias": tuple(bias.items()),
-                "min_tokens": body.min_tokens, "stop_token_ids": tuple(stop_ids),
-                "include_stop_str_in_output": body.include_stop_str_in_output,
-                "skip_special_tokens": body.skip_special_tokens}
 
     async def run(self, prepared: Prepared, request_id: str, slot: AdmissionSlot | None = None):
         """The request's per-round outputs; scheduler errors become API errors."""
@@ -325,8 +183,6 @@ class Router:
                 yield out
         except Overloaded as exc:
             raise overloaded_error(exc) from exc
-        except (EmptyPromptError, PromptTooLongError) as exc:
-            raise APIError(400, str(exc), param="prompt") from exc
         except ReplicaGone as exc:
             raise APIError(503, str(exc), type_="server_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
         except RequestFailed as exc:  # failed on a worker after admission: this request only, the others go on

@@ -1,6 +1,6 @@
-"""deployments/api/routes.py through the official `openai` client against the served app (uvicorn, in-process
-replicas): parameters it does not implement are refused by name, content parts, logprobs, n > 1, prompt lists,
-echo, /tokenize and /detokenize, /v1/models."""
+"""deployments/api/ (routes.py, generation.py, request_models.py) through the official `openai` client against the
+served app (uvicorn, in-process replicas): parameters it does not implement are refused by name, content parts,
+logprobs, n > 1, prompt lists, echo, /tokenize (refusing tools as chat does) and /detokenize, /v1/models."""
 
 from __future__ import annotations
 
@@ -185,3 +185,17 @@ def test_tokenize_detokenize_and_models(served):
     assert httpx.post(f"{url}/tokenize", json={"model": "other", "prompt": "w5"}).status_code == 404
     (model,) = client.models.list().data
     assert model.id == "tiny" and model.model_extra["max_model_len"] == 256
+
+
+def test_tokenize_refuses_tools_its_template_never_reads_as_chat_does(served):
+    """One tools rendering for chat and /tokenize: a template that never reads `tools` gets chat's 400 on both,
+    never a prompt silently rendered without them."""
+    url, client, _ = served
+    msgs = [{"role": "user", "content": "w5 w6"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    chat = _refusal(lambda: client.chat.completions.create(model="tiny", messages=msgs, tools=tools))
+    tokenized = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": msgs, "tools": tools})
+    assert tokenized.status_code == 400 and tokenized.json() == {"error": chat}
+    assert chat["code"] == "tools_unsupported"
+    without = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": msgs, "tools": []})
+    assert without.status_code == 200  # no tools: nothing to render

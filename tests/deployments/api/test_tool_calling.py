@@ -151,7 +151,7 @@ def test_bad_tools_and_tool_messages_are_400s_naming_the_field(served, kwargs, p
 
 def test_a_model_without_a_tool_template_or_a_server_without_a_parser_says_so(byte_model_dirs, tool_model_dirs):
     from deployments.api.errors import APIError
-    from deployments.api.routes import ChatCompletionRequest
+    from deployments.api.request_models import ChatCompletionRequest
 
     request = ChatCompletionRequest.model_validate({"model": "tiny", "messages": WEATHER_QUESTION,
                                                     "tools": [WEATHER_TOOL], "max_tokens": 50})
