@@ -4,6 +4,11 @@ The runner remembers, per sequence, which token ids its cache holds. `sync` comp
 caller says are now committed, rolls the cache back to the common prefix (rejected drafts go, the accepted
 prefix stays) and returns the tokens still to feed. Draft and target use the same runner, which is why both
 sides "roll their caches back to the accepted length" with no extra bookkeeping.
+
+The forward is transformers' own, for every family: this runner is the fallback for models the static runner
+(engine/models/static/) does not cover and for `runner: transformers`, and the reference the static forward is
+tested against, so it runs the model exactly as the model defines itself. The Llama family's fast forward is the
+static one alone.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ import torch
 
 from engine.models.cpu.linear import use_small_batch_linear
 from engine.models.kv_cache import SlotKVCache, WritePlan
-from engine.models.llama_fast import FastLlamaForward, supports
 from engine.models.runner import ContextWindowError, SlotTable, SlotTableAccess, config_context_window
 
 PREFILL_THRESHOLD = 32  # rows with more new tokens than this run in their own forward, not padded together
@@ -24,7 +28,7 @@ class ModelRunner(SlotTableAccess):
     """Owns a model, its slotted KV cache and the slot table of the live sequences."""
 
     def __init__(self, model: torch.nn.Module, max_model_len: int | None = None,
-                 vocab_size: int | None = None, fast_path: bool = True) -> None:
+                 vocab_size: int | None = None) -> None:
         self.model = model
         config = model.config
         window = config_context_window(config)
@@ -33,12 +37,10 @@ class ModelRunner(SlotTableAccess):
         self.vocab_size = vocab_size or model.get_input_embeddings().weight.shape[0]
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
-            use_small_batch_linear(model)  # verification is a few-row matmul: see cpu_kernels.py
+            use_small_batch_linear(model)  # verification is a few-row matmul: engine/models/cpu/linear.py
         self.dtype = next(model.parameters()).dtype
         self._softcap = getattr(config, "final_logit_softcapping", None)
         self._base = model.base_model
-        # Llama-family models on CPU run a lean forward over the same weights (engine/models/llama_fast.py)
-        self._fast = FastLlamaForward(model) if fast_path and supports(model) else None
         self._lm_head = model.get_output_embeddings()
         self._tensor_parallel = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
@@ -119,16 +121,13 @@ class ModelRunner(SlotTableAccess):
         visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, N, kv_len]: causal within own row
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
         mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-        if self._fast is not None:
-            hidden = self._fast(ids, mask[:, None], positions, self.cache)  # [B, N, H]
-        else:
-            hidden = self._base(
-                input_ids=ids,
-                attention_mask=mask[:, None],
-                position_ids=positions,
-                past_key_values=self.cache,
-                use_cache=True,
-            ).last_hidden_state  # [B, N, H]
+        hidden = self._base(
+            input_ids=ids,
+            attention_mask=mask[:, None],
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+        ).last_hidden_state  # [B, N, H]
         self.cache.plan = None
 
         width = max(num_logits)

@@ -31,7 +31,8 @@ from engine.models.cpu import extension as cpu_extension
 from engine.models.cpu.linear import kernel_takes, linear, pack_bf16, small_gemm_for
 from engine.models.quantize import Int8WeightOnlyLinear
 from engine.models.static.attention import RowIndex
-from engine.models.static.layer_ops import LayerOps
+from engine.models.static.layer_ops import LayerOps, LayerShape
+from engine.models.static.rope import rope_tables, why_rope_unsupported
 from engine.models.static.tp import (
     Shard,
     embed,
@@ -47,7 +48,6 @@ FAMILIES = ("llama", "mistral", "qwen2", "gemma")
 INT8_KERNEL_MAX_ROWS = 32
 # forwards of at most this many tokens per row are steps (decode, verify): their fp32 products take the CPU kernel
 STEP_MAX_WIDTH = 8
-_STATIC_ROPE = {None, "default", "linear", "llama3", "yarn", "longrope"}
 
 
 class UnsupportedModel(ValueError):
@@ -62,9 +62,9 @@ def why_unsupported(model: nn.Module) -> str | None:
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
     if act not in ("silu", "gelu_pytorch_tanh", "gelu"):
         return f"activation {act!r}"
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type")) not in _STATIC_ROPE:
-        return f"RoPE type {rope.get('rope_type')!r} (its tables change with the sequence length)"
+    rope = why_rope_unsupported(config)
+    if rope is not None:
+        return rope
     base = model.base_model
     if shard_of(model) is not None:
         return why_shard_unsupported(model)
@@ -189,14 +189,8 @@ class StaticLlama(nn.Module):
         self.num_slots, self.capacity = num_slots, capacity
         self.shard: Shard | None = shard_of(model)  # a tensor-parallel rank's: its heads, KV heads, vocabulary rows
         world = self.shard.world if self.shard else 1
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.num_heads = config.num_attention_heads // world
-        self.num_kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // world
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.eps = getattr(config, "rms_norm_eps", 1e-6)
-        self.scale = self.head_dim ** -0.5
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
-        self.gelu = act != "silu"
+        cache_dtype = cache_dtype or dtype
+        self.layer_shape = LayerShape.of(config, world, dtype, cache_dtype)  # what the layers' operators read
         self.embed_scale = math.sqrt(config.hidden_size) if gemma else None
         norm_offset = 1.0 if gemma else 0.0
         self.embed = nn.Parameter(base.embed_tokens.weight.detach().to(weight_dtype), requires_grad=False)
@@ -207,11 +201,10 @@ class StaticLlama(nn.Module):
         if getattr(head, "weight", None) is base.embed_tokens.weight and self.lm_head.scales is None:
             self.lm_head.weight = self.embed  # tied: one copy
         self.vocab_size = self.lm_head.out_features * world
-        cos, sin = _rope_tables(base.rotary_emb, capacity, device)
+        cos, sin = rope_tables(base.rotary_emb, capacity, device)
         self.register_buffer("cos", cos.to(dtype), persistent=False)  # [capacity, D]
         self.register_buffer("sin", sin.to(dtype), persistent=False)
-        cache_dtype = cache_dtype or dtype
-        shape = (num_slots, self.num_kv_heads, capacity, self.head_dim)
+        shape = (num_slots, self.layer_shape.num_kv_heads, capacity, self.layer_shape.head_dim)
         # zeros, not empty: a masked position gets probability 0, and 0 * NaN would still be NaN
         # buffers (not plain attributes): compiled graphs, CUDA graphs included, then treat them as static state
         for i in range(len(self.layers)):
@@ -230,9 +223,9 @@ class StaticLlama(nn.Module):
     def slot_bytes(config, capacity: int, dtype: torch.dtype, world: int = 1) -> int:
         """KV-cache bytes of one slot (keys and values of every layer) on one of `world` tensor-parallel ranks,
         which holds 1/world of the key/value heads."""
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // world
-        return 2 * config.num_hidden_layers * kv_heads * capacity * head_dim * torch.empty(0, dtype=dtype).element_size()
+        shape = LayerShape.of(config, world, dtype, dtype)
+        element = torch.empty(0, dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * shape.num_kv_heads * capacity * shape.head_dim * element
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
@@ -246,7 +239,8 @@ class StaticLlama(nn.Module):
         last_only: bool = False,  # logits of the last position only (a prefill chunk)
     ) -> torch.Tensor:  # [B, W or 1, V] float32
         positions = starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]  # [B, W]
-        return self._layers(tokens, LayerOps.for_step(self, positions, first_slot, kv_len), last_only)
+        ops = LayerOps.for_step(self.layer_shape, self.cos, self.sin, positions, first_slot, kv_len)
+        return self._layers(tokens, ops, last_only)
 
     def forward_rows(
         self,
@@ -257,7 +251,8 @@ class StaticLlama(nn.Module):
         slot `rows.slots[b]` at positions `rows.starts[b]..+W-1` and attends over that slot's keys up to its own
         length (engine/models/static/attention.py), so one captured graph serves any rows, slots and context lengths."""
         positions = rows.starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]  # [B, W]
-        return self._layers(tokens, LayerOps(self, None, positions, 0, self.capacity, rows), last_only=False)
+        ops = LayerOps(self.layer_shape, self.cos, self.sin, None, positions, 0, self.capacity, rows)
+        return self._layers(tokens, ops, last_only=False)
 
     def _layers(self, tokens: torch.Tensor,  # [B, W] int64
                 ops: LayerOps, last_only: bool) -> torch.Tensor:  # [B, W or 1, V] float32
@@ -301,11 +296,3 @@ class StaticLlama(nn.Module):
             k_cache[dst, :, start:length] = k_cache[src, :, start:length]
             v_cache[dst, :, start:length] = v_cache[src, :, start:length]
 
-
-@torch.no_grad()
-def _rope_tables(rotary: nn.Module, capacity: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [capacity, D] float32 from the model's own rotary module (its scaling variant included)."""
-    probe = torch.zeros(1, 1, dtype=torch.float32, device=device)
-    positions = torch.arange(capacity, device=device)[None]
-    cos, sin = rotary(probe, positions)
-    return cos[0].float(), sin[0].float()

@@ -8,11 +8,11 @@ cost (an 8B-shaped step: 32 layers, ~1,300 such kernels; the graphs ran at 1.58x
 inductor's fused graphs ran at 1.23x: bench/RESULTS.md, session 26). Here each is one kernel, as vLLM's and SGLang's
 fused RMSNorm, SiLU-and-mul and rotary-embedding kernels are; a layer is then 4 products, 4 of these and attention.
 
-Each kernel rounds where the ATen operators it replaces round (a bf16 product, then a bf16 sum, as `_rope` in bf16
-does), so its results match theirs but for the order of a norm's sum of squares. Like the attention kernel
-(engine/models/static/attention.py) they run where Triton runs: on a GPU, or on CPU tensors in Triton's interpreter
-(`TRITON_INTERPRET=1`, how the tests check them against the ATen operators); elsewhere `available()` is False and
-engine/models/static/layer_ops.py keeps the ATen operators.
+Each kernel rounds where the ATen operators it replaces round (a bf16 product, then a bf16 sum, as `apply_rope` in
+bf16 does: engine/models/static/rope.py), so its results match theirs but for the order of a norm's sum of squares.
+Like the attention kernel (engine/models/static/attention.py) they run where Triton runs: on a GPU, or on CPU tensors
+in Triton's interpreter (`TRITON_INTERPRET=1`, how the tests check them against the ATen operators); elsewhere
+`available()` is False and engine/models/static/layer_ops.py keeps the ATen operators.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def _kernels() -> dict:
         # the fused projection's layout: query heads, key heads, value heads (a key head's program moves its value)
         x = tl.load(row + head * dim + dims, mask=ok, other=0.0).to(tl.float32)
         rotated = sign * tl.load(row + head * dim + partner, mask=ok, other=0.0).to(tl.float32)
-        # `_rope` in the model's dtype: x * cos and rotated * sin rounded, then their sum
+        # `apply_rope` in the model's dtype: x * cos and rotated * sin rounded, then their sum
         dtype = qkv_ptr.dtype.element_ty
         out = (x * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)
         if head < num_heads:

@@ -1,36 +1,32 @@
 """A static decoder layer's elementwise work and attention, the ways a step can run them
-(engine/models/static/forward.py).
+(engine/models/static/forward.py), given the layer's shape (`LayerShape`) rather than the model.
 
 - ATen operators (CUDA, compiled steps, CPUs without specserve's operators);
-- on CPU, in fp32, engine/models/cpu/csrc/layer_ops.cpp's fused operators: one call each for a norm, a residual add with
-the
-  next norm, SwiGLU, and RoPE with the KV-cache write, where ATen takes 3-20 calls (at decode sizes their dispatch,
-  not their arithmetic, is the cost), and `cache_attention`, whose result for a query does not depend on the step's
-  width or chunk (prefix caching relies on it);
+- on CPU, in fp32, engine/models/cpu/csrc/layer_ops.cpp's fused operators: one call each for a norm, a residual add
+  with the next norm, SwiGLU, and RoPE with the KV-cache write, where ATen takes 3-20 calls (at decode sizes their
+  dispatch, not their arithmetic, is the cost), and `cache_attention`, whose result for a query does not depend on
+  the step's width or chunk (prefix caching relies on it);
 - a CUDA graph's step: every index a device tensor, attention by engine/models/static/attention.py.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.models.cpu import extension as cpu_extension
-from engine.models.llama_fast import _rope  # x [B, heads, W, D] rotated by cos/sin [B, 1, W, D]
 from engine.models.static import attention as attention_kernels
 from engine.models.static import fused_ops
 from engine.models.static.attention import RowIndex
-
-if TYPE_CHECKING:
-    from engine.models.static.forward import StaticLlama
+from engine.models.static.rope import apply_rope
 
 # the fused fp32 layer operators of engine/models/cpu/csrc/layer_ops.cpp an eager CPU step runs (`LayerOps`)
 FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_mul", "rope_to_cache", "cache_attention")
 # devices whose eager steps (prompt chunks, shapes no graph was captured for) also run the Triton elementwise kernels
-# of engine/models/static/fused_ops.py, as graph steps do: launches, not arithmetic, bound an eager CUDA step (an
-# 8B-shaped step took 46 ms eagerly on an H100, bench/RESULTS.md). Tests add "cpu" to run them in Triton's interpreter.
+# of engine/models/static/fused_ops.py, as graph steps do: launches, not arithmetic, bound an eager CUDA step (measured
+# on an H100: bench/RESULTS.md). Tests add "cpu" to run them in Triton's interpreter.
 TRITON_EAGER_DEVICES = {"cuda"}
 
 
@@ -79,15 +75,56 @@ def use_fused_attention(device: torch.device, batch: int, width: int) -> bool:
     return device.type == "cpu" and (width == 1 or batch <= 2) and not torch.compiler.is_compiling()
 
 
+@dataclass(frozen=True)
+class LayerShape:
+    """What a layer's elementwise work and attention need to know of the model, built once per model
+    (`StaticLlama.layer_shape`): this rank's heads, the norms' epsilon, the MLP's activation, and the activation and
+    KV-cache dtypes (which decide whether the fused CPU operators can run)."""
+
+    num_heads: int  # query heads on this rank (a tensor-parallel shard holds 1/world of them)
+    num_kv_heads: int  # key/value heads on this rank
+    head_dim: int
+    eps: float  # RMSNorm's epsilon
+    gelu: bool  # GELU-tanh MLP (Gemma); else SiLU (SwiGLU)
+    dtype: torch.dtype  # activations
+    cache_dtype: torch.dtype  # the KV cache's
+
+    @classmethod
+    def of(cls, config, world: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> "LayerShape":
+        """From a transformers config, for one of `world` tensor-parallel ranks."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        return cls(num_heads=config.num_attention_heads // world, num_kv_heads=kv_heads // world, head_dim=head_dim,
+                   eps=getattr(config, "rms_norm_eps", 1e-6), gelu=act != "silu", dtype=dtype,
+                   cache_dtype=cache_dtype)
+
+    @property
+    def q_size(self) -> int:  # the queries' width in the fused q/k/v projection's output
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:  # the keys' (and the values') width there
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def scale(self) -> float:  # attention's softmax scale
+        return self.head_dim ** -0.5
+
+
 class LayerOps:
     """A layer's elementwise work: ATen operators, or on CPU in fp32 engine/models/cpu/csrc/layer_ops.cpp's fused ones
     (one call each for a norm, a residual add with the next norm, SwiGLU, and RoPE with the KV-cache write, where ATen
     takes 3-20 calls; at decode sizes their dispatch, not their arithmetic, is the cost). Compiled steps keep ATen's
     (inductor fuses them itself)."""
 
-    def __init__(self, model: "StaticLlama", fused: dict | None, positions: torch.Tensor, first_slot: int,
-                 kv_len: int, rows: RowIndex | None = None) -> None:
-        self.model, self.fused = model, fused
+    def __init__(self, shape: LayerShape,
+                 cos: torch.Tensor,  # [capacity, D]: RoPE's tables (engine/models/static/rope.py)
+                 sin: torch.Tensor,  # [capacity, D]
+                 fused: dict | None,
+                 positions: torch.Tensor,  # [B, W]
+                 first_slot: int, kv_len: int, rows: RowIndex | None = None) -> None:
+        self.shape, self.cos, self.sin, self.fused = shape, cos, sin, fused
         self.positions, self.first_slot, self.kv_len = positions, first_slot, kv_len  # the step's, [B, W] positions
         self.rows = rows  # a graph step's slots and key limits as device tensors (`StaticLlama.forward_rows`)
         # the elementwise work as one Triton kernel each (engine/models/static/fused_ops.py): graph steps, and eager
@@ -98,13 +135,19 @@ class LayerOps:
         self._visible: torch.Tensor | None = None
 
     @classmethod
-    def for_step(cls, model: "StaticLlama", positions: torch.Tensor, first_slot: int, kv_len: int) -> "LayerOps":
+    def for_step(cls, shape: LayerShape,
+                 cos: torch.Tensor,  # [capacity, D]
+                 sin: torch.Tensor,  # [capacity, D]
+                 positions: torch.Tensor,  # [B, W]
+                 first_slot: int, kv_len: int) -> "LayerOps":
+        """An eager or compiled step's: on CPU in fp32 over an fp32 or bf16 cache, the fused operators where they
+        load."""
         fused = None
-        if (positions.device.type == "cpu" and model.dtype == torch.float32
-                and model.k_cache_0.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()):
+        if (positions.device.type == "cpu" and shape.dtype == torch.float32
+                and shape.cache_dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()):
             fused = {name: cpu_extension.op(name) for name in FUSED_OPS}
             fused = fused if all(fused.values()) else None
-        return cls(model, fused, positions, first_slot, kv_len)
+        return cls(shape, cos, sin, fused, positions, first_slot, kv_len)
 
     def cache_rows(self) -> RowIndex:
         """The step's rows as device tensors: a graph step's own, or an eager step's consecutive slots from
@@ -122,27 +165,27 @@ class LayerOps:
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [B, W, H]
         if self.triton:
-            return fused_ops.rms_norm(x, weight, self.model.eps)
+            return fused_ops.rms_norm(x, weight, self.shape.eps)
         if self.fused is not None:
-            return self.fused["rms_norm"](x, weight, self.model.eps)
-        return _rms_norm(x, weight, self.model.eps)
+            return self.fused["rms_norm"](x, weight, self.shape.eps)
+        return _rms_norm(x, weight, self.shape.eps)
 
     def add_norm(self, hidden: torch.Tensor, delta: torch.Tensor,
                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, W, H] hidden + delta, its norm)
         if self.triton:
-            return fused_ops.add_rms_norm(hidden, delta, weight, self.model.eps)
+            return fused_ops.add_rms_norm(hidden, delta, weight, self.shape.eps)
         if self.fused is not None:  # adds in place: `hidden` is the step's own tensor
-            return hidden, self.fused["add_rms_norm"](hidden, delta.contiguous(), weight, self.model.eps)
+            return hidden, self.fused["add_rms_norm"](hidden, delta.contiguous(), weight, self.shape.eps)
         hidden = hidden + delta
-        return hidden, _rms_norm(hidden, weight, self.model.eps)
+        return hidden, _rms_norm(hidden, weight, self.shape.eps)
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:  # [B, W, 2I] -> [B, W, I]
-        if self.triton and not self.model.gelu:
+        if self.triton and not self.shape.gelu:
             return fused_ops.silu_mul(gate_up)
-        if self.fused is not None and not self.model.gelu:
+        if self.fused is not None and not self.shape.gelu:
             return self.fused["silu_mul"](gate_up.contiguous())
         gate, up = gate_up.chunk(2, dim=-1)
-        return (F.gelu(gate, approximate="tanh") if self.model.gelu else F.silu(gate)) * up
+        return (F.gelu(gate, approximate="tanh") if self.shape.gelu else F.silu(gate)) * up
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor) -> torch.Tensor:  # q [B, H, W, D] -> [B, H, W, D]
@@ -150,7 +193,7 @@ class LayerOps:
         row reads only its own keys, nothing is materialized, and a query's result does not depend on the step's
         width or on the chunk it falls in: `layout_invariant`); else one SDPA call (`use_fused_attention`) or
         `grouped_attention`."""
-        m, (batch, _, width, _) = self.model, q.shape
+        m, (batch, _, width, _) = self.shape, q.shape
         first, kv_len = self.first_slot, self.kv_len
         if self.rows is not None:
             return attention_kernels.cache_attention(q, k_cache, v_cache, self.rows, m.scale)
@@ -175,19 +218,19 @@ class LayerOps:
     def rope_to_cache(self, qkv: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor) -> torch.Tensor:  # qkv [B, W, ...] -> q [B, H, W, D]
         """RoPE on the queries and keys; keys and values written to the cache at (first_slot + b, :, position)."""
-        m, positions, first_slot = self.model, self.positions, self.first_slot
+        m, positions, first_slot = self.shape, self.positions, self.first_slot
         if self.triton:
-            return fused_ops.rope_to_cache(qkv, m.cos, m.sin, self.cache_rows(), k_cache, v_cache, m.num_heads,
+            return fused_ops.rope_to_cache(qkv, self.cos, self.sin, self.cache_rows(), k_cache, v_cache, m.num_heads,
                                            m.num_kv_heads)
         if self.fused is not None:
-            return self.fused["rope_to_cache"](qkv.contiguous(), m.cos, m.sin, positions, k_cache, v_cache,
+            return self.fused["rope_to_cache"](qkv.contiguous(), self.cos, self.sin, positions, k_cache, v_cache,
                                                first_slot, m.num_heads, m.num_kv_heads)
         batch, width = positions.shape
-        cos, sin = m.cos[positions][:, None], m.sin[positions][:, None]  # [B, 1, W, D]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, W, D]
         q = qkv[..., : m.q_size].view(batch, width, -1, m.head_dim).transpose(1, 2)
         k = qkv[..., m.q_size : m.q_size + m.kv_size].view(batch, width, -1, m.head_dim)
         v = qkv[..., m.q_size + m.kv_size :].view(batch, width, -1, m.head_dim)
-        q, k = _rope(q, cos, sin), _rope(k.transpose(1, 2), cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         if self.rows is not None:
             slots = self.rows.slots[:, None]  # [B, 1]
         else:

@@ -214,8 +214,8 @@ def why_layout_variant(model: StaticLlama) -> str | None:
         return f"a {model.k_cache_0.dtype} KV cache: specserve's fused CPU operators read fp32 or bf16 ones"
     if not all(cpu_extension.op(name) for name in FUSED_OPS):
         return "specserve's fused CPU operators are not built here"
-    if model.head_dim % 8:
-        return f"head_dim {model.head_dim} is not a multiple of 8 (cache_attention)"
+    if model.layer_shape.head_dim % 8:
+        return f"head_dim {model.layer_shape.head_dim} is not a multiple of 8 (cache_attention)"
     projections = [model.lm_head] + [p for layer in model.layers for p in (layer.qkv, layer.gate_up, layer.o,
                                                                          layer.down)]
     if any(p.packed is None for p in projections):

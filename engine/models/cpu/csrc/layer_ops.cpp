@@ -8,8 +8,9 @@
 //   cache_attention(q, k_cache, v_cache, first_slot, positions, kv_len, scale)
 //       causal GQA attention of each row's queries over its cached keys, read in place (below)
 //   rope_to_cache(qkv, cos, sin, positions, k_cache, v_cache, first_slot, heads, kv_heads)
-//       q [B, H, W, D] RoPE'd (rotate-half form, `_rope` in engine/models/llama_fast.py); k RoPE'd and v written into the
-//       caches at (first_slot + b, :, positions[b, w]), what the Python step does with index assignments
+//       q [B, H, W, D] RoPE'd (rotate-half form, `apply_rope` in engine/models/static/rope.py); k RoPE'd and v
+//       written into the caches at (first_slot + b, :, positions[b, w]), what the Python step does with index
+//       assignments
 //
 // The KV caches are fp32 or bf16 (runner.kv_cache_dtype): written rounded to nearest even, widened exactly as read.
 //

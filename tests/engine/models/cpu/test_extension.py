@@ -188,7 +188,7 @@ def rope_inputs(heads, kv_heads, width, dim, slots, capacity, last_start):
 @needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "width"), [(9, 3, 1), (4, 4, 3), (8, 2, 5)])
 def test_rope_to_cache_rotates_and_writes_where_the_python_step_does(ops, heads, kv_heads, width):
-    from engine.models.llama_fast import _rope
+    from engine.models.static.rope import apply_rope
 
     batch, dim, first_slot = 3, 16, 1
     qkv, cos, sin, positions, (k_cache, v_cache) = rope_inputs(heads, kv_heads, width, dim, 5, 40, 30)
@@ -198,8 +198,8 @@ def test_rope_to_cache_rotates_and_writes_where_the_python_step_does(ops, heads,
 
     c, s = cos[positions][:, None], sin[positions][:, None]
     q_size, kv_size = heads * dim, kv_heads * dim
-    q_want = _rope(qkv[..., :q_size].view(batch, width, heads, dim).transpose(1, 2), c, s)
-    k = _rope(qkv[..., q_size : q_size + kv_size].view(batch, width, kv_heads, dim).transpose(1, 2), c, s)
+    q_want = apply_rope(qkv[..., :q_size].view(batch, width, heads, dim).transpose(1, 2), c, s)
+    k = apply_rope(qkv[..., q_size : q_size + kv_size].view(batch, width, kv_heads, dim).transpose(1, 2), c, s)
     rows = torch.arange(first_slot, first_slot + batch)[:, None]
     k_want[rows, :, positions] = k.transpose(1, 2)
     v_want[rows, :, positions] = qkv[..., q_size + kv_size :].view(batch, width, kv_heads, dim)

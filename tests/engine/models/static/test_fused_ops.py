@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.llama_fast import _rope
 from engine.models.static import fused_ops
 from engine.models.static.attention import RowIndex
 from engine.models.static.layer_ops import _rms_norm
+from engine.models.static.rope import apply_rope
 
 pytest.importorskip("triton")
 
@@ -70,9 +70,9 @@ def test_rope_rotates_queries_and_writes_keys_and_values_at_each_rows_slot_and_p
 
     positions = rows.starts[:, None] + torch.arange(width, device=DEVICE)[None]  # [B, W]
     c, s = cos[positions][:, None], sin[positions][:, None]  # [B, 1, W, D]
-    want_q = _rope(qkv[..., : heads * dim].view(batch, width, heads, dim).transpose(1, 2), c, s)
+    want_q = apply_rope(qkv[..., : heads * dim].view(batch, width, heads, dim).transpose(1, 2), c, s)
     k = qkv[..., heads * dim : (heads + kv_heads) * dim].view(batch, width, kv_heads, dim).transpose(1, 2)
-    want_k = _rope(k, c, s).transpose(1, 2)  # [B, W, KVH, D]
+    want_k = apply_rope(k, c, s).transpose(1, 2)  # [B, W, KVH, D]
     want_v = qkv[..., (heads + kv_heads) * dim :].view(batch, width, kv_heads, dim)
     assert q.shape == (batch, heads, width, dim)
     torch.testing.assert_close(q, want_q, **_tolerance(dtype))
@@ -97,8 +97,9 @@ def test_eager_steps_on_a_triton_device_run_the_kernels_and_give_the_aten_logits
     model = make_tiny_model("qwen2", seed=2).to(DEVICE)  # biased qkv: the kernel reads the projection's output
     build = lambda: StaticRunner(model, budget=KVBudget(gib=0.05, max_num_seqs=4), compile="off",  # noqa: E731
                                  prefill_chunk=16)
-    monkeypatch.setattr(layer_ops.LayerOps, "for_step", classmethod(
-        lambda cls, m, positions, first_slot, kv_len: cls(m, None, positions, first_slot, kv_len)))  # no CPU ops
+    monkeypatch.setattr(layer_ops.LayerOps, "for_step", classmethod(  # no CPU operators
+        lambda cls, shape, cos, sin, positions, first_slot, kv_len: cls(shape, cos, sin, None, positions, first_slot,
+                                                                        kv_len)))
     monkeypatch.setattr(layer_ops, "TRITON_EAGER_DEVICES", set())  # the reference: ATen's operators
     aten = scripted(build(), ROUNDS)
     calls = []

@@ -47,7 +47,7 @@ ROUNDS = [
 
 
 def reference(model):
-    return scripted(ModelRunner(model, fast_path=False), ROUNDS)
+    return scripted(ModelRunner(model), ROUNDS)
 
 
 def assert_same_logits(got, want, rounds=ROUNDS, **tol):
@@ -68,7 +68,7 @@ def test_static_forward_matches_transformers(family):
 def test_rollback_then_refeed_matches():
     model = make_tiny_model("llama", seed=2)
     runner = StaticRunner(model, budget=SLOTS, compile=False)
-    ref = ModelRunner(model, fast_path=False)
+    ref = ModelRunner(model)
     for r in (runner, ref):
         r.add("s")
         r.forward(["s"], [[2, 3, 4, 5]], [1])
@@ -264,7 +264,7 @@ def test_prompts_of_different_lengths_prefill_together_with_each_ones_own_logits
     got = runner.forward(["p0", "p1", "p2"], prompts, [1, 1, 1])
     nxt = runner.forward(["p0", "p1", "p2"], [[5], [6], [7]], [1, 1, 1])
     for b, prompt in enumerate(prompts):
-        ref = ModelRunner(model, fast_path=False)
+        ref = ModelRunner(model)
         ref.add("s")
         torch.testing.assert_close(got[b, :1], ref.forward(["s"], [prompt], [1])[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(nxt[b, :1], ref.forward(["s"], [[5 + b]], [1])[0], atol=1e-4, rtol=1e-4)
@@ -289,7 +289,7 @@ def test_the_same_prompt_in_several_rows_is_computed_once_and_copied():
     prefill_calls = len(fed_rows) - 1
     nxt = runner.forward(seq_ids, [[7], [8], [9], [10]], [1, 1, 1, 1])
     for b, (prompt, token) in enumerate(zip([shared, other, shared, shared], [7, 8, 9, 10])):
-        ref = ModelRunner(model, fast_path=False)
+        ref = ModelRunner(model)
         ref.add("s")
         torch.testing.assert_close(got[b, :1], ref.forward(["s"], [prompt], [1])[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(nxt[b, :1], ref.forward(["s"], [[token]], [1])[0], atol=1e-4, rtol=1e-4)
@@ -352,12 +352,13 @@ def test_fused_cpu_layer_operators_give_the_aten_layers_logits(family, monkeypat
 
     model = make_tiny_model(family, seed=0)
     runner = StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16)
-    step = (torch.zeros(1, 1, dtype=torch.long), 0, 64)  # positions, first slot, keys read
+    m = runner.model
+    step = (m.layer_shape, m.cos, m.sin, torch.zeros(1, 1, dtype=torch.long), 0, 64)  # positions, first slot, keys
     if platform.machine() == "x86_64":  # this project's machines: the fused path must be the one taken
-        assert layer_ops.LayerOps.for_step(runner.model, *step).fused is not None
+        assert layer_ops.LayerOps.for_step(*step).fused is not None
     fused = scripted(runner, ROUNDS)
     monkeypatch.setattr(layer_ops.cpu_extension, "op", lambda name: None)
-    assert layer_ops.LayerOps.for_step(runner.model, *step).fused is None
+    assert layer_ops.LayerOps.for_step(*step).fused is None
     aten = scripted(StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=16), ROUNDS)
     assert_same_logits(fused, aten, atol=1e-4, rtol=1e-4)
 

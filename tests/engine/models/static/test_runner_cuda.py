@@ -17,7 +17,7 @@ SLOTS = KVBudget(gib=0.5, max_num_seqs=4)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma"])
 def test_cuda_static_forward_matches_cpu_transformers(family):
     model = make_tiny_model(family, seed=0)
-    want = scripted(ModelRunner(model, fast_path=False), ROUNDS)
+    want = scripted(ModelRunner(model), ROUNDS)
     got = scripted(StaticRunner(model.to("cuda"), budget=SLOTS, compile=False, prefill_chunk=16), ROUNDS)
     assert_same_logits([g.cpu() for g in got], want, atol=1e-3, rtol=1e-3)
 
