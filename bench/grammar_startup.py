@@ -18,7 +18,9 @@ import statistics
 import time
 from pathlib import Path
 
-from deployments.transport.messages import DraftCall, SeqDelta, VerifyCall
+from deployments.transport.messages import DraftCall, VerifyCall
+from engine.request.delta import SeqDelta, first_delta
+from engine.request.sampling import SamplingParams
 from deployments.workers.draft import DraftWorkerCore
 from deployments.workers.target import TargetWorkerCore
 from engine.factory import EngineConfig
@@ -31,9 +33,11 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
 
-def delta(seq_id: str, start: int, tokens: list[int], spec: GrammarSpec | None = None, prompt_len: int = 0):
-    return SeqDelta(seq_id, start, tokens, 0.0, 0, 1.0, 7, grammar=None if spec is None else spec.wire(),
-                    output_start=prompt_len)
+def delta(seq_id: str, start: int, tokens: list[int], spec: GrammarSpec | None = None) -> SeqDelta:
+    """A sequence's first delta (start 0: its settings, the grammar in them) or a continuation (tokens only)."""
+    if start:
+        return SeqDelta(seq_id, start, tokens)
+    return first_delta(seq_id, tokens, SamplingParams(grammar=spec), 7)
 
 
 def main() -> None:
@@ -65,7 +69,7 @@ def main() -> None:
         held = held + reply[0][0][0]
         new = f"J{next(joins)}"
         reply = target.verify([VerifyCall(delta("A", sent, held[sent:]), []).wire(),
-                               VerifyCall(delta(new, 0, list(prompt), spec, len(prompt)), []).wire()])
+                               VerifyCall(delta(new, 0, list(prompt), spec), []).wire()])
         sent = len(held)
         target.release([new])
         return reply[1]  # the worker's own compute
@@ -76,7 +80,7 @@ def main() -> None:
     result["target_join_second_grammar_s"] = join(GrammarSpec.json_schema(CITY))
 
     def first_draft(seq_id: str, spec: GrammarSpec | None) -> float:
-        out = draft.propose([DraftCall(delta(seq_id, 0, list(prompt), spec, len(prompt)), 3).wire()])
+        out = draft.propose([DraftCall(delta(seq_id, 0, list(prompt), spec), 3).wire()])
         draft.release([seq_id])
         return out[2]
 

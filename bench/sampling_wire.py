@@ -146,14 +146,16 @@ def measure(impl: str, seeded: bool) -> list[dict]:
 
 
 def _delta_factory(impl, messages):
-    """A SeqDelta for `seq` from `start`, in the tree's own spelling (this tree carries coupled and logprobs)."""
+    """A SeqDelta for `seq` from `start`, in the tree's own spelling (this tree sends the settings once, with a
+    sequence's first delta: engine/request/delta.seq_delta)."""
     def delta(seq, start):
         p = seq.params
         if impl == "before":
             return messages.SeqDelta(seq.request_id, start, seq.tokens[start:], p.temperature, p.top_k, p.top_p,
                                      p.seed)
-        return messages.SeqDelta(seq.request_id, start, seq.tokens[start:], p.temperature, p.top_k, p.top_p,
-                                 seq.seed, seq.coupled, p.logprobs)
+        from engine.request.delta import seq_delta
+
+        return seq_delta(seq, start)
     return delta
 
 

@@ -1,9 +1,10 @@
 """The speculative decoding loop over many sequences: draft, verify, rejection-sample, stop, stream.
 
 One `step()` is one round for every live sequence (Leviathan et al. 2022, arXiv 2211.17192, Algorithm 1,
-batched): the round plan gives each sequence its K (engine/spec/plan.py, the served round's planner), the proposer
-drafts, the target scores all of them in one batched forward, and engine/spec/accept.py (the served target worker's
-accept step too) keeps the agreeing prefix plus one recovered or bonus token, on the logits' device, and commits it.
+batched): plan -> draft -> verify -> commit, as the served round runs it spread over machines. The round plan gives
+each sequence its K (engine/spec/plan.py, the served round's planner), the proposer drafts, and the target's verify
+step (engine/spec/verify.TargetVerifier, the served target worker's too) scores all of them in one batched forward and
+keeps the agreeing prefix plus one recovered or bonus token, on the logits' device; engine/spec/accept.commit commits it.
 Every request has a seed (its own, or one drawn at admission: SequenceState.seed), and every random number is a
 function of it and the token position (engine/spec/randomness.py), so no generator state lives here. Sequences join and
 leave between rounds. k = 0 (or speculation off for a sequence) is plain target decoding through the same path.
@@ -17,17 +18,17 @@ from dataclasses import dataclass, field
 
 from engine.models.loading import tokenizer_eos_ids
 from engine.models.transformers_runner import ModelRunner
-from engine.proposers.base import DraftRequest, Proposer
+from engine.proposers.base import Proposer, draft_rows
 from engine.proposers.draft_model import DraftModelProposer
+from engine.request.delta import seq_delta
 from engine.request.grammar import GrammarCompiler, GrammarError, SequenceGrammars
-from engine.request.prompt_logprobs import verify_feed
 from engine.request.sampling import SamplingParams
 from engine.request.sequence import RequestOutput, SequenceState
-from engine.spec.accept import RowVerify, Verdict, commit, row_scheme, verify_rows
+from engine.spec.accept import Verdict, commit
 from engine.spec.plan import SpecRow, plan_ks
 from engine.spec.policy import AcceptanceTracker, CostProfile
-from engine.spec.proposal import CompactProposal
 from engine.spec.stats import EngineTimings, SpecStats
+from engine.spec.verify import TargetVerifier, VerifyRow
 
 
 class SpeculativeEngine:
@@ -59,6 +60,9 @@ class SpeculativeEngine:
         # structured outputs: the target's matcher per constrained request (engine/request/grammar.py); the proposer
         # keeps its own
         self.grammars = SequenceGrammars(GrammarCompiler(tokenizer, target.vocab_size, self.eos_token_ids))
+        # the target's side of each round, the served target worker's too (engine/spec/verify.py)
+        self.verifier = TargetVerifier(target, self.grammars)
+        self._sent: dict[str, int] = {}  # committed tokens the verifier holds, by request
 
     # ---- admission ------------------------------------------------------------------------------------------
     @property
@@ -85,7 +89,7 @@ class SpeculativeEngine:
             except GrammarError:
                 self.grammars.release(request_id)  # not admitted: nothing of it is kept
                 raise
-        self.target.add(request_id)
+        self._sent[request_id] = 0
         self._rows[request_id] = SpecRow(seq, AcceptanceTracker(prior=self.population.acceptance), fixed_k)
 
     def abort(self, request_id: str) -> None:
@@ -95,8 +99,8 @@ class SpeculativeEngine:
             self._release(row.seq)
 
     def _release(self, seq: SequenceState) -> None:
-        self.grammars.release(seq.request_id)
-        self.target.release(seq.request_id)
+        self._sent.pop(seq.request_id, None)
+        self.verifier.release(seq.request_id)
         if self.proposer is not None:
             self.proposer.release(seq.request_id)
 
@@ -108,29 +112,27 @@ class SpeculativeEngine:
         seqs = [row.seq for row in rows]
         ks = self.plan(rows)
         t0 = time.perf_counter()
-        drafts, proposals = self._draft(rows, ks)
+        drafts, proposals = draft_rows(self.proposer, seqs, ks)
+        for row, k in zip(rows, ks):
+            if k > 0 and self.proposer is not None:
+                row.draft_sent = row.seq.num_tokens
         t1 = time.perf_counter()
-        feeds = [self._feed(s) + drafts[b] for b, s in enumerate(seqs)]
-        widths = [len(d) + 1 for d in drafts]
-        logits = self.target.forward([s.request_id for s in seqs], feeds, widths)  # [B, K+1, V]
-        verdicts = verify_rows(logits, [RowVerify(s.params, row_scheme(s.params, s.seed, s.coupled, s.num_tokens),
-                                                  drafts[b], proposals[b], s.processing(),
-                                                  self.grammars.masks(s.request_id, s.tokens, drafts[b]))
-                                        for b, s in enumerate(seqs)])
+        verify = [VerifyRow(seq_delta(s, self._sent[s.request_id]), drafts[b], proposals[b])
+                  for b, s in enumerate(seqs)]
+        outcome = self.verifier.verify(verify)
+        for s in seqs:
+            self._sent[s.request_id] = s.num_tokens
+        if outcome.failed:  # the grammar was compiled at admission: a matcher that broke
+            raise next(iter(outcome.failed.values()))
+        for b, run in outcome.prompt_logprobs.items():
+            seqs[b].add_prompt_logprobs(run)
+        for b, count in outcome.cached_tokens.items():
+            seqs[b].add_cached_tokens(count)
         t2 = time.perf_counter()
-        outputs = [self._commit(row, len(drafts[b]), verdicts[b]) for b, row in enumerate(rows)]
+        outputs = [self._commit(row, len(drafts[b]), outcome.verdicts[b]) for b, row in enumerate(rows)]
         t3 = time.perf_counter()
         self.timings.record(len(seqs), t1 - t0, t2 - t1, t3 - t2)
         return outputs
-
-    def _feed(self, seq: SequenceState) -> list[int]:
-        """The sequence's tokens the target's cache lacks; a request that asked for prompt logprobs has its prompt
-        positions fed (and scored) first, through the target's LM head at every position."""
-        feed, scored = verify_feed(self.target, seq.request_id, seq.tokens, len(seq.prompt_ids),
-                                   seq.params.prompt_logprobs if seq.wants_prompt_logprobs() else None)
-        if scored is not None:
-            seq.add_prompt_logprobs(scored)
-        return feed
 
     def plan(self, rows: list[SpecRow]) -> list[int]:
         """Each row's draft length this round, from the planner the served round uses (engine/spec/plan.py): with
@@ -140,23 +142,6 @@ class SpeculativeEngine:
         outlooks = [row.outlook(min(row.seq.k, k_max), reads_context) for row in rows]
         ks = plan_ks(self.profile, outlooks, len(rows), len(rows), self.max_batch_for_speculation)
         return [row.seq.draft_len(k) for row, k in zip(rows, ks)]
-
-    def _draft(
-        self, rows: list[SpecRow], ks: list[int]
-    ) -> tuple[list[list[int]], list[CompactProposal | None]]:  # per row its drafts and compact proposal
-        """The rows' drafts, and the compact proposals they were drawn from (unseeded sampled model drafts; None
-        for the others: one-hot n-gram drafts, greedy and seeded rows)."""
-        drafts: list[list[int]] = [[] for _ in rows]
-        proposals: list[CompactProposal | None] = [None for _ in rows]
-        asked = [b for b, k in enumerate(ks) if k > 0]
-        if not asked or self.proposer is None:
-            return drafts, proposals
-        proposal = self.proposer.propose([DraftRequest.of(rows[b].seq, ks[b]) for b in asked])
-        for i, b in enumerate(asked):
-            drafts[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
-            proposals[b] = proposal.proposal(i)
-            rows[b].draft_sent = rows[b].seq.num_tokens
-        return drafts, proposals
 
     def _commit(self, row: SpecRow, num_draft: int, verdict: Verdict) -> RequestOutput:
         out = commit(row.seq, num_draft, verdict, self.stats, (row.tracker, self.population))

@@ -5,10 +5,11 @@ in-process)."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from deployments.transport.messages import DraftCall, DraftResult, SeqDelta, VerifyCall, VerifyResult, WireProposal
+from deployments.transport.messages import DraftCall, DraftResult, VerifyCall, VerifyResult, WireProposal
+from engine.request.delta import SeqDelta, seq_delta
 from engine.spec.plan import SpecRow
 
 
@@ -74,25 +75,9 @@ class LiveRequest(SpecRow):
     draft_retry_at: float = 0.0  # time.monotonic() before which no Draft lease is tried (the last one failed)
 
     def delta(self, sent: int, end: int | None = None) -> SeqDelta:
-        """The committed tokens [sent, end) (to the last one without `end`) for a target worker that holds
-        [0, sent); with what it needs to score the prompt while a request's prompt logprobs are not all in."""
-        delta = self._delta(sent, self.seq.tokens[sent:end])
-        if not self.seq.wants_prompt_logprobs():
-            return delta
-        end = len(self.seq.tokens) if end is None else end
-        prompt = self.seq.prompt_ids
-        return replace(delta, prompt_logprobs=self.seq.params.prompt_logprobs,
-                       prompt_next=prompt[end] if end < len(prompt) else None)
-
-    def _delta(self, start: int, tokens: list[int]) -> SeqDelta:
-        p, settings = self.seq.params, self.seq.logits_settings
-        # the logits settings and the grammar go with a sequence's first call to a worker only (it keeps them:
-        # worker_base.py, engine/request/grammar.py)
-        first = start == 0
-        return SeqDelta(self.seq.request_id, start, tokens, p.temperature, p.top_k, p.top_p, self.seq.seed,
-                        self.seq.coupled, p.logprobs, p.min_p,
-                        settings.wire() if first and settings is not None else None,
-                        p.grammar.wire() if first and p.grammar is not None else None, len(self.seq.prompt_ids))
+        """The committed tokens [sent, end) (to the last one without `end`) for a target worker that holds [0, sent)
+        (engine/request/delta.seq_delta: the settings go with a sequence's first delta to a worker only)."""
+        return seq_delta(self.seq, sent, end)
 
     def draft_delta(self, extra: list[int], end: int | None = None) -> SeqDelta:
         """The call that leaves the draft worker holding the committed tokens plus `extra`, re-sending as little as
@@ -103,6 +88,7 @@ class LiveRequest(SpecRow):
         same = 0
         while same < len(held) and start + same < len(wanted) and held[same] == wanted[start + same]:
             same += 1
-        delta = self._delta(start + same, wanted[start + same:])
+        start += same
+        delta = SeqDelta(self.seq.request_id, start, wanted[start:], self.seq.settings if start == 0 else None)
         self.draft_sent, self.draft_extra = len(self.seq.tokens[:end]), list(extra)
         return delta

@@ -42,7 +42,7 @@ from deployments.transport.messages import (
     WireProposal,
     head,
 )
-from engine.proposers.base import DraftRequest
+from engine.proposers.base import draft_rows
 from engine.request.sequence import RequestOutput
 from engine.spec.accept import commit
 from engine.spec.plan import plan_ks
@@ -210,11 +210,8 @@ class GroupRound:
             live.ready = None  # a draft made ahead serves the round right after it, or nobody
         if not any(ks):
             return drafts
-        if self.local is not None:
-            asked = [b for b, k in enumerate(ks) if k > 0]
-            proposal = self.local.propose([DraftRequest.of(rows[b].seq, ks[b]) for b in asked])
-            for i, b in enumerate(asked):
-                drafts.tokens[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
+        if self.local is not None:  # one-hot drafts (n-gram lookup): no proposals
+            drafts.tokens = draft_rows(self.local, [live.seq for live in rows], ks)[0]
             return drafts
         for b, (live, k) in enumerate(zip(rows, ks)):
             if k > 0 and ready[b] is not None:

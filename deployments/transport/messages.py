@@ -6,9 +6,10 @@ much faster than dataclass instances (bench/RESULTS.md). So they are converted a
 read calls `from_wire` and answer a result's `wire()`; the leases (deployments/router/leases.py, or the tests'
 in-process ones) turn the replies back into results. Everything between, the round loop included, sees these types.
 
-A round sends only token deltas: each call names a sequence, the position `start` from which the router's
-committed tokens are new to the worker, and those tokens, with its sampling settings and seed (and, in its first
-delta to a worker, its grammar). The target worker samples (engine/spec/accept.py, on its device) and answers per row
+A round sends only token deltas (engine/request/delta.SeqDelta): each call names a sequence, the position `start` from
+which the router's committed tokens are new to the worker, and those tokens; a sequence's first delta to a worker
+carries its settings (engine/request/settings.SequenceSettings: the frozen sampling parameters with the grammar, the
+seed, the prompt's length), which the worker keeps with its known tokens. The target worker samples (engine/spec/accept.py, on its device) and answers per row
 the tokens to emit, how many drafts it accepted and, when asked, their logprobs (and a prefilling row's prompt logprobs,
 engine/request/prompt_logprobs.py): a few dozen bytes per token, never a probability tensor. A row a worker cannot serve
 (its grammar fails there) is answered as a RowFailure in the reply, by call index, so one request's failure never fails
@@ -28,9 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.request.grammar import GrammarSpec
+from engine.request.delta import SeqDelta
 from engine.request.prompt_logprobs import PromptLogprobs
-from engine.request.sampling import SamplingParams
 from engine.spec.accept import TokenLogprob, Verdict
 from engine.spec.proposal import CompactProposal
 
@@ -64,46 +64,6 @@ def head(wire: WireProposal | None, start: int, end: int | None = None) -> WireP
 
 
 @dataclass(frozen=True)
-class SeqDelta:
-    seq_id: str
-    start: int  # committed tokens [0, start) were sent to this worker before
-    tokens: list[int]  # committed tokens [start, ...)
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int  # the request's own seed or the one drawn for it at admission (engine/spec/randomness.py)
-    coupled: bool = False  # the request brought its seed: Gumbel-coupled sampling (engine/spec/accept.py)
-    logprobs: int | None = None  # SamplingParams.logprobs
-    min_p: float = 0.0  # SamplingParams.min_p
-    # the sequence's logits processing (engine/request/builtin_processors.LogitsSettings.wire(): its prompt length,
-    # penalties, logit_bias, min_tokens), sent with a sequence's first call only (start == 0): the worker keeps it
-    # with the sequence's tokens (worker_base.KnownTokens) and counts the penalties from the tokens it holds
-    logits: tuple | None = None
-    # structured outputs: the request's GrammarSpec.wire(), on a sequence's first delta to a worker only (start 0:
-    # the worker keeps a matcher from then on, engine/request/grammar.py), and where its output begins (the prompt's
-    # length)
-    grammar: tuple | None = None
-    output_start: int = 0
-    # prompt logprobs (SamplingParams.prompt_logprobs), while the target has prompt tokens to score: the top n, and
-    # the prompt token after `tokens` when they end inside the prompt (a chunk: its last position's logits score it)
-    prompt_logprobs: int | None = None
-    prompt_next: int | None = None
-
-    def sampling(self) -> SamplingParams:
-        """The settings the sampler needs each round (the logits processors come from `logits`, kept)."""
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              seed=self.seed if self.coupled else None, logprobs=self.logprobs, min_p=self.min_p)
-
-    def grammar_spec(self) -> GrammarSpec | None:
-        return GrammarSpec.from_wire(self.grammar)
-
-    def wire(self) -> tuple:
-        return (self.seq_id, self.start, self.tokens, self.temperature, self.top_k, self.top_p, self.seed,
-                self.coupled, self.logprobs, self.min_p, self.logits, self.grammar, self.output_start,
-                self.prompt_logprobs, self.prompt_next)
-
-
-@dataclass(frozen=True)
 class DraftCall:
     seq: SeqDelta
     k: int  # drafts wanted (0: only read the tokens, a long prompt's chunk)
@@ -130,7 +90,8 @@ class VerifyCall:
 
     @staticmethod
     def from_wire(wire: tuple) -> "VerifyCall":
-        return VerifyCall(SeqDelta(*wire[0]), wire[1], wire[2], bool(wire[3]) if len(wire) > 3 else False)
+        seq, draft, proposal, ahead = wire
+        return VerifyCall(SeqDelta(*seq), draft, proposal, ahead)
 
 
 @dataclass(frozen=True)

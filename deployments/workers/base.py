@@ -25,21 +25,16 @@ import torch
 
 from deployments.errors import StartupError
 from deployments.transport.channel import ChannelServer
-from deployments.transport.messages import Method, SeqDelta
+from deployments.transport.messages import Method
 from deployments.transport.wire import Endpoint
 from engine.factory import EngineConfig
 from engine.models.loading import ModelLoadError
 from engine.models.runner import KVBudgetError, KVCacheFull, Runner
-from engine.request.builtin_processors import LogitsSettings
-from engine.request.logits_processing import LogitsProcessor, RowProcessing
+from engine.request.delta import KnownSequences
 
 RELEASES_REMEMBERED = 4096  # sequences whose release times a worker keeps (`released_ago`)
 
 log = logging.getLogger(__name__)
-
-
-class UnknownSequenceError(KeyError):
-    """A call continued a sequence this worker does not hold (the router must re-send it from 0)."""
 
 
 def node_address() -> str:
@@ -52,45 +47,6 @@ def node_address() -> str:
     except ImportError:
         pass
     return socket.gethostbyname(socket.gethostname())
-
-
-class KnownTokens:
-    """The committed tokens each sequence has sent to a worker, and its logits processors (engine/
-    logits_processing.py), built once from the settings its first call (start 0) carried."""
-
-    def __init__(self) -> None:
-        self.tokens: dict[str, list[int]] = {}
-        self._processing: dict[str, tuple[int, tuple[LogitsProcessor, ...]]] = {}  # seq -> (prompt_len, processors)
-        self.touched: dict[str, float] = {}  # seq -> time.monotonic() of its latest call
-
-    def apply(self, delta: SeqDelta) -> list[int]:
-        self.touched[delta.seq_id] = time.monotonic()
-        known = self.tokens.get(delta.seq_id)
-        if known is None:
-            if delta.start != 0:
-                raise UnknownSequenceError(delta.seq_id)
-            known = self.tokens[delta.seq_id] = []
-        if delta.start > len(known):
-            raise UnknownSequenceError(delta.seq_id)
-        if delta.start == 0:  # a sequence's first call (or a re-send from scratch) carries its settings
-            self._processing.pop(delta.seq_id, None)
-            if delta.logits is not None:
-                settings = LogitsSettings.from_wire(delta.logits)
-                if processors := settings.processors():
-                    self._processing[delta.seq_id] = (settings.prompt_len, processors)
-        del known[delta.start :]
-        known.extend(delta.tokens)
-        return known
-
-    def processing(self, seq_id: str) -> RowProcessing | None:
-        """The sequence's logits processors over the tokens it has sent (None: none)."""
-        held = self._processing.get(seq_id)
-        return None if held is None else RowProcessing(held[1], self.tokens[seq_id], held[0])
-
-    def pop(self, seq_id: str) -> None:
-        self.tokens.pop(seq_id, None)
-        self._processing.pop(seq_id, None)
-        self.touched.pop(seq_id, None)
 
 
 class BusyClock:
@@ -223,7 +179,7 @@ class ModelWorker:
         self.niceness = self._model.call(set_thread_niceness, niceness)
         self.torch_threads = self._model.call(set_torch_threads, torch_threads, concurrent_workers)
         self.busy = BusyClock()
-        self._known = KnownTokens()
+        self._known = KnownSequences()  # each sequence's committed tokens and settings (engine/request/delta.py)
         self._released_at: OrderedDict[str, float] = OrderedDict()  # seq -> time.monotonic() of its last release
         self.calls = 0  # model calls served
         self.rows = 0  # sequences in them, summed

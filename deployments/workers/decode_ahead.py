@@ -10,8 +10,8 @@ that hop is a large share of a round. This is the host/device overlap of vLLM's 
 next step's inputs are prepared before the current step's tokens reach the host.
 
 Exactness: the step made ahead is the step the call would have made: the same committed tokens, the same sampling
-settings, and a sampling scheme numbered by the row's absolute position (engine/spec/randomness.py), so a seeded row
-draws the same token; an unseeded row draws a fresh one either way. A call that differs in any way (the row now
+settings (the sequence's, kept since its first call), and a sampling scheme numbered by the row's absolute position
+(engine/spec/randomness.py), so a seeded row draws the same token; an unseeded row draws a fresh one either way. A call that differs in any way (the row now
 drafts, its request ended, another call came first) finds no match: the entry is dropped and the row is computed
 as before (its KV cache rolls back the guessed token on sync, as after a rejected draft).
 
@@ -24,9 +24,10 @@ entries, so all ranks agree on which rows a later call takes from them.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from deployments.transport.messages import VerifyCall, VerifyResult
+from engine.request.delta import SeqDelta
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,6 @@ class AheadRow:
 
     start: int
     tokens: tuple[int, ...]
-    settings: tuple  # the sampling settings it was computed with
     verdict: object  # engine.spec.accept.Verdict | None
     batch: int  # which ahead step computed it (its seconds are counted once per step)
     seconds: float  # that step's compute
@@ -52,11 +52,6 @@ class AheadStats:
         return {"steps": self.steps, "rows": self.rows, "used": self.used, "dropped": self.dropped}
 
 
-def _settings(call: VerifyCall) -> tuple:
-    s = call.seq
-    return (s.temperature, s.top_k, s.top_p, s.seed, s.coupled, s.logprobs, s.min_p)
-
-
 def next_calls(calls: list[VerifyCall], result: VerifyResult) -> list[VerifyCall] | None:
     """The calls of the round after `calls` if every row's guess holds (each row sends the tokens it was given),
     or None when the round is not one to decode ahead: a row unmarked, failed, or scoring prompt tokens."""
@@ -64,8 +59,8 @@ def next_calls(calls: list[VerifyCall], result: VerifyResult) -> list[VerifyCall
         return None
     if result.failed or result.prompt_logprobs or any(v is None for v in result.verdicts):
         return None
-    return [VerifyCall(replace(call.seq, start=call.seq.start + len(call.seq.tokens), tokens=list(verdict.tokens),
-                               logits=None, grammar=None, prompt_logprobs=None, prompt_next=None), [], None, True)
+    return [VerifyCall(SeqDelta(call.seq.seq_id, call.seq.start + len(call.seq.tokens), list(verdict.tokens)), [],
+                       None, True)
             for call, verdict in zip(calls, result.verdicts)]
 
 
@@ -89,8 +84,7 @@ class DecodeAhead:
         self.stats.rows += len(calls)
         for b, call in enumerate(calls):
             verdict = None if result is None else result.verdicts[b]
-            self.rows[call.seq.seq_id] = AheadRow(call.seq.start, tuple(call.seq.tokens), _settings(call), verdict,
-                                                  batch, seconds)
+            self.rows[call.seq.seq_id] = AheadRow(call.seq.start, tuple(call.seq.tokens), verdict, batch, seconds)
 
     def take(self, calls: list[VerifyCall]) -> dict[int, AheadRow]:
         """The rows of `calls` (by index) decoded ahead exactly as asked; every other entry of theirs is dropped."""
@@ -99,8 +93,9 @@ class DecodeAhead:
             row = self.rows.pop(call.seq.seq_id, None)
             if row is None:
                 continue
-            if (not call.draft and call.seq.start == row.start and tuple(call.seq.tokens) == row.tokens
-                    and _settings(call) == row.settings):
+            # a sequence's settings are fixed for its life (sent once); a call that re-sends them starts it afresh
+            if (not call.draft and call.seq.settings is None and call.seq.start == row.start
+                    and tuple(call.seq.tokens) == row.tokens):
                 served[b] = row
             else:
                 self.stats.dropped += 1

@@ -94,10 +94,10 @@ class DraftWorkerCore(ModelWorker):
         start = time.perf_counter()
         requests = []
         for call in calls:
+            seq_id = call.seq.seq_id
             tokens = self._known.apply(call.seq)  # the first draft's absolute position is len(tokens)
-            requests.append(DraftRequest(call.seq.seq_id, tokens, call.k, call.seq.sampling(), call.seq.seed,
-                                         call.seq.coupled, self._known.processing(call.seq.seq_id),
-                                         call.seq.grammar_spec(), call.seq.output_start))
+            requests.append(DraftRequest(seq_id, tokens, call.k, self._known.settings(seq_id),
+                                         self._known.processing(seq_id)))
         if all(call.k == 0 for call in calls):  # a prompt chunk, read only (scheduler._draft_reads_chunk)
             self.proposer.read(requests)
             self._counted(len(calls))

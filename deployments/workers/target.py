@@ -1,8 +1,9 @@
 """The target's model worker: verifies each round's rows (with their drafts) and samples on its own device.
 
 Each call names rows by sequence and sends only what is new (deployments/transport/messages.py); `Runner.sync` rolls the
-KV cache back to what agrees with the committed tokens, so rejected drafts disappear without bookkeeping. The accept
-step (engine/spec/accept.verify_rows) runs here, so only tokens go back to the router. Plain rows the router marks are
+KV cache back to what agrees with the committed tokens, so rejected drafts disappear without bookkeeping. The verify
+step (engine/spec/verify.TargetVerifier, the in-process engine's too: forward, grammar masks, accept) runs here, so only
+tokens go back to the router. Plain rows the router marks are
 decoded one step ahead while the router handles the reply (deployments/workers/decode_ahead.py).
 
 Tensor parallelism: rank 0 is the target's only entry point. It forwards each verify and release to the other
@@ -35,9 +36,8 @@ from engine.models.loading import eos_token_ids, load_tokenizer, resolve
 from engine.models.runner import Runner, resolve_dtype
 from engine.models.shard_loading import load_shard, rank_device
 from engine.models.tensor_parallel import CollectiveError, full_num_parameters, num_parameters
-from engine.request.grammar import GrammarCompiler, GrammarError, SequenceGrammars
-from engine.request.prompt_logprobs import PromptLogprobs, score_tokens, verify_feed
-from engine.spec.accept import RowVerify, row_scheme, verify_rows
+from engine.request.grammar import GrammarCompiler, SequenceGrammars
+from engine.spec.verify import TargetVerifier, VerifyRow
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class TargetWorkerCore(ModelWorker):
         self.runner: Runner | None = None
         self.costs: dict | None = None
         self.grammars: SequenceGrammars | None = None  # rank 0: structured outputs' matchers (made at load)
+        self.verifier: TargetVerifier | None = None  # the verify step over the runner (engine/spec/verify.py)
         if world == 1:
             with startup_errors("target"), cpu_startup_turn(config):
                 self.on_model_thread(self.load)
@@ -87,6 +88,7 @@ class TargetWorkerCore(ModelWorker):
             self.full_parameters = num_parameters(self.runner.model)
             self._start_grammars(tokenizer)
             warm_up(self.runner, self.config.num_speculative_tokens, "target")
+            self.verifier = TargetVerifier(self.runner, self.grammars, self._known)
             return
         # a shard runs on the static runner (its heads' fused weights and KV cache, collectives inside the step:
         # engine/models/static/tp.py) where the family is covered and runner is auto/static; on transformers' otherwise.
@@ -100,6 +102,8 @@ class TargetWorkerCore(ModelWorker):
         warm_up(self.runner, self.config.num_speculative_tokens, "target")
         if self.rank == 0:
             self._start_grammars(load_tokenizer(resolve(self.config.target), self.config.trust_remote_code))
+        # every rank applies the calls and runs the forward; rank 0 alone samples and answers
+        self.verifier = TargetVerifier(self.runner, self.grammars, self._known, samples=self.rank == 0)
 
     def _start_grammars(self, tokenizer) -> None:
         """Rank 0's structured-output matchers, their tokenizer table built now (prepare_grammars)."""
@@ -192,82 +196,25 @@ class TargetWorkerCore(ModelWorker):
             self.ahead.keep(parsed, self._compute(parsed), time.perf_counter() - start)
 
     def _compute(self, calls: list[VerifyCall]) -> VerifyResult | None:
+        """The calls through the one verify step (engine/spec/verify.py); rank 0's answer, None on the others."""
         start = time.perf_counter()
-        runner = self.runner
-        seq_ids, feeds, widths, positions = [], [], [], []
-        prompt: dict[int, PromptLogprobs | None] = {}  # rows scoring prompt tokens (engine/request/prompt_logprobs.py)
-        for b, call in enumerate(calls):
-            known = self._known.apply(call.seq)
-            if not runner.has(call.seq.seq_id):
-                runner.add(call.seq.seq_id)
-            seq_ids.append(call.seq.seq_id)
-            positions.append(len(known))  # the absolute position of the row's first scored token
-            feed, scored = verify_feed(runner, call.seq.seq_id, known, call.seq.output_start,
-                                       call.seq.prompt_logprobs, reduce=self.rank == 0)
-            if call.seq.prompt_logprobs is not None:  # the LM head over its prompt positions, fed first
-                prompt[b] = scored
-            feeds.append(feed + list(call.draft))
-            widths.append(len(call.draft) + 1)
-        logits = runner.forward(seq_ids, feeds, widths)  # [B, K+1, V]; every rank runs it (collectives)
-        cached = dict(getattr(runner, "last_prefix_hits", {}))  # row -> tokens read from the prefix cache
+        outcome = self.verifier.verify([VerifyRow(call.seq, call.draft, proposal_from_wire(call.proposal))
+                                        for call in calls])
         self._counted(len(calls))
-        if self.rank != 0:
+        if outcome is None:
             return None
-        for b, run in list(prompt.items()):  # a prompt chunk's last logits score the next chunk's first token
-            call = calls[b]
-            if call.seq.prompt_next is not None:
-                end = PromptLogprobs(positions[b], score_tokens(logits[b, :1], [call.seq.prompt_next],
-                                                                call.seq.prompt_logprobs))
-                run = end if run is None else PromptLogprobs(run.first, run.entries + end.entries)
-            prompt[b] = run
-        rows, kept, failed = [], [], {}
-        for b, (call, position) in enumerate(zip(calls, positions)):
-            try:
-                allowed = self._grammar_masks(call)
-            except GrammarError as exc:  # this row's request fails (a 500 naming structured outputs); the others go on
-                failed[b] = grammar_failure("target", call.seq.seq_id, exc)
-                continue
-            params = call.seq.sampling()
-            kept.append(b)
-            rows.append(RowVerify(params, row_scheme(params, call.seq.seed, call.seq.coupled, position), call.draft,
-                                  proposal_from_wire(call.proposal), self._known.processing(call.seq.seq_id),
-                                  allowed))
-        # the accept step on the target's device (engine/spec/accept.py, the in-process engine's too): tokens come back
-        verdicts: list = [None] * len(calls)
-        if rows:
-            for b, verdict in zip(kept, verify_rows(logits[kept] if failed else logits, rows)):
-                verdicts[b] = verdict
-                if self.grammars is not None:  # a grammar keeps the accepted drafts and the token after them
-                    with contextlib.suppress(GrammarError):  # remembered: the row's next call fails
-                        self.grammars.matcher(calls[b].seq.seq_id, self._known.tokens[calls[b].seq.seq_id]
-                                              + verdict.tokens)
-        return VerifyResult(verdicts, time.perf_counter() - start, failed=failed,
-                            prompt_logprobs={b: run for b, run in prompt.items() if run is not None},
-                            cached_tokens=cached)
-
-    def _grammar_masks(self, call: VerifyCall):  # [K+1, V] bool, or None: the row has no grammar
-        """The row's grammar masks at each verify position (engine/request/grammar.py): its matcher, made from the
-        grammar its sequence's first delta carried, synced to the committed tokens, probes the drafts. GrammarError when
-        the grammar cannot be compiled here (the router compiled it before admission: a tokenizer mismatch, or no
-        tokenizer table) or its matcher broke."""
-        spec = call.seq.grammar_spec()
-        if spec is not None:
-            if self.grammars is None:
-                raise GrammarError("this target worker has no grammar compiler")
-            self.grammars.track(call.seq.seq_id, spec, call.seq.output_start)
-        if self.grammars is None:
-            return None
-        return self.grammars.masks(call.seq.seq_id, self._known.tokens[call.seq.seq_id], call.draft)
+        failed = {b: grammar_failure("target", calls[b].seq.seq_id, exc) for b, exc in outcome.failed.items()}
+        return VerifyResult(outcome.verdicts, time.perf_counter() - start, failed=failed,
+                            prompt_logprobs=outcome.prompt_logprobs, cached_tokens=outcome.cached_tokens)
 
     def release(self, seq_ids: list[str]) -> None:
         """Rank 0 passes the release on to the other ranks, in order with the verifies."""
         self._in_group(Method.RELEASE, (seq_ids,), self._release)
 
     def _forget(self, seq_id: str) -> None:
-        super()._forget(seq_id)
         self.ahead.forget(seq_id)
-        if self.grammars is not None:
-            self.grammars.release(seq_id)
+        if self.verifier is not None:
+            self.verifier.release(seq_id)
 
     def stats(self) -> dict:
         return {"rank": self.rank, **super().stats(), "parameters": num_parameters(self.runner.model),

@@ -15,6 +15,7 @@ from engine.request.grammar import GrammarSpec
 from engine.request.logits_processing import RowProcessing
 from engine.request.sampling import SamplingParams
 from engine.request.sequence import SequenceState
+from engine.request.settings import SequenceSettings
 from engine.spec.proposal import CompactProposal, RowScheme
 
 
@@ -23,23 +24,38 @@ class DraftRequest:
     seq_id: str
     tokens: Sequence[int]  # the committed tokens: prompt + output so far (the first draft's position is len(tokens))
     k: int  # how many tokens to propose (>= 1)
-    sampling: SamplingParams
-    seed: int = 0  # the request's seed (its own or drawn at admission): engine/spec/randomness.py
-    coupled: bool = False  # the request brought its seed: Gumbel-coupled drafts (engine/spec/proposal.py)
+    settings: SequenceSettings  # sampling parameters, seed, grammar, prompt length (engine/request/settings.py)
     # the request's logits processors (engine/request/logits_processing.py), applied at each draft step with the tokens
     # drafted so far: the draft's distribution is processed as the target's is at that position
     processing: RowProcessing | None = None
-    grammar: GrammarSpec | None = None  # structured outputs: the draft masks its proposals (engine/request/grammar.py)
-    output_start: int = 0  # where the output begins in `tokens` (the grammar covers the output only)
 
     @classmethod
     def of(cls, seq: SequenceState, k: int) -> DraftRequest:
         """A live sequence's request for `k` drafts (the in-process engine's and the router's own proposer's)."""
-        return cls(seq.request_id, seq.tokens, k, seq.params, seq.seed, seq.coupled, seq.processing(),
-                   seq.params.grammar, len(seq.prompt_ids))
+        return cls(seq.request_id, seq.tokens, k, seq.settings, seq.processing())
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.settings.params
+
+    @property
+    def seed(self) -> int:  # the request's seed (its own or drawn at admission): engine/spec/randomness.py
+        return self.settings.seed
+
+    @property
+    def coupled(self) -> bool:  # the request brought its seed: Gumbel-coupled drafts (engine/spec/proposal.py)
+        return self.settings.coupled
+
+    @property
+    def grammar(self) -> GrammarSpec | None:  # structured outputs: the draft masks its proposals (engine/request/grammar.py)
+        return self.settings.params.grammar
+
+    @property
+    def output_start(self) -> int:  # where the output begins in `tokens` (the grammar covers the output only)
+        return self.settings.prompt_len
 
     def scheme(self, step: int) -> RowScheme:
-        return RowScheme(self.sampling.greedy, self.coupled, self.seed, len(self.tokens) + step)
+        return self.settings.scheme(len(self.tokens) + step)
 
     @property
     def ships_proposal(self) -> bool:
@@ -64,6 +80,23 @@ class Proposer(Protocol):
     def propose(self, requests: Sequence[DraftRequest], stop: Callable[[], bool] | None = None) -> Proposal: ...
 
     def release(self, seq_id: str) -> None: ...
+
+
+def draft_rows(proposer: Proposer | None, seqs: Sequence[SequenceState], ks: Sequence[int]
+               ) -> tuple[list[list[int]], list[CompactProposal | None]]:  # per row its drafts and compact proposal
+    """Drafts from a proposer at hand (the in-process engine's, or n-gram lookup in the router) for the rows with
+    k > 0, and the compact proposals they were drawn from (unseeded sampled model drafts; None for the others: one-hot
+    n-gram drafts, greedy and seeded rows)."""
+    drafts: list[list[int]] = [[] for _ in seqs]
+    proposals: list[CompactProposal | None] = [None for _ in seqs]
+    asked = [b for b, k in enumerate(ks) if k > 0]
+    if not asked or proposer is None:
+        return drafts, proposals
+    proposal = proposer.propose([DraftRequest.of(seqs[b], ks[b]) for b in asked])
+    for i, b in enumerate(asked):
+        drafts[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
+        proposals[b] = proposal.proposal(i)
+    return drafts, proposals
 
 
 class IncompatibleDraftError(ValueError):

@@ -21,7 +21,7 @@ counting its history (numpy, O(context) per call: small beside a forward pass at
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,43 +171,14 @@ class Penalties:
         logits[index] = torch.where(live, new, sub)
 
 
-@dataclass(frozen=True)
-class LogitsSettings:
-    """A sequence's built-in processing, fixed for its life: sent to a worker once, with the sequence's first call
-    (deployments/transport/messages.SeqDelta.logits), as `wire()`."""
-
-    prompt_len: int
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    min_tokens_ids: tuple[int, ...] = ()  # masked until min_tokens: EOS ids and stop_token_ids
-
-    @staticmethod
-    def of(params: SamplingParams, prompt_len: int, eos_ids: Iterable[int]) -> "LogitsSettings":
-        """The settings of a request; EOS is masked under min_tokens even with ignore_eos (as vLLM does)."""
-        stop_ids = tuple(sorted(set(eos_ids) | set(params.stop_token_ids))) if params.min_tokens else ()
-        return LogitsSettings(prompt_len, params.presence_penalty, params.frequency_penalty,
-                              params.repetition_penalty, params.logit_bias, params.min_tokens, stop_ids)
-
-    def processors(self) -> tuple[LogitsProcessor, ...]:
-        """The processors these settings need, in vLLM's order (none for the defaults)."""
-        out: list[LogitsProcessor] = []
-        if self.min_tokens and self.min_tokens_ids:
-            out.append(MinTokens(self.min_tokens, self.min_tokens_ids))
-        if self.logit_bias:
-            out.append(LogitBias(tuple(t for t, _ in self.logit_bias), tuple(b for _, b in self.logit_bias)))
-        if self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty:
-            out.append(Penalties(self.repetition_penalty, self.frequency_penalty, self.presence_penalty))
-        return tuple(out)
-
-    def wire(self) -> tuple:
-        return (self.prompt_len, self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
-                self.logit_bias, self.min_tokens, self.min_tokens_ids)
-
-    @staticmethod
-    def from_wire(wire: tuple) -> "LogitsSettings":
-        prompt_len, presence, frequency, repetition, bias, min_tokens, ids = wire
-        return LogitsSettings(prompt_len, presence, frequency, repetition, tuple(tuple(p) for p in bias),
-                              min_tokens, tuple(ids))
+def builtin_processors(params: SamplingParams, min_tokens_ids: Sequence[int] = ()) -> tuple[LogitsProcessor, ...]:
+    """The processors a request's parameters need, in vLLM's order (none for the defaults); `min_tokens_ids` are the
+    stop ids min_tokens masks (engine/request/settings.SequenceSettings holds them)."""
+    out: list[LogitsProcessor] = []
+    if params.min_tokens and min_tokens_ids:
+        out.append(MinTokens(params.min_tokens, tuple(min_tokens_ids)))
+    if params.logit_bias:
+        out.append(LogitBias(tuple(t for t, _ in params.logit_bias), tuple(b for _, b in params.logit_bias)))
+    if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
+        out.append(Penalties(params.repetition_penalty, params.frequency_penalty, params.presence_penalty))
+    return tuple(out)

@@ -23,11 +23,10 @@ The seam, for whoever adds a processor (structured outputs' grammar mask, say):
   `engine.proposers.draft_model.DraftModelProposer.propose` (each draft step), before argmax / `logits_to_probs`. Put
   the built-ins first (SequenceState and the workers do) and new processors after them; a -inf mask commutes with them
   anyway (-inf stays -inf under a bias or a penalty);
-- the built-in processors, vLLM's request parameters, are engine/request/builtin_processors.py; the in-process engine
-keeps
-  a sequence's processors on its `SequenceState.processors`, a served worker in its per-sequence store
-  (deployments/workers/base.KnownTokens), built once from the settings the router sends with the sequence's
-  first call.
+- the built-in processors, vLLM's request parameters, are engine/request/builtin_processors.py; a sequence's
+  processors are built once from its settings (engine/request/settings.SequenceSettings): the router's and the
+  in-process engine's on `SequenceState.processors`, a worker's (and the in-process target's) in its per-sequence
+  store (engine/request/delta.KnownSequences), from the settings the sequence's first delta carried.
 """
 
 from __future__ import annotations

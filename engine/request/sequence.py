@@ -6,10 +6,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from engine.request.builtin_processors import LogitsSettings
 from engine.request.logits_processing import LogitsProcessor, RowProcessing
 from engine.request.prompt_logprobs import PromptLogprobs
 from engine.request.sampling import SamplingParams
+from engine.request.settings import SequenceSettings
 from engine.request.stopping import OutputText, cut_at_eos_and_length
 from engine.spec.randomness import draw_seed
 from engine.spec.stats import SpecStats
@@ -68,15 +68,14 @@ class SequenceState:
     max_model_len: int
     eos_token_ids: frozenset[int]  # the ids that end the sequence: EOS (unless ignore_eos) and stop_token_ids
     text: OutputText
-    # the request's seed, or one drawn at admission: every random number of its sampling is a function of it
-    # and of the token position (engine/spec/randomness.py), wherever it is computed
-    seed: int
+    # what every worker that serves it needs for its whole life: the parameters, the request's seed or one drawn at
+    # admission (every random number of its sampling is a function of it and of the token position, wherever it is
+    # computed: engine/spec/randomness.py), the prompt's length; sent once, with its first delta (engine/request/delta.py)
+    settings: SequenceSettings
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
-    # the built-in logits processing (sent to workers once, deployments/transport/messages.SeqDelta.logits) and the
-    # processors applied to this sequence's draft and target logits at every position
-    # (engine/request/logits_processing.py)
-    logits_settings: LogitsSettings | None = None
+    # the logits processors applied to this sequence's draft and target logits at every position
+    # (engine/request/logits_processing.py), built from its settings
     processors: tuple[LogitsProcessor, ...] = ()
     # prompt logprobs (params.prompt_logprobs): [None] + per prompt token its PromptLogprob, filled as the target
     # scores the prompt (chunk by chunk: add_prompt_logprobs), delivered with the first output
@@ -96,16 +95,16 @@ class SequenceState:
         check_prompt(prompt_ids, max_model_len)
         if k < 0:
             raise ValueError("k must be >= 0")
-        settings = LogitsSettings.of(params, len(prompt_ids), eos_token_ids)
+        seed = params.seed if params.seed is not None else draw_seed()
+        settings = SequenceSettings.of(params, seed, len(prompt_ids), eos_token_ids)
         # EOS stops a grammar's row even with ignore_eos (a finished grammar allows nothing else)
         keep_eos = not params.ignore_eos or params.grammar is not None
         stop_ids = (frozenset(eos_token_ids) if keep_eos else frozenset()) | frozenset(params.stop_token_ids)
         text = OutputText(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens,
                           include_stop_str=params.include_stop_str_in_output, min_tokens=params.min_tokens)
         asked = params.prompt_logprobs is not None
-        return cls(request_id, prompt_ids, params, k, max_model_len, stop_ids, text,
-                   params.seed if params.seed is not None else draw_seed(),
-                   logits_settings=settings, processors=settings.processors(),
+        return cls(request_id, prompt_ids, params, k, max_model_len, stop_ids, text, settings,
+                   processors=settings.processors(),
                    prompt_logprobs=[None] * len(prompt_ids) if asked else None,
                    prompt_unscored=len(prompt_ids) - 1 if asked else 0)
 
@@ -123,9 +122,13 @@ class SequenceState:
                 self.prompt_logprobs[position] = entry
 
     @property
+    def seed(self) -> int:
+        return self.settings.seed
+
+    @property
     def coupled(self) -> bool:
         """Seeded by the request itself: Gumbel-coupled, drafter-invariant sampling (engine/spec/accept.py)."""
-        return self.params.seed is not None
+        return self.settings.coupled
 
     def processing(self) -> RowProcessing | None:
         """The row's logits processing for a draft or verify call (None: no processor)."""

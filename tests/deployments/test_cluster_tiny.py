@@ -346,10 +346,11 @@ def test_a_full_target_replica_refuses_leases_and_takes_one_again_once_a_lease_e
     # the replica's health checks find it and release it (deployments/workers/lease_ledger.py)
     import ray
 
-    from deployments.transport.messages import SeqDelta, VerifyCall
+    from deployments.transport.messages import VerifyCall
+    from engine.request.delta import first_delta
 
     worker = first.workers[0]
-    ray.get(worker.verify.remote([VerifyCall(SeqDelta("a", 0, [5, 6, 7], 0.0, 0, 1.0, 0), []).wire()]))
+    ray.get(worker.verify.remote([VerifyCall(first_delta("a", [5, 6, 7]), []).wire()]))
     assert "a" in ray.get(worker.stats.remote())["live_sequence_ids"]
     deadline = time.time() + 60
     while "a" in ray.get(worker.stats.remote())["live_sequence_ids"]:

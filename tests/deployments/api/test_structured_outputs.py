@@ -13,8 +13,10 @@ import openai
 import pytest
 
 from deployments.router.router import Router
-from deployments.transport.messages import DraftCall, DraftResult, SeqDelta, VerifyCall, VerifyResult
+from deployments.transport.messages import DraftCall, DraftResult, VerifyCall, VerifyResult
+from engine.request.delta import SeqDelta, first_delta
 from engine.request.grammar import GrammarError, GrammarSpec
+from engine.request.sampling import SamplingParams
 from tests.deployments.conftest import LocalBroker, http_server, tiny_config
 
 SCHEMA = {"type": "object",
@@ -206,12 +208,12 @@ def test_a_worker_keeps_the_grammar_its_sequences_first_delta_brought(served):
     prompt = router.tokenizer("Number:")["input_ids"]
     target, draft = broker.cores["target"], broker.cores["draft"]
 
-    def delta(start, tokens, grammar=None):
-        return SeqDelta("g1", start, tokens, 0.0, 0, 1.0, 7, grammar=grammar, output_start=len(prompt))
+    def delta(start, tokens, grammar=None):  # the first delta carries the settings, the grammar in them
+        return SeqDelta("g1", start, tokens) if start else first_delta("g1", tokens, SamplingParams(grammar=grammar), 7)
 
-    drafted = DraftResult.from_wire(draft.propose([DraftCall(delta(0, prompt, spec.wire()), 3).wire()])).drafts[0]
+    drafted = DraftResult.from_wire(draft.propose([DraftCall(delta(0, prompt, spec), 3).wire()])).drafts[0]
     assert re.fullmatch("[0-9]+", router.tokenizer.decode(drafted)), "the draft masks its own drafts"
-    first = VerifyResult.from_wire(target.verify([VerifyCall(delta(0, prompt, spec.wire()), []).wire()]))
+    first = VerifyResult.from_wire(target.verify([VerifyCall(delta(0, prompt, spec), []).wire()]))
     out = first.verdicts[0].tokens
     off = router.tokenizer("xy")["input_ids"]  # drafts outside the grammar, in a delta without it
     second = VerifyResult.from_wire(target.verify([VerifyCall(delta(len(prompt), out), off).wire()]))
@@ -308,8 +310,9 @@ def test_worker_cores_answer_a_failed_grammar_per_row_and_remember_it(served, mo
     prompt = router.tokenizer("Word:")["input_ids"]
 
     def delta(seq_id, spec, start=0, tokens=prompt):
-        return SeqDelta(seq_id, start, list(tokens), 0.0, 0, 1.0, 7, grammar=None if spec is None else spec.wire(),
-                        output_start=len(prompt))
+        if start:
+            return SeqDelta(seq_id, start, list(tokens))
+        return first_delta(seq_id, tokens, SamplingParams(grammar=spec), 7)
 
     alone = VerifyResult.from_wire(target.verify([VerifyCall(delta("alone", good), []).wire()])).verdicts[0]
     both = VerifyResult.from_wire(target.verify([VerifyCall(delta("x", bad), []).wire(),
@@ -352,7 +355,7 @@ def test_workers_and_router_build_the_grammar_table_at_start_up(byte_model_dirs,
     assert error_of(info.value)["code"] == "structured_outputs_unavailable"
     target = broker.cores["target"]
     assert "cannot read this model's tokenizer" in str(target.grammars.compiler.unavailable)
-    call = VerifyCall(SeqDelta("s", 0, [5, 9], 0.0, 0, 1.0, 7, grammar=GrammarSpec("regex", "a").wire()), [])
+    call = VerifyCall(first_delta("s", [5, 9], SamplingParams(grammar=GrammarSpec("regex", "a")), 7), [])
     failed = VerifyResult.from_wire(target.verify([call.wire()])).failed
     assert "cannot read this model's tokenizer" in failed[0].message
 

@@ -11,13 +11,16 @@ from deployments.router import leases
 from deployments.router.leases import RayDraftLease, RayLeaseBroker, RayTargetLease
 from deployments.transport.channel import ChannelRelay, ChannelServer
 from deployments.transport.client import AsyncChannels
-from deployments.transport.messages import DraftCall, DraftResult, LeaseInfo, Method, SeqDelta, VerifyCall, VerifyResult
+from deployments.transport.messages import DraftCall, DraftResult, LeaseInfo, Method, VerifyCall, VerifyResult
 from deployments.transport.wire import Endpoint
+from engine.request.delta import SeqDelta, first_delta
+from engine.request.grammar import GrammarSpec
+from engine.request.sampling import SamplingParams
 from engine.spec.accept import TokenLogprob, Verdict
 
 
 def _verify_call(seq_id: str = "s") -> VerifyCall:
-    return VerifyCall(SeqDelta(seq_id, 0, [5, 6], 0.0, 0, 1.0, 0), [])
+    return VerifyCall(first_delta(seq_id, [5, 6]), [])
 
 
 def _rank0(behaviour: str = "ok") -> ChannelServer:
@@ -183,7 +186,7 @@ def test_a_chained_round_names_the_replica_that_failed(how, error, blamed, tempe
     channels, dead = AsyncChannels(), set()
     draft = RayDraftLease(FakeStream(None), LeaseInfo("d", [], draft_endpoint), channels, dead, "s")
     target = RayTargetLease(FakeStream(None), LeaseInfo("t", [], target_endpoint), channels, dead, "s")
-    seq = SeqDelta("b", 0, [7, 8], temperature, 0, 1.0, 0)
+    seq = first_delta("b", [7, 8], SamplingParams(temperature=temperature))
     draft_calls = [DraftCall(seq, 3)]
     run = draft.chain(draft_calls, target, [_verify_call("a"), VerifyCall(seq, [])], [1])
     if error is None:  # the calls travel in their wire form; the draft's tokens come back through the target
@@ -200,22 +203,23 @@ def test_calls_cross_the_channel_as_plain_tuples_and_come_back_equal():
 
     import numpy as np
 
-    from engine.request.builtin_processors import LogitsSettings
-    from engine.request.sampling import SamplingParams
-
-    seq = SeqDelta("r", 4, [9, 10], 0.7, 20, 0.9, 123, True, 3)
-    settings = LogitsSettings.of(SamplingParams(presence_penalty=0.5, logit_bias=((7, 2.0),), min_tokens=2), 4, (1,))
-    first = SeqDelta("s", 0, [9, 10], 0.7, 20, 0.9, 123, True, 3, 0.1, settings.wire())  # a sequence's first call
+    seq = SeqDelta("r", 4, [9, 10])  # a continuation: tokens only
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=123, logprobs=3, min_p=0.1,
+                            presence_penalty=0.5, logit_bias=((7, 2.0),), min_tokens=2,
+                            grammar=GrammarSpec("regex", "[ab]+"))
+    first = first_delta("s", [9, 10], params, eos_ids=(1,))  # a sequence's first call carries its settings
     proposal = (np.zeros((2, 4), np.int32), np.full((2, 4), 0.25, np.float32))
     for call, cls in ((DraftCall(seq, 3), DraftCall), (VerifyCall(seq, [11, 12]), VerifyCall),
                       (DraftCall(first, 3), DraftCall), (VerifyCall(first, []), VerifyCall)):
         wire = call.wire()
-        assert b"deployments" not in pickle.dumps(wire, protocol=5), "no class travels, only builtins"
+        assert b"deployments" not in pickle.dumps(wire, protocol=5), "no class of the transport travels"
         assert cls.from_wire(pickle.loads(pickle.dumps(wire, protocol=5))) == call
+    assert b"engine" not in pickle.dumps(VerifyCall(seq, [11, 12]).wire(), protocol=5), "a continuation: builtins only"
     back = VerifyCall.from_wire(pickle.loads(pickle.dumps(VerifyCall(seq, [11, 12], proposal).wire(), protocol=5)))
     np.testing.assert_array_equal(back.proposal[1], proposal[1])
     back = DraftCall.from_wire(pickle.loads(pickle.dumps(DraftCall(first, 3).wire(), protocol=5)))
-    assert LogitsSettings.from_wire(back.seq.logits) == settings and back.seq.sampling().min_p == 0.1
+    assert back.seq.settings == first.settings and back.seq.settings.params.min_p == 0.1
+    assert back.seq.settings.min_tokens_ids == (1,) and back.seq.settings.params.grammar.source == "[ab]+"
 
 
 def test_results_cross_the_channel_as_plain_tuples_and_come_back_equal():

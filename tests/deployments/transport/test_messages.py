@@ -2,13 +2,14 @@
 
 import numpy as np
 
-from deployments.transport.messages import (DraftResult, SeqDelta, VerifyCall, VerifyResult, calls_with_drafts,
+from deployments.transport.messages import (DraftResult, VerifyCall, VerifyResult, calls_with_drafts,
                                              chained_reply)
+from engine.request.delta import SeqDelta, first_delta
 from engine.spec.accept import Verdict
 
 
 def _seq(seq_id: str) -> SeqDelta:
-    return SeqDelta(seq_id, 0, [1, 2, 3], 0.0, 0, 1.0, 0, False, None, 0.0, None, None, 3)
+    return first_delta(seq_id, [1, 2, 3])
 
 
 def test_a_chained_round_s_drafts_go_into_the_member_rows_only():

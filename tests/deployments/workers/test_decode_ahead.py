@@ -84,7 +84,7 @@ def test_only_rounds_whose_every_row_is_marked_decode_ahead(target):
 
 
 def test_next_calls_send_each_rows_tokens_and_refuse_rounds_that_cannot_go_ahead():
-    calls = [VerifyCall(delta("x", [1, 2, 3], logits=None), [], None, True)]
+    calls = [VerifyCall(delta("x", [1, 2, 3]), [], None, True)]
     result = VerifyResult([Verdict([9], 0)], 0.01)
     [nxt] = next_calls(calls, result)
     assert (nxt.seq.start, nxt.seq.tokens, nxt.draft, nxt.ahead) == (3, [9], [], True)
@@ -97,7 +97,7 @@ def test_take_serves_exact_matches_drops_others_and_merged_puts_rows_back_in_ord
     rows = [VerifyCall(delta(s, [7], start=5), [], None, True) for s in ("p", "q", "r")]
     ahead.keep(rows, VerifyResult([Verdict([1], 0), Verdict([2], 0), Verdict([3], 0)], 0.25), 0.25)
     calls = [VerifyCall(delta("q", [7], start=5), []), VerifyCall(delta("new", PROMPT), []),
-             VerifyCall(delta("p", [8], start=5), []), VerifyCall(delta("r", [7], start=5, temperature=1.0), [])]
+             VerifyCall(delta("p", [8], start=5), []), VerifyCall(delta("r", [1, 2, 3, 4, 5, 7]), [])]  # r re-sent from scratch
     served = ahead.take(calls)
     assert list(served) == [0] and ahead.stats.used == 1 and ahead.stats.dropped == 2 and not ahead.rows
     computed = VerifyResult([Verdict([4], 0), Verdict([5], 0), Verdict([6], 0)], 0.5, cached_tokens={1: 3})
@@ -105,13 +105,13 @@ def test_take_serves_exact_matches_drops_others_and_merged_puts_rows_back_in_ord
     assert [v.tokens for v in result.verdicts] == [[2], [4], [5], [6]]
     assert result.seconds == 0.75 and result.ahead_rows == 1 and result.cached_tokens == {2: 3}
     assert merged(4, served, [1, 2, 3], None, rank=1) is None
-    row = AheadRow(0, (1,), (), None, 0, 0.1)
+    row = AheadRow(0, (1,), None, 0, 0.1)
     assert merged(1, {0: row}, [], None, rank=0).seconds == 0.1
 
 
 def test_the_wire_carries_the_mark_and_the_ahead_rows():
     call = VerifyCall(delta("w", [1]), [], None, True)
     assert VerifyCall.from_wire(call.wire()) == call
-    assert VerifyCall.from_wire(call.wire()[:3]).ahead is False  # a three-field call (no mark)
+    assert VerifyCall.from_wire(VerifyCall(delta("w", [1]), []).wire()).ahead is False
     result = VerifyResult([Verdict([1], 0)], 0.1, ahead_rows=1)
     assert VerifyResult.from_wire(result.wire()) == result

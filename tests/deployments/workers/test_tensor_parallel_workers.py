@@ -8,14 +8,16 @@ the static runner over their shards (engine/models/static/tp.py), or transformer
 
 import asyncio
 import contextlib
-import dataclasses
 import multiprocessing
 import random
 import socket
 
 from deployments.transport.client import AsyncChannels
-from deployments.transport.messages import Method, SeqDelta, VerifyCall, VerifyResult
+from deployments.transport.messages import Method, VerifyCall, VerifyResult
 from deployments.workers.target import TargetWorkerCore
+from engine.request.delta import SeqDelta, first_delta
+from engine.request.sampling import SamplingParams
+from engine.request.settings import SequenceSettings
 from tests.deployments.conftest import tiny_config
 
 ROUTERS = 2
@@ -69,6 +71,14 @@ def _rank_main(rank, port, engine_config, endpoints, peers, stop):
     stop.wait(300)
 
 
+def _delta(seq_id: str, sent: int, tokens: list[int], kind: int, seed: int) -> SeqDelta:
+    """Row `seq_id`'s tokens from `sent`; kind 0 greedy, 1 seeded, 2 unseeded (its seed drawn: `seed` here)."""
+    if sent:
+        return SeqDelta(seq_id, sent, tokens[sent:])
+    params = SamplingParams(temperature=0.0 if kind == 0 else 1.0, seed=seed if kind == 1 else None)
+    return SeqDelta(seq_id, 0, list(tokens), SequenceSettings.of(params, seed, len(tokens)))
+
+
 async def _router(call, router: int) -> dict[str, list[int]]:
     """Rounds for this router's sequences, greedy, seeded-sampled and unseeded-sampled in turn (the target samples
     at rank 0: the same tokens as one rank); drafts are pseudo-random tokens (mostly rejected: rollbacks). Router 1
@@ -86,9 +96,8 @@ async def _router(call, router: int) -> dict[str, list[int]]:
         drafts = {s: [rng.randrange(2, 60) for _ in range(rng.randrange(0, 4))] if router != 1 else []
                   for s in seqs}
         kinds = {s: int(s.rsplit("s", 1)[1]) % 3 for s in seqs}  # 0 greedy, 1 seeded, 2 unseeded (a drawn seed)
-        calls = [VerifyCall(SeqDelta(s, sent[s], live[s][sent[s]:], 0.0 if kinds[s] == 0 else 1.0, 0, 1.0,
-                                     1000 + 7 * int(s.rsplit("s", 1)[1]) + router, kinds[s] == 1), drafts[s],
-                            None, router == 1)
+        calls = [VerifyCall(_delta(s, sent[s], live[s], kinds[s], 1000 + 7 * int(s.rsplit("s", 1)[1]) + router),
+                            drafts[s], None, router == 1)
                  for s in seqs]
         result = await call(Method.VERIFY, [c.wire() for c in calls])
         for b, s in enumerate(seqs):
@@ -144,10 +153,9 @@ def test_a_tensor_parallel_target_scores_a_chunked_prompts_logprobs_like_one_ran
     prompt = [(5 * t + 2) % 60 + 2 for t in range(40)]
 
     def calls(start: int, end: int) -> list[tuple]:
-        asked = SeqDelta("p", start, prompt[start:end], 0.0, 0, 1.0, 0, False, None, 0.0, None, None, len(prompt), 2,
-                         prompt[end] if end < len(prompt) else None)
-        return [VerifyCall(asked, []).wire(), VerifyCall(SeqDelta(f"q{start}", 0, [3, 4, 5], 0.0, 0, 1.0, 0, False),
-                                                          [6]).wire()]
+        settings = SequenceSettings.of(SamplingParams(), 0, len(prompt)) if start == 0 else None
+        asked = SeqDelta("p", start, prompt[start:end], settings, 2, prompt[end] if end < len(prompt) else None)
+        return [VerifyCall(asked, []).wire(), VerifyCall(first_delta(f"q{start}", [3, 4, 5]), [6]).wire()]
 
     async def score(call) -> list:
         out = []
@@ -187,13 +195,13 @@ def test_a_rank_whose_peer_is_gone_fails_its_calls_and_health_pings_from_then_on
             raise ChannelClosed("connection reset by peer")
 
     core = TargetWorkerCore(tiny_config(tiny_model_dirs).engine_config())
-    call = VerifyCall(SeqDelta("a", 0, [5, 6, 7], 0.0, 0, 1.0, 0), [])
+    call = VerifyCall(first_delta("a", [5, 6, 7]), [])
     assert VerifyResult.from_wire(core.verify([call.wire()])).verdicts[0].tokens  # healthy
     assert core.ping() == 0.0
     core._peers = [GonePeer()]
     for attempt in range(2):  # the first call finds out; later ones fail at once
         with pytest.raises(TensorParallelBroken, match="connection reset"):
-            core.verify([VerifyCall(SeqDelta("a", 3, [8], 0.0, 0, 1.0, 0), []).wire()])
+            core.verify([VerifyCall(SeqDelta("a", 3, [8]), []).wire()])
     with pytest.raises(TensorParallelBroken):
         core.ping()  # Serve's health check fails: the replica is replaced
 
@@ -249,7 +257,7 @@ def test_a_stuck_peer_fails_rank_0s_call_after_the_collective_timeout(tiny_model
             channels = AsyncChannels()
 
             async def verify(seq_id):
-                call = VerifyCall(SeqDelta(seq_id, 0, [5, 6, 7], 0.0, 0, 1.0, 0), [])
+                call = VerifyCall(first_delta(seq_id, [5, 6, 7]), [])
                 return await asyncio.wait_for(channels.call(rank0, "verify", [call.wire()]), 60)
 
             assert VerifyResult.from_wire(await verify("a")).verdicts[0].tokens  # healthy

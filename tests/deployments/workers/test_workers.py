@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from deployments.transport.messages import DraftCall, DraftResult, SeqDelta, VerifyCall, VerifyResult
-from deployments.workers.base import UnknownSequenceError
+from deployments.transport.messages import DraftCall, DraftResult, VerifyCall, VerifyResult
+from engine.request.delta import SeqDelta
 from deployments.workers.draft import DraftWorkerCore
 from deployments.workers.target import TargetWorkerCore
 from engine.models.loading import load_causal_lm, resolve
-from engine.request.builtin_processors import LogitsSettings
+from engine.request.delta import UnknownSequenceError
+from engine.request.settings import SequenceSettings
 from engine.request.sampling import SamplingParams
 from engine.spec.rejection import greedy_accept
 from tests.conftest import TINY_VOCAB
@@ -34,11 +35,14 @@ def part(reply, name: str):
 
 
 def delta(seq_id: str, tokens: list[int], start: int = 0, temperature: float = 0.0, seed: int | None = None,
-          logprobs: int | None = None, logits: LogitsSettings | None = None):
+          logprobs: int | None = None, params: SamplingParams | None = None, prompt_len: int | None = None):
     """A request's delta; `seed` given: a seeded (Gumbel-coupled) request, else one whose seed was drawn (0 here);
-    `logits`: its logits processing settings (sent with a sequence's first call only)."""
-    return SeqDelta(seq_id, start, list(tokens), temperature, 0, 1.0, 0 if seed is None else seed, seed is not None,
-                    logprobs, 0.0, None if logits is None else logits.wire())
+    a first delta (start 0) carries the settings: `params`, else those the other arguments make."""
+    if start > 0:
+        return SeqDelta(seq_id, start, list(tokens))
+    params = params or SamplingParams(temperature=temperature, seed=seed, logprobs=logprobs)
+    settings = SequenceSettings.of(params, 0 if seed is None else seed, len(tokens) if prompt_len is None else prompt_len)
+    return SeqDelta(seq_id, 0, list(tokens), settings)
 
 
 def verify_call(seq: SeqDelta, draft: list[int], proposal=None) -> tuple:
@@ -134,7 +138,7 @@ LONG_PROMPT = [(5 * t + 2) % 60 + 2 for t in range(50)]
 def prompt_delta(seq_id: str, start: int, end: int, n: int) -> SeqDelta:
     """What the router sends while a request's prompt logprobs are not all in: prompt tokens [start, end), the top
     n, and the prompt token after them (a chunk's)."""
-    return replace(delta(seq_id, LONG_PROMPT[start:end], start=start), output_start=len(LONG_PROMPT),
+    return replace(delta(seq_id, LONG_PROMPT[start:end], start=start, prompt_len=len(LONG_PROMPT)),
                    prompt_logprobs=n, prompt_next=LONG_PROMPT[end] if end < len(LONG_PROMPT) else None)
 
 
@@ -237,9 +241,8 @@ def test_the_target_processes_each_position_from_the_tokens_it_holds_with_settin
     the penalties counted from the tokens the worker holds plus the drafts before each position."""
     from tests.engine.reference_processing import reference_greedy
 
-    settings = LogitsSettings.of(PENALISED, len(PROMPT), (1,))
     want = reference_greedy(models[0], PROMPT, PENALISED, (1,))
-    reply = target.verify([verify_call(delta("p1", PROMPT, logits=settings), want[:3])])
+    reply = target.verify([verify_call(delta("p1", PROMPT, params=PENALISED), want[:3])])
     [verdict] = part(reply, "verdicts")
     assert verdict.tokens == want[:4] and verdict.num_accepted == 3, "the penalised continuation, accepted whole"
     reply = target.verify([verify_call(delta("p1", want[:4], start=len(PROMPT)), want[4:7])])  # no settings now
@@ -248,14 +251,14 @@ def test_the_target_processes_each_position_from_the_tokens_it_holds_with_settin
     plain = greedy_continuation(models[0], PROMPT, 8)
     assert plain != want[:8], "the check can fail: the penalties change the text"
     target.release(["p1"])
-    [fresh] = part(target.verify([verify_call(delta("p1", PROMPT), [])]), "verdicts")  # re-sent without settings
+    [fresh] = part(target.verify([verify_call(delta("p1", PROMPT), [])]), "verdicts")  # re-sent with plain settings
     assert fresh.tokens == plain[:1]
     target.release(["p1"])
 
 
 def test_the_draft_processes_its_steps_with_the_settings_of_the_first_call(draft, models):
-    forced = LogitsSettings.of(SamplingParams(logit_bias=((17, 100.0),)), len(PROMPT), ())
-    reply = draft.propose([draft_call(delta("d9", PROMPT, logits=forced), 3)])
+    forced = SamplingParams(logit_bias=((17, 100.0),))
+    reply = draft.propose([draft_call(delta("d9", PROMPT, params=forced), 3)])
     assert part(reply, "drafts") == [[17, 17, 17]]
     reply = draft.propose([draft_call(delta("d9", [17], start=len(PROMPT)), 2)])
     assert part(reply, "drafts") == [[17, 17]], "kept for the sequence's later calls"
@@ -344,7 +347,7 @@ def test_a_target_worker_reads_the_costs_a_previous_start_measured(tmp_path, mon
 @pytest.mark.parametrize("slots", [1, 2])
 def test_workers_of_one_or_two_slots_start_and_measure_their_costs_within_them(tiny_model_dirs, slots):
     from engine.calibration.measure import profile_from_costs
-    from engine.spec.policy import choose_k
+    from engine.spec.plan import RowOutlook, plan_round
 
     config = tiny_config(tiny_model_dirs, runner={"max_num_seqs": slots}).engine_config()
     draft = DraftWorkerCore(config, calibrate=True)
@@ -355,7 +358,7 @@ def test_workers_of_one_or_two_slots_start_and_measure_their_costs_within_them(t
     assert draft.costs["batch_sizes"] == sizes == verify["batch_sizes"]
     assert draft.stats()["live_sequences"] == 0 == target.stats()["live_sequences"], "measured, then released"
     profile = profile_from_costs(verify, draft.costs)
-    assert profile.batch_sizes == tuple(sizes) and 0 <= choose_k(profile, 8, 0.8, 3) <= 3
+    assert profile.batch_sizes == tuple(sizes) and 0 <= max(plan_round(profile, [RowOutlook(0.8, 3)] * 8)) <= 3
     reply = target.verify([verify_call(delta("s", PROMPT), [])])  # the worker serves after measuring
     [verdict] = part(reply, "verdicts")
     assert len(verdict.tokens) == 1

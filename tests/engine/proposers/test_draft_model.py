@@ -11,9 +11,17 @@ from engine import SamplingParams
 from engine.models.static.runner import PENDING, KVBudget, StaticRunner
 from engine.proposers.base import DraftRequest
 from engine.proposers.draft_model import DraftModelProposer
+from engine.request.settings import SequenceSettings
 from tests.conftest import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+def _request(seq_id: str, tokens: list[int], k: int, params: SamplingParams = GREEDY, seed: int = 0,
+             coupled: bool = False) -> DraftRequest:
+    """A draft request; `coupled`: the request brought `seed` (Gumbel-coupled drafts), else its seed was drawn."""
+    params = dataclasses.replace(params, seed=seed if coupled else None)
+    return DraftRequest(seq_id, list(tokens), k, SequenceSettings.of(params, seed, len(tokens)))
 
 
 class HostFedRunner(StaticRunner):
@@ -48,7 +56,7 @@ def test_fed_drafts_equal_the_host_loops_round_after_round(model, kind):
     fed.runner.forward_fed = lambda *a: calls.append(1) or forward_fed(*a)
     committed = {"a": [5, 6, 7, 8], "b": [20, 21, 22, 23, 24, 25]}
     for round_ in range(4):
-        requests = [DraftRequest(seq_id, list(tokens), 3, params, seed=11 * b + round_, coupled=coupled)
+        requests = [_request(seq_id, tokens, 3, params, seed=11 * b + round_, coupled=coupled)
                     for b, ((seq_id, tokens), (params, coupled)) in enumerate(zip(committed.items(), ROWS[kind]))]
         got, want = fed.propose(requests), host.propose(requests)
         assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.num_tokens, want.num_tokens)
@@ -67,7 +75,7 @@ def test_fed_drafts_equal_the_host_loops_round_after_round(model, kind):
 
 def test_a_stop_between_fed_steps_ends_the_round_and_leaves_no_pending_token(model):
     fed = proposer(StaticRunner, model)
-    requests = [DraftRequest("a", [5, 6, 7], 3, GREEDY)]
+    requests = [_request("a", [5, 6, 7], 3)]
     got = fed.propose(requests, stop=lambda: True)
     assert got.num_tokens.tolist() == [1] and got.token_ids[0, 1:].tolist() == [-1, -1]
     assert fed.runner._seqs["a"].tokens == [5, 6, 7]  # the one pick was never fed
@@ -84,7 +92,7 @@ def _biased():
 def test_rows_that_differ_keep_the_host_loop(model, change):
     fed = proposer(StaticRunner, model)
     fed.runner.forward_fed = None  # any call would fail
-    requests = [DraftRequest("a", [5, 6, 7], 3, GREEDY), dataclasses.replace(DraftRequest("b", [9, 8], 3, GREEDY),
+    requests = [_request("a", [5, 6, 7], 3), dataclasses.replace(_request("b", [9, 8], 3),
                                                                               **change)]
     got = fed.propose(requests)
     assert got.num_tokens.tolist() == [3, change.get("k", 3)]

@@ -5,7 +5,8 @@ the SamplingParams ranges; min-p in logits_to_probs."""
 import pytest
 import torch
 
-from engine.request.builtin_processors import LogitBias, LogitsSettings, MinTokens, Penalties
+from engine.request.builtin_processors import LogitBias, MinTokens, Penalties
+from engine.request.settings import SequenceSettings
 from engine.request.logits_processing import RowProcessing, process_logits
 from engine.request.sampling import BatchSampling, SamplingParams, logits_to_probs
 from tests.engine.reference_processing import reference_logits
@@ -23,7 +24,7 @@ def _logits(positions, seed=0):
 
 
 def _row(params=PARAMS, output=OUTPUT):
-    settings = LogitsSettings.of(params, len(PROMPT), EOS)
+    settings = SequenceSettings.of(params, 0, len(PROMPT), EOS)
     return RowProcessing(settings.processors(), PROMPT + output, len(PROMPT))
 
 
@@ -65,8 +66,8 @@ def test_rows_are_batched_each_with_its_own_history_and_rows_without_processors_
 
 
 def test_processors_come_in_vllms_order_and_only_when_set():
-    assert LogitsSettings.of(SamplingParams(), 3, EOS).processors() == ()
-    kinds = [type(p) for p in LogitsSettings.of(PARAMS, 3, EOS).processors()]
+    assert SequenceSettings.of(SamplingParams(), 0, 3, EOS).processors() == ()
+    kinds = [type(p) for p in SequenceSettings.of(PARAMS, 0, 3, EOS).processors()]
     assert kinds == [MinTokens, LogitBias, Penalties]
     # bias before the repetition penalty: a token biased positive is then divided, as vLLM does
     params = SamplingParams(repetition_penalty=2.0, logit_bias=((4, 3.0),))
@@ -76,10 +77,14 @@ def test_processors_come_in_vllms_order_and_only_when_set():
 
 
 def test_min_tokens_masks_eos_even_with_ignore_eos_and_the_settings_survive_the_wire():
-    settings = LogitsSettings.of(SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=(7, 7)), 5, (1, 2))
+    import pickle
+
+    settings = SequenceSettings.of(SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=(7, 7)), 0, 5, (1, 2))
     assert settings.min_tokens_ids == (1, 2, 7)
-    assert LogitsSettings.from_wire(settings.wire()) == settings
-    assert LogitsSettings.from_wire(LogitsSettings.of(PARAMS, 4, EOS).wire()) == LogitsSettings.of(PARAMS, 4, EOS)
+    assert SequenceSettings.of(SamplingParams(ignore_eos=True), 0, 5, (1, 2)).min_tokens_ids == (), "only for min_tokens"
+    assert pickle.loads(pickle.dumps(settings, protocol=5)) == settings
+    both = SequenceSettings.of(PARAMS, 9, 4, EOS)
+    assert pickle.loads(pickle.dumps(both, protocol=5)).processors() == both.processors()
 
 
 def test_min_tokens_leaves_the_stop_ids_where_nothing_else_is_left():
@@ -104,7 +109,7 @@ def test_an_extreme_repetition_penalty_leaves_something_to_sample(penalty, logit
     params = SamplingParams(repetition_penalty=penalty, temperature=1.0)
     logits = torch.full((1, 1, VOCAB), logit)
     every_token = list(range(VOCAB))  # every token seen: all of them penalised
-    row = RowProcessing(LogitsSettings.of(params, VOCAB, ()).processors(), every_token, VOCAB)
+    row = RowProcessing(SequenceSettings.of(params, 0, VOCAB, ()).processors(), every_token, VOCAB)
     probs = logits_to_probs(process_logits(logits, [row], [[]]), BatchSampling.from_params([params]))
     assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
 

@@ -4,7 +4,7 @@ built-ins of its row, and rows are processed in their own order."""
 
 import torch
 
-from engine.request.builtin_processors import LogitsSettings
+from engine.request.settings import SequenceSettings
 from engine.request.logits_processing import RowContext, RowProcessing, process_logits
 from engine.request.sampling import SamplingParams
 
@@ -26,7 +26,7 @@ class NoImmediateRepeat:
 
 
 def test_a_custom_processor_sees_each_positions_history_after_the_builtins():
-    bias = LogitsSettings.of(SamplingParams(logit_bias=((4, 50.0),)), 2, ()).processors()
+    bias = SequenceSettings.of(SamplingParams(logit_bias=((4, 50.0),)), 0, 2).processors()
     custom = NoImmediateRepeat()
     row = RowProcessing(bias + (custom,), [3, 5, 4], 2)
     logits = torch.zeros(1, 3, VOCAB)
