@@ -1,6 +1,6 @@
 """New prompts prefilled in one runner call, each row's chunks alone (the runner before session 13) against rows in
-neighbouring slots sharing forwards (engine/models/static/runner.prefill_groups), alternating in one process. Not a
-timed test.
+neighbouring slots sharing forwards (engine/models/static/prefill_plan.prefill_groups), alternating in one process.
+Not a timed test.
 
     python -m bench.prefill_batch [ROUNDS]   # SmolLM2-135M fp32, 8 prompts of 70-110 random tokens, 2 threads
 """
@@ -11,7 +11,7 @@ import time
 
 import torch
 
-import engine.models.static.runner as sr
+import engine.models.static.prefill_plan as sr
 from engine.factory import EngineConfig, build_target
 
 torch.set_num_threads(2)

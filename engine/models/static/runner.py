@@ -8,14 +8,16 @@
   Under CUDA graphs both are rounded up to buckets (elsewhere they are exact); a bucket's padding rows feed dummy
   tokens into the scratch tail past `max_model_len`, which no real row ever reads, and attend to no key.
   Rows shorter than `W` are right-padded: their pad tokens land past the row's length and are overwritten by its
-  next tokens. Long rows (prompts) run in chunks of at most `prefill_chunk` tokens on their own, never padded;
-  their last tokens join the batched step.
-- **Step modes** (`runner.compile`, `step_mode`). On CUDA (`auto`, `on`) decode and verify steps replay CUDA graphs
-  captured at start per (batch bucket, width) (engine/models/static/cuda_graphs.py); each row's slot, start and key
-  limit are device tensors there, so a graph serves any context length and its attention reads only the row's own keys
-  (engine/models/static/attention.py). On CPU steps run eagerly (`auto`, `off`), or through `torch.compile`'s inductor
-  with frozen, prepacked weights and dynamic sizes (`on`; inductor keeps its compiled code in its on-disk cache,
-  `TORCHINDUCTOR_CACHE_DIR`, so a restart compiles faster). Prefill chunks always run eagerly on CUDA.
+  next tokens. Long rows (prompts) run in chunks of at most `prefill_chunk` tokens, never padded beyond the longest
+  chunk of the neighbouring rows sharing their forward; their last tokens join the batched step
+  (engine/models/static/prefill_plan.py).
+- **Step modes** (`runner.compile`, `step_mode` in engine/models/static/steps.py). On CUDA (`auto`, `on`) decode and
+  verify steps replay CUDA graphs captured at start per (batch bucket, width) (engine/models/static/cuda_graphs.py);
+  each row's slot, start and key limit are device tensors there, so a graph serves any context length and its
+  attention reads only the row's own keys (engine/models/static/attention.py). On CPU steps run eagerly (`auto`,
+  `off`), or through `torch.compile`'s inductor with frozen, prepacked weights and dynamic sizes (`on`; inductor
+  keeps its compiled code in its on-disk cache, `TORCHINDUCTOR_CACHE_DIR`, so a restart compiles faster). Prefill
+  chunks always run eagerly on CUDA.
 - **No host sync inside a step.** Inputs are built on the host and copied in one go; the step itself never reads
   a device value back (tests/engine/models/static/test_runner.py runs it with host reads made to raise).
 - **Tensor parallelism.** Given a rank's shard (engine/models/shard_loading.py's `load_shard`), the runner holds that
@@ -27,81 +29,21 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from engine.models.kv_budget import KVBudget, plan_num_slots
 from engine.models.runner import ContextWindowError, SeqSlot, SlotTable, SlotTableAccess, config_context_window
 from engine.models.static.cuda_graphs import GraphSteps, estimate_graph_bytes
 from engine.models.static.forward import StaticLlama
-from engine.models.static.prefill_plan import PREFILL_TOKENS_PER_FORWARD, prefill_groups, shared_heads
+from engine.models.static.prefill_plan import prefill_heads, split_heads
 from engine.models.static.prefix_cache import runner_prefix_cache
+from engine.models.static.steps import bucket, buckets_up_to, compile_step, pick_logits, step_mode
 from engine.models.static.tp import agree_num_slots, shard_of
 
 MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks first
 PENDING = -1  # a token fed from the device whose value the host has not read yet (`forward_fed`)
-
-
-STEP_MODES = ("eager", "inductor", "graphs")
-
-
-def step_mode(compile: bool | str, device: torch.device) -> str:
-    """How the static runner runs its decode and verify steps, from `runner.compile` (`auto | on | off`; True and
-    False read as on and off) and the device: `graphs` (CUDA graphs, engine/models/static/cuda_graphs.py) on CUDA unless
-    off; on CPU `inductor` (torch.compile) when on, else `eager` (auto: compiling costs minutes per shape on a small
-    CPU, README). A mode's own name is taken as is (tests run the graph path's forward eagerly on a CPU)."""
-    setting = {True: "on", False: "off"}.get(compile, compile) if isinstance(compile, bool) else compile
-    if setting in STEP_MODES:
-        return setting
-    if setting not in ("auto", "on", "off"):
-        raise ValueError(f"runner.compile must be auto, on or off, got {compile!r}")
-    if setting == "off":
-        return "eager"
-    return "graphs" if device.type == "cuda" else ("inductor" if setting == "on" else "eager")
-
-
-def buckets_up_to(limit: int, first: int = 1) -> list[int]:
-    """Powers of two from `first` below `limit`, then `limit` itself."""
-    out, size = [], first
-    while size < limit:
-        out.append(size)
-        size *= 2
-    return out + [limit]
-
-
-def bucket(value: int, sizes: Sequence[int]) -> int:
-    return next(s for s in sizes if s >= value)
-
-
-@contextlib.contextmanager
-def forbid_host_sync(device: torch.device) -> Iterator[None]:
-    """Make a device -> host read inside the block raise: CUDA's sync debug mode on CUDA; on CPU (no syncs to
-    catch) the tensor methods that read values back (`item`, `tolist`, `cpu`, `numpy`, `__bool__`) raise."""
-    if device.type == "cuda":
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        return
-    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
-    saved = {name: getattr(torch.Tensor, name) for name in names}
-
-    def refuse(name: str) -> Callable:
-        def method(*args, **kwargs):
-            raise RuntimeError(f"host sync inside a model step: Tensor.{name}")
-        return method
-
-    for name in names:
-        setattr(torch.Tensor, name, refuse(name))
-    try:
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
 
 
 class StaticRunner(SlotTableAccess):
@@ -145,7 +87,7 @@ class StaticRunner(SlotTableAccess):
         self.chunk_buckets = buckets_up_to(self.prefill_chunk, first=MAX_WIDTH * 2)
         self.kv_buckets = buckets_up_to(capacity, first=256)  # key lengths of eager CUDA steps
         self.compiled = self.step_mode != "eager"
-        self._step = _compile_step(self.model) if self.step_mode == "inductor" else self.model.forward
+        self._step = compile_step(self.model) if self.step_mode == "inductor" else self.model.forward
         # CUDA graphs replay fixed shapes, so batch and width are padded to buckets there (each row's key length is a
         # device tensor: engine/models/static/attention.py); eager steps and CPU's dynamic graph take any shape, so
         # nothing is padded (a prompt padded to a bucket pays for the padded tokens as for real ones)
@@ -179,7 +121,8 @@ class StaticRunner(SlotTableAccess):
         self._seqs.release(seq_id)
 
     def graph_stats(self) -> dict | None:
-        """The CUDA graphs' counters and step times (engine/models/static/cuda_graphs.py); None where steps are not graphs."""
+        """The CUDA graphs' counters and step times (engine/models/static/cuda_graphs.py); None where steps are not
+        graphs."""
         return None if self.graphs is None else self.graphs.stats()
 
     def prefix_cache_stats(self) -> dict | None:
@@ -201,14 +144,8 @@ class StaticRunner(SlotTableAccess):
             self.last_prefix_hits = self.prefix_cache.reuse(states, new_tokens, num_logits)
         # long rows: everything but their last num_logits tokens is prefilled first, in chunks; the rest joins the
         # batch
-        heads, tails = [], []
-        for toks, k in zip(new_tokens, num_logits):
-            head = len(toks) - max(k, 1) if len(toks) > MAX_WIDTH else 0
-            if k > MAX_WIDTH:
-                raise ValueError(f"at most {MAX_WIDTH} logits per row, asked for {k}")
-            heads.append(list(toks[:head]))
-            tails.append(list(toks[head:]))
-        self._prefill_heads(states, heads)
+        heads, tails = split_heads(new_tokens, num_logits, MAX_WIDTH)
+        prefill_heads(states, heads, self.prefill_chunk, self._prefill_rows, self.model.move_slot)
         logits = self._batched_step(states, tails, list(num_logits))
         self.forward_calls += 1
         self.forward_rows += len(states)
@@ -257,31 +194,6 @@ class StaticRunner(SlotTableAccess):
                            self._kv_len(start + len(tokens)), last_only=False, step=self.model.forward)
         state.tokens.extend(tokens)
         return logits[0]
-
-    def _prefill_heads(self, states: list[SeqSlot], heads: list[list[int]]) -> None:
-        """Feed each row's head (prompt tokens whose logits are not needed) in chunks of at most `prefill_chunk`
-        tokens. Rows in neighbouring slots share a forward (`prefill_groups`): 8 new prompts cost one pass over the
-        weights per chunk instead of 8, the projections run as larger matrix products, and each layer's fixed costs
-        are paid once (measured in bench/RESULTS.md). Rows whose cached tokens and head are the same
-        (the `n` choices of one request, one prompt sent twice) are computed once: the others copy its keys and
-        values."""
-        heads, copies = shared_heads(states, heads)
-        fed = [0] * len(states)
-        while True:
-            chunks = {b: heads[b][fed[b] : fed[b] + self.prefill_chunk] for b in range(len(states))
-                      if fed[b] < len(heads[b])}
-            if not chunks:
-                break
-            order = sorted(chunks, key=lambda b: states[b].slot)
-            for group in prefill_groups([states[b].slot for b in order], [len(chunks[b]) for b in order],
-                                        PREFILL_TOKENS_PER_FORWARD * self.prefill_chunk):
-                members = [order[i] for i in group]
-                self._prefill_rows([states[b] for b in members], [chunks[b] for b in members])
-                for b in members:
-                    fed[b] += len(chunks[b])
-        for leader, follower, head in copies:
-            self.model.move_slot(states[leader].slot, states[follower].slot, len(states[leader].tokens))
-            states[follower].tokens.extend(head)
 
     def _prefill_rows(self, states: list[SeqSlot], chunks: list[list[int]]) -> None:
         """One forward of prompt chunks for rows in consecutive slots; chunks never run as CUDA graphs (see
@@ -372,27 +284,3 @@ class StaticRunner(SlotTableAccess):
                     progress(f"compiled {done}/{len(shapes)}: batch {ids.shape[0]} width {ids.shape[1]}")
         return len(shapes)
 
-
-def pick_logits(logits: torch.Tensor,  # [rows, width, V]: a step's output (a graph's own buffer on CUDA)
-                rows: Sequence[int], lengths: Sequence[int], num_logits: Sequence[int]
-                ) -> torch.Tensor:  # [B, max(num_logits), V]
-    """Call row b's logits, from step row rows[b], at the last num_logits[b] of its lengths[b] new positions (a
-    row asking fewer repeats its last one), gathered into a new tensor (a graph's buffer is free again)."""
-    lengths_np = np.asarray(lengths)
-    firsts = lengths_np - np.asarray(num_logits)
-    index = np.minimum(firsts[:, None] + np.arange(max(num_logits))[None, :], (lengths_np - 1)[:, None])
-    index = torch.from_numpy(index).to(logits.device, non_blocking=True)
-    picked = torch.as_tensor(np.asarray(rows), dtype=torch.long).to(logits.device, non_blocking=True)
-    return logits[picked[:, None], index]
-
-
-def _compile_step(model: StaticLlama) -> Callable:
-    """The CPU step through inductor (`runner.compile: on` on a CPU)."""
-    import torch._dynamo
-
-    # dynamo specializes sizes 0 and 1: more graphs than its default 8 per function, which would fall back to eager
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
-    # frozen weights (constants, prepacked where the kernels allow), symbolic sizes: one graph serves every
-    # batch, width and key length (dynamo still specializes sizes 0 and 1)
-    return torch.compile(model.forward, dynamic=True, fullgraph=True, options={"freezing": True})

@@ -8,17 +8,13 @@ import platform
 import pytest
 import torch
 
+from engine.models.kv_budget import plan_num_slots
 from engine.models.quantize import quantize_int8_weight_only
 from engine.models.runner import KVCacheFull, resolve_dtype
 from engine.models.static.forward import UnsupportedModel, why_unsupported
-from engine.models.static.runner import (
-    KVBudget,
-    StaticRunner,
-    forbid_host_sync,
-    plan_num_slots,
-    prefill_groups,
-    step_mode,
-)
+from engine.models.static.prefill_plan import prefill_groups
+from engine.models.static.runner import KVBudget, StaticRunner
+from engine.models.static.steps import forbid_host_sync, step_mode
 from engine.models.transformers_runner import ModelRunner
 from tests.conftest import make_tiny_model
 from tests.engine.bf16_reference import dpbf16_reference

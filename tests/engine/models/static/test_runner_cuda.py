@@ -5,7 +5,8 @@ inside a step (CUDA's sync debug mode), and tensor-parallel steps inside graphs 
 import pytest
 import torch
 
-from engine.models.static.runner import KVBudget, StaticRunner, forbid_host_sync
+from engine.models.static.runner import KVBudget, StaticRunner
+from engine.models.static.steps import forbid_host_sync
 from engine.models.transformers_runner import ModelRunner
 from tests.conftest import make_tiny_model
 from tests.engine.models.static.test_runner import ROUNDS, assert_same_logits, scripted

@@ -17,7 +17,8 @@ from engine.factory import EngineConfig, make_runner
 from engine.models.loading import load_causal_lm, resolve
 from engine.models.shard_loading import load_shard
 from engine.models.static.forward import StaticLlama
-from engine.models.static.runner import KVBudget, StaticRunner, forbid_host_sync
+from engine.models.static.runner import KVBudget, StaticRunner
+from engine.models.static.steps import forbid_host_sync
 from engine.models.tensor_parallel import num_parameters
 from tests.conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
 from tests.engine.spawn_ranks import run_ranks
