@@ -25,7 +25,8 @@ from engine.request.grammar import GrammarCompiler, GrammarError, SequenceGramma
 from engine.request.sampling import SamplingParams
 from engine.request.sequence import RequestOutput, SequenceState
 from engine.spec.accept import Verdict, commit
-from engine.spec.plan import SpecRow, plan_ks
+from engine.spec.options import SpeculationOptions
+from engine.spec.plan import SpecRow, plan_rows
 from engine.spec.policy import AcceptanceTracker, CostProfile
 from engine.spec.stats import EngineTimings, SpecStats
 from engine.spec.verify import TargetVerifier, VerifyRow
@@ -72,15 +73,14 @@ class SpeculativeEngine:
     def has_work(self) -> bool:
         return bool(self._rows)
 
-    def add_request(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, k: int | None = None,
-        fixed_k: bool = False,
-    ) -> None:
-        """Admit a request. `k` overrides the engine's K for it (0 = plain decoding); `fixed_k` pins it to exactly
-        that many drafts per round (no acceptance or load adaptation), like the served API's `adaptive: false`."""
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                    speculation: SpeculationOptions = SpeculationOptions()) -> None:
+        """Admit a request, with its own speculation options (engine/spec/options.py): its K (0 = plain decoding;
+        never above the engine's), pinned to exactly that many drafts per round with `adaptive=False`, as the served
+        API's `speculative` field."""
         if request_id in self._rows:
             raise ValueError(f"request id {request_id!r} is already live")
-        k = self.num_speculative_tokens if k is None else k
+        k = min(speculation.k_or(self.num_speculative_tokens), self.num_speculative_tokens)
         seq = SequenceState.create(request_id, prompt_ids, params, k if self.proposer is not None else 0,
                                    self.target.max_model_len, self.eos_token_ids, self.tokenizer)
         if params.grammar is not None:  # a bad grammar raises engine.request.grammar.GrammarError here
@@ -90,7 +90,8 @@ class SpeculativeEngine:
                 self.grammars.release(request_id)  # not admitted: nothing of it is kept
                 raise
         self._sent[request_id] = 0
-        self._rows[request_id] = SpecRow(seq, AcceptanceTracker(prior=self.population.acceptance), fixed_k)
+        self._rows[request_id] = SpecRow(seq, AcceptanceTracker(prior=self.population.acceptance),
+                                         options=speculation)
 
     def abort(self, request_id: str) -> None:
         """Drop a request now (client gone); its caches are freed at once."""
@@ -138,10 +139,8 @@ class SpeculativeEngine:
         """Each row's draft length this round, from the planner the served round uses (engine/spec/plan.py): with
         a cost profile, planned for the batch as a whole; else the fixed `max_batch_for_speculation` threshold."""
         reads_context = isinstance(self.proposer, DraftModelProposer)  # n-gram lookup reads nothing ahead
-        k_max = self.num_speculative_tokens  # a request's own k never exceeds the engine's
-        outlooks = [row.outlook(min(row.seq.k, k_max), reads_context) for row in rows]
-        ks = plan_ks(self.profile, outlooks, len(rows), len(rows), self.max_batch_for_speculation)
-        return [row.seq.draft_len(k) for row, k in zip(rows, ks)]
+        return plan_rows(self.profile, rows, [row.seq.k for row in rows], reads_context, len(rows), len(rows),
+                         self.max_batch_for_speculation)
 
     def _commit(self, row: SpecRow, num_draft: int, verdict: Verdict) -> RequestOutput:
         out = commit(row.seq, num_draft, verdict, self.stats, (row.tracker, self.population))
@@ -163,7 +162,7 @@ class SpeculativeEngine:
         ids = [f"gen-{id(self)}-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
         done: dict[str, Completion] = {rid: Completion(prompt_ids=list(p)) for rid, p in zip(ids, prompts)}
         for rid, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(rid, prompt, p, k=k)
+            self.add_request(rid, prompt, p, SpeculationOptions(k=k))
         while any(not c.finished for c in done.values()):
             outputs = [o for o in self.step() if o.request_id in done]
             for out in outputs:

@@ -23,6 +23,7 @@ from deployments.api.tools import ToolPlan, check_conversation, plan_tools, temp
 from deployments.config import SpecServeConfig
 from engine.request.grammar import GrammarCompiler, GrammarSpec
 from engine.request.sampling import SamplingParams
+from engine.spec.options import SpeculationOptions
 
 logger = logging.getLogger("ray.serve")
 
@@ -31,9 +32,7 @@ logger = logging.getLogger("ray.serve")
 class Prepared:
     prompt_ids: list[int]
     params: SamplingParams
-    k: int | None
-    adaptive: bool | None  # None: the server's K policy; False: exactly k every round
-    overlap: bool | None  # None: the server's setting; False: no drafting ahead for this request
+    speculation: SpeculationOptions  # the request's own K, pinning and overlap (engine/spec/options.py)
     arrival: float  # time.perf_counter() when the request was read
     prompt_text: str | None = None  # a completion's prompt as the client sent it, when it was text (for echo)
     tools: ToolPlan | None = None  # a chat request whose output may be tool calls: how to read them
@@ -180,13 +179,13 @@ class RequestPreparer:
             name = str(exc).split(" ", 1)[0]
             raise APIError(400, str(exc), param=name if name in SamplingParams.__dataclass_fields__ else None
                            ) from exc
-        k, adaptive, overlap = None, None, None
+        speculation = SpeculationOptions()
         if body.speculative is not None:
-            k = 0 if not body.speculative.enabled else body.speculative.k
-            adaptive, overlap = body.speculative.adaptive, body.speculative.overlap
+            asked = body.speculative
+            speculation = SpeculationOptions(0 if not asked.enabled else asked.k, asked.adaptive, asked.overlap)
         if self.config.log_prompts:
             logger.info("prompt: %r", self.tokenizer.decode(prompt_ids))
-        return Prepared(prompt_ids, params, k, adaptive, overlap, arrival)
+        return Prepared(prompt_ids, params, speculation, arrival)
 
     def _vllm_sampling(self, body) -> dict:
         """vLLM's sampling parameters of a request, as SamplingParams fields; token ids outside the vocabulary are

@@ -45,7 +45,7 @@ from deployments.transport.messages import (
 from engine.proposers.base import draft_rows
 from engine.request.sequence import RequestOutput
 from engine.spec.accept import commit
-from engine.spec.plan import plan_ks
+from engine.spec.plan import plan_rows
 from engine.spec.policy import PROBE_EVERY, AcceptanceTracker
 
 logger = logging.getLogger("ray.serve")
@@ -125,11 +125,9 @@ class GroupRound:
         the next round, and a draft started now (its prefill first) would pay only at the batch size they make.
         """
         profile = self.costs.policy_profile(self.group_draft(rows), rows[0].target)
-        model = self.config.draft.remote
         # a draft model reads the tokens its worker lacks first (all of them before the first Draft lease)
-        outlooks = [live.outlook(live.seq.k if self._may_draft(live) else 0, reads_context=model) for live in rows]
-        ks = plan_ks(profile, outlooks, len(rows) + joining, live_now, self.config.max_batch_for_speculation)
-        return [live.seq.draft_len(k) for live, k in zip(rows, ks)]
+        return plan_rows(profile, rows, [live.seq.k if self._may_draft(live) else 0 for live in rows],
+                         self.config.draft.remote, len(rows) + joining, live_now, self.config.max_batch_for_speculation)
 
     def _may_draft(self, live: LiveRequest) -> bool:
         if not self.config.draft.remote or live.draft is not None:

@@ -164,8 +164,8 @@ class Router:
 
     async def run(self, prepared: Prepared, request_id: str, slot: AdmissionSlot | None = None):
         """The request's per-round outputs; scheduler errors become API errors."""
-        stream = self.scheduler.generate(prepared.prompt_ids, prepared.params, prepared.k, request_id,
-                                         adaptive=prepared.adaptive, overlap=prepared.overlap, slot=slot)
+        stream = self.scheduler.generate(prepared.prompt_ids, prepared.params, prepared.speculation, request_id,
+                                         slot=slot)
         last_t, last = None, None
         try:
             async for out in stream:

@@ -38,6 +38,7 @@ from deployments.transport.messages import DraftCall, DraftResult, VerifyCall
 from engine.factory import DraftSource
 from engine.request.sampling import SamplingParams
 from engine.request.sequence import RequestOutput, SequenceState
+from engine.spec.options import SpeculationOptions
 from engine.spec.policy import AcceptanceTracker, CostProfile
 from engine.spec.stats import EngineTimings, SpecStats
 
@@ -146,21 +147,22 @@ class Scheduler:
         """Take a place under the admission limit now (raises Overloaded when there is none)."""
         return self.admission.slot(len(self._live))
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, k: int | None = None,
-                       request_id: str | None = None, adaptive: bool | None = None, overlap: bool | None = None,
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       speculation: SpeculationOptions = SpeculationOptions(), request_id: str | None = None,
                        slot: AdmissionSlot | None = None) -> AsyncIterator[RequestOutput]:
         """Admit a request and yield its per-round outputs; closing the iterator aborts it.
 
-        `adaptive=False` pins the request to exactly `k` drafts per round (no acceptance or load adaptation);
-        `overlap=False` turns drafting ahead off for it (on a server that overlaps). A held `slot` (from `admit`)
-        is the request's admission; without one it is admitted here.
+        `speculation` is the request's own (engine/spec/options.py): its K, `adaptive=False` to pin it to exactly K
+        drafts per round (no acceptance or load adaptation), `overlap=False` to turn drafting ahead off for it (on a
+        server that overlaps). A held `slot` (from `admit`) is the request's admission; without one it is admitted
+        here.
         """
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
         if slot is not None and slot.held:
             slot.release()  # becomes a waiting sequence below, with no await in between
         else:
             self.admission.check(len(self._live))
-        k = self.config.num_speculative_tokens if k is None else k
+        k = speculation.k_or(self.config.num_speculative_tokens)
         # the request's seed is fixed here, at admission (its own, or drawn: SequenceState.seed); every worker that
         # ever serves it, after a failover too, draws its random numbers from it (engine/spec/randomness.py)
         seq = SequenceState.create(request_id, prompt_ids, params, k, self.config.max_model_len,
@@ -168,11 +170,10 @@ class Scheduler:
         self.stats.prompt_tokens += len(seq.prompt_ids)
         self.admission.waiting += 1
         try:
-            live = await self._open(seq)
+            live = await self._open(seq, speculation)
         finally:
             self.admission.waiting -= 1
-        live.fixed_k = adaptive is False
-        live.overlap = self.config.overlap and overlap is not False
+        live.overlap = self.config.overlap and speculation.overlap is not False
         self._live[request_id] = live
         self._ensure_running()
         self._wakeup.set()
@@ -187,10 +188,10 @@ class Scheduler:
         finally:
             await self._finish(request_id)
 
-    async def _open(self, seq: SequenceState) -> LiveRequest:
+    async def _open(self, seq: SequenceState, speculation: SpeculationOptions) -> LiveRequest:
         """A request's Target lease; its Draft lease comes with its first drafting round (recovery.lease_drafts)."""
         target = await self.space.lease(lambda: self.broker.target(seq.request_id))
-        return LiveRequest(seq=seq, queue=asyncio.Queue(), target=target,
+        return LiveRequest(seq=seq, queue=asyncio.Queue(), target=target, options=speculation,
                            tracker=AcceptanceTracker(prior=self.population.acceptance))
 
     async def _deliver(self, rows: list[LiveRequest], outputs: list[RequestOutput | RequestFailed]) -> None:

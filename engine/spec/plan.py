@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.request.sequence import SequenceState
+from engine.spec.options import SpeculationOptions
 from engine.spec.policy import AcceptanceTracker, CostProfile, expected_tokens, load_adjusted_k, worth_starting
 
 TIE = 1.001  # a plan must beat the cheaper one by this factor (ties go to fewer drafts)
@@ -40,7 +41,7 @@ class SpecRow:
 
     seq: SequenceState
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)  # the request's own acceptance
-    fixed_k: bool = False  # the request asked for exactly seq.k drafts per round
+    options: SpeculationOptions = field(default_factory=SpeculationOptions)  # the request's own (K, pinned, overlap)
     draft_sent: int = 0  # committed tokens its draft holds (a draft model reads the rest before drafting)
 
     def outlook(self, cap: int, reads_context: bool) -> RowOutlook:
@@ -48,7 +49,7 @@ class SpecRow:
         first (a draft model does; n-gram lookup reads nothing)."""
         return RowOutlook(acceptance=self.tracker.acceptance, cap=cap,
                           behind=self.seq.num_tokens - self.draft_sent if reads_context else 0,
-                          remaining=self.seq.remaining(), fixed=self.fixed_k, wants_probe=self.tracker.wants_probe)
+                          remaining=self.seq.remaining(), fixed=self.options.fixed, wants_probe=self.tracker.wants_probe)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,16 @@ class RowOutlook:
     remaining: int = 1 << 30  # tokens the request may still generate
     fixed: bool = False  # the request pinned its K: exactly `cap` drafts, whatever the costs
     wants_probe: bool = False  # its drafts kept failing and it has drafted nothing for a while
+
+
+def plan_rows(profile: CostProfile | None, rows: Sequence[SpecRow], caps: Sequence[int], reads_context: bool,
+              batch: int, live_now: int, max_batch_for_speculation: int | None) -> list[int]:
+    """Each row's draft length this round (the in-process engine's and the served round's plan): `plan_ks` over the
+    rows' outlooks, each capped at `caps[b]` drafts (0: it may not draft), cut to what the row may still emit.
+    `reads_context`: a row's draft reads the tokens it lacks first (a draft model; n-gram lookup reads nothing)."""
+    outlooks = [row.outlook(cap, reads_context) for row, cap in zip(rows, caps)]
+    ks = plan_ks(profile, outlooks, batch, live_now, max_batch_for_speculation)
+    return [row.seq.draft_len(k) for row, k in zip(rows, ks)]
 
 
 def plan_ks(profile: CostProfile | None, rows: Sequence[RowOutlook], batch: int, live_now: int,

@@ -8,6 +8,7 @@ import torch
 
 from deployments.router.router import Router
 from engine import SamplingParams
+from engine.spec.options import SpeculationOptions
 from engine.spec.policy import PROBE_EVERY
 from tests.conftest import make_tiny_model, perturbed_copy, third_token_marginals, total_variation_bound
 from tests.deployments.conftest import LocalBroker, save_model_pair, tiny_config, write_profile
@@ -31,7 +32,7 @@ def router_for(dirs, **speculation) -> tuple[Router, LocalBroker]:
 
 async def generate(router, prompt, params, k=None, adaptive=None, overlap=None) -> list[int]:
     tokens = []
-    async for out in router.scheduler.generate(prompt, params, k=k, adaptive=adaptive, overlap=overlap):
+    async for out in router.scheduler.generate(prompt, params, SpeculationOptions(k, adaptive, overlap)):
         tokens.extend(out.new_token_ids)
     return tokens
 
