@@ -1,4 +1,4 @@
-"""bf16 products on CPU: specserve's VDPBF16PS kernel against the widening kernel and oneDNN (issue 16, session 17).
+"""bf16 products on CPU: specserve's VDPBF16PS kernel against the widening kernel and oneDNN (issue 16).
 Not a timed test; needs a CPU with AVX512_BF16.
 
     python -m bench.bf16_products matrix     # one 576 x 1536 product at 1..256 rows, weights in cache (ms, GMAC/s)

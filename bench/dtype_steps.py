@@ -1,4 +1,4 @@
-"""The static runner's step times per target dtype, in one process (issue 16, session 16). Not a timed test.
+"""The static runner's step times per target dtype, in one process (issue 16). Not a timed test.
 
     python -m bench.dtype_steps float32,bfloat16,int8 [ROUNDS]   # SmolLM2-135M, 2 threads
 

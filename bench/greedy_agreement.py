@@ -1,5 +1,5 @@
 """Greedy speculative decoding against plain decoding of the same target, in one process, per target dtype (issue
-16, session 16): how many of bench/prompts.jsonl's texts come out identical, and where the first differs. Not a test.
+16): how many of bench/prompts.jsonl's texts come out identical, and where the first differs. Not a test.
 
     python -m bench.greedy_agreement bfloat16 [TOKENS] [DRAFT]   # DRAFT: ngram (default) or smollm2 (int8 copy)
 """

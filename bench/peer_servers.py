@@ -8,7 +8,7 @@ shuts its engine down), then SIGTERM and SIGKILL to whatever is left in the sess
 reports any survivor. `ray stop` is not used: it would also kill other people's Ray clusters on the machine.
 
 Ready means a real completion succeeded, not just `/health`: our `/health` answers 200 well before the first
-completion can run (issue 16: ~45 s on this machine).
+completion can run (issue 16: by tens of seconds on a small CPU machine).
 """
 
 from __future__ import annotations

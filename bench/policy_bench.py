@@ -6,7 +6,7 @@ interleaved, not across separate runs. Each mode is a per-request option of the 
 
     plain           {"enabled": false}
     fixed           {"k": K, "adaptive": false, "overlap": false}   K drafts every round, no matter what
-    adaptive        {"overlap": false}                              the server's K policy (engine/spec/policy.py)
+    adaptive        {"overlap": false}                              the server's K plan (engine/spec/plan.py)
     fixed+overlap   {"k": K, "adaptive": false}                     on a server with speculation.overlap: true
     adaptive+overlap {}                                             idem
 

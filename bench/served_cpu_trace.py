@@ -1,7 +1,7 @@
 """Where a served run's CPU time goes: our server under a streaming client, per-process CPU seconds and the router's
 rounds (issue 16; not a timed test).
 
-    .venv/bin/python -m bench.served_cpu_trace --config bench/results/peer_serve_s19_run4_runs/ours-plain.yaml \
+    .venv/bin/python -m bench.served_cpu_trace --config bench/results/peer_serve_runs/ours-plain.yaml \
         --concurrency 1 8 16 --env SPECSERVE_POOL=openmp --tag openmp
 
 Starts `serve run` of --config as `make run` does (deployments/ray_env.py's HAProxy settings) with any --env

@@ -1,5 +1,5 @@
-"""Closed-loop load on a running server, streamed or not, with the router's per-round figures from /stats (issue 16,
-session 16: the streaming and niceness comparisons). Not a timed test.
+"""Closed-loop load on a running server, streamed or not, with the router's per-round figures from /stats (issue 16:
+the streaming and niceness comparisons). Not a timed test.
 
     python -m bench.stream_load C stream|nostream [N]   # C at a time, N requests (default 2C) of 64 greedy tokens
 

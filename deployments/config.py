@@ -74,7 +74,7 @@ class SpeculationSection(StrictModel):
     )
     adaptive: bool = Field(
         True, description="choose each request's K per round from its observed acceptance and the measured cost "
-                          "of drafting and verifying at the current batch size (engine/spec/policy.py); "
+                          "of drafting and verifying at the current batch size (engine/spec/plan.py); "
                           "num_speculative_tokens is then the upper bound")
     calibration: str | None = Field(
         None, description="cost profile written by `specserve-calibrate` for this model pair and machine; "

@@ -78,8 +78,8 @@ def panels() -> list[dict]:
                                                  (f"sum({P}num_requests_waiting{SEL})", "waiting")], "short"),
         _panel("Speculation: K and on/off", [(f"max({P}spec_decode_k{SEL})", "mean K per round (max over routers)"),
                                              (f"min({P}spec_decode_enabled{SEL})", "on (min over routers)")],
-               "short", "The K policy's choice: per request from its acceptance, and 0 once the batch is past the "
-                        "measured knee (engine/spec/policy.py)."),
+               "short", "The K plan's choice: per request from its acceptance, and 0 where drafting stops paying at "
+                        "the batch's measured costs (engine/spec/plan.py)."),
         _panel("Replicas per deployment",
                [('count by (deployment)(ray_serve_replica_processing_queries{application=~"$application"})',
                  "{{deployment}} running"),

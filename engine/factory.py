@@ -49,15 +49,15 @@ class EngineConfig:
     num_speculative_tokens: int = 3
     ngram_min: int = 2
     ngram_max: int = 4
-    max_batch_for_speculation: int | None = 4  # above this many live sequences rounds draft nothing (policy.py)
+    max_batch_for_speculation: int | None = 4  # above this many live sequences rounds draft nothing (spec/plan.py)
     max_model_len: int | None = 2048
     device: str = "cpu"
     trust_remote_code: bool = False
     # the model runner (engine/models/runner.py): the compiled static path for the Llama family, else transformers'
     runner: str = "auto"  # "auto" (static where supported), "static" (an error where not), "transformers"
-    # how the static runner runs its steps (static_runner.step_mode): "auto" = CUDA graphs on CUDA, eager on CPU;
-    # "on" = CUDA graphs on CUDA, torch.compile (inductor) on CPU, whose shapes compile for minutes on a small CPU;
-    # "off" = eager everywhere
+    # how the static runner runs its steps (engine/models/static/steps.step_mode): "auto" = CUDA graphs on CUDA,
+    # eager on CPU; "on" = CUDA graphs on CUDA, torch.compile (inductor) on CPU, whose shapes compile for minutes on a
+    # small CPU; "off" = eager everywhere
     compile: str = "auto"
     kv_cache_gib: float | None = None  # KV-cache bytes per model worker; None: kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.2

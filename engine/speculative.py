@@ -51,7 +51,7 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
-        self.max_batch_for_speculation = max_batch_for_speculation  # without a profile (engine/spec/policy.py)
+        self.max_batch_for_speculation = max_batch_for_speculation  # without a profile (engine/spec/plan.py)
         self.profile = profile  # the costs K is planned with (engine/calibration/measure.measure_profile); None: the threshold
         self.eos_token_ids = frozenset(eos_token_ids) | tokenizer_eos_ids(tokenizer)  # see engine.models.loading
         self.timings = EngineTimings()

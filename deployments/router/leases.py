@@ -48,7 +48,7 @@ class _RayLease:
     async def release(self) -> None:
         """The worker frees the sequence now, whatever becomes of the lease's cancel on its way through Serve (the
         replica's own release follows and finds nothing: releases are idempotent; and the replica's sweep closes a
-        lease whose sequence was released like this: model_deployments._reclaim_released). A target's rank 0
+        lease whose sequence was released like this: workers/replicas._reclaim_released). A target's rank 0
         passes it on."""
         try:
             await self._channels.call(self.endpoint, Method.RELEASE, [self.seq_id])

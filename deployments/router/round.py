@@ -263,7 +263,7 @@ class GroupRound:
         drafts again (engine/spec/policy.PROBE_EVERY): that round is not guessed (a probe not taken then waits for a
         lighter load). A wrong guess costs the target worker one step (dropped; the row's cache rolls back); a right
         one hides the router's hop behind the device's step, on a GPU what a round without drafts costs beyond plain
-        decoding (bench/RESULTS.md, session 26)."""
+        decoding (bench/RESULTS.md, the first H100 runs of the graph runner)."""
         plain_next = live.seq.k == 0 or live.tracker.rounds_without_drafts + 1 != PROBE_EVERY
         return (self.config.decode_ahead and k == 0 and plain_next and live.seq.params.grammar is None
                 and not live.seq.wants_prompt_logprobs() and live.seq.remaining() > 1)

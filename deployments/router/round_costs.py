@@ -1,4 +1,4 @@
-"""The costs a Draft/Target replica pairing's rounds are planned with; engine/spec/policy.py chooses K from them.
+"""The costs a Draft/Target replica pairing's rounds are planned with; engine/spec/plan.py chooses K from them.
 
 With the adaptive policy a pairing's costs are those its replicas measured at start (engine/calibration/measure.py),
 corrected online by what its steady-state rounds really cost (engine.spec.policy.CostCorrection: the workers' compute

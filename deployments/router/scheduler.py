@@ -10,7 +10,7 @@ which frees their caches at once. A replica that dies mid-request is replaced by
 re-sent from token 0 (re-prefill: deployments/router/recovery.py); committed tokens never change, so the output does not
 either.
 
-Each request's K comes from engine/spec/policy.py: with `adaptive`, from its observed acceptance and the measured cost
+Each request's K comes from engine/spec/plan.py: with `adaptive`, from its observed acceptance and the measured cost
 of a round at the group's batch size (the replicas measure their costs at start, or a calibration file gives
 them: deployments/router/round_costs.py); otherwise the fixed `max_batch_for_speculation` threshold.
 
@@ -55,7 +55,7 @@ class SchedulerConfig:
     draft: DraftSource  # where drafts come from (engine/factory.py): the router's own proposer, Draft workers, none
     max_batch_for_speculation: int = 4  # without `adaptive`
     max_live_sequences: int = 64
-    adaptive: bool = False  # K per request from acceptance and measured costs (engine/spec/policy.py)
+    adaptive: bool = False  # K per request from acceptance and measured costs (engine/spec/plan.py)
     profile: CostProfile | None = None  # costs from a calibration file; None: the leased replicas' own
     overlap: bool = False  # draft round r+1 during round r's verify
     decode_ahead: bool = False  # mark rows that will not draft next round for the target to decode ahead
@@ -275,7 +275,7 @@ class Scheduler:
         """Send the next `prefill_chunk` tokens of each long prompt leased to one Target replica to its worker, in
         one call (chunked prefill, as vLLM's and SGLang's schedulers do): the worker takes turns between this call
         and the running rows' round, so those wait for one chunk per prompt per round instead of whole prompts, and
-        the prompts' chunks share forwards there (engine/models/static/runner.prefill_groups). The chunks' sampled
+        the prompts' chunks share forwards there (engine/models/static/prefill_plan.prefill_groups). The chunks' sampled
         tokens are not needed; a request that asked for prompt logprobs gets its chunk's
         (engine/request/prompt_logprobs.py)."""
         ends = [live.target_sent + self.config.prefill_chunk for live in lives]

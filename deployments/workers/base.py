@@ -141,7 +141,7 @@ def startup_error(role: str, exc: BaseException) -> StartupError | None:
         hint = "" if "max_num_seqs" in str(exc) else \
             " (raise runner.max_num_seqs or the KV-cache budget, kv_cache_gib / kv_cache_fraction)"
         return StartupError(f"{what} {exc}{hint}")
-    if isinstance(exc, KVBudgetError):  # static_runner.plan_num_slots: says what to change
+    if isinstance(exc, KVBudgetError):  # engine/models/kv_budget.plan_num_slots: says what to change
         return StartupError(f"{what} {exc}")
     if isinstance(exc, torch.OutOfMemoryError):
         return StartupError(f"{what} out of memory while loading or warming up ({str(exc).splitlines()[0]}): lower "

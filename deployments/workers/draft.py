@@ -65,7 +65,7 @@ class DraftWorkerCore(ModelWorker):
         self._cancelled: set[int] = set()
         self._cancel_lock = threading.Lock()
         self.cancelled_drafts = 0
-        # draft step and prefill seconds by batch size, for the router's K policy (engine/spec/policy.py)
+        # draft step and prefill seconds by batch size, for the router's K plan (engine/spec/plan.py)
         runner = self.proposer.runner
         self.costs = None if not calibrate else cached_costs(
             config.cost_cache, costs_key("draft", resolve(config.draft).directory, config.draft_dtype, runner,

@@ -40,7 +40,7 @@ logger = logging.getLogger("ray.serve")
 HEALTH_PING_TIMEOUT_S = 20.0  # a worker not answering a ping this long fails the health check (Serve's own: 30 s)
 # A model call running longer than this is taken as hung. Pings are answered on the workers' "control" thread, so
 # a long call (a batched prefill under load) does not fail the check; past this bound the worker is replaced.
-# Above the collectives' own timeout (workers.init_distributed: 60 s on CPU, 30 s on GPU by default).
+# Above the collectives' own timeout (target.join_process_group: 60 s on CPU, 30 s on GPU by default).
 STUCK_CALL_S = 180.0
 
 
@@ -139,7 +139,7 @@ class _LeasedReplica:
         self._sweeping: asyncio.Task | None = None
         self._replica_id = None
         self._guards = _guard_counter()
-        self.costs: dict | None = None  # measured at start when the router's K policy needs them (policy.py)
+        self.costs: dict | None = None  # measured at start when the router's K plan needs them (engine/spec/plan.py)
         self.capacity: int | None = None  # sequences its workers' KV caches hold; None: unbounded
 
     @property

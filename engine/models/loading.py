@@ -3,7 +3,7 @@
 Nothing here downloads: a model id that is not in the local HF cache is an error that says so. Weights load from
 safetensors or GGUF only (never pickle), and `trust_remote_code` stays off unless the caller turns it on.
 
-GGUF files are dequantized by transformers (needs `gguf`), which takes ~20 s for SmolLM2-135M. The result is
+GGUF files are dequantized by transformers (needs `gguf`), which is slow even for SmolLM2-135M. The result is
 saved once as safetensors under the specserve cache (``$SPECSERVE_CACHE``, default ``~/.cache/specserve``), keyed
 by the file's path, size and mtime, so later loads take well under a second.
 """

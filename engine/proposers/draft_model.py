@@ -110,8 +110,8 @@ class DraftModelProposer:
         (StaticRunner.forward_fed), and the host reads the round's tokens and proposals once, at the end. The host's
         work for step j+1 (its inputs, the graph's launch) then overlaps step j on the device instead of waiting for
         its tokens: on a GPU each draft step otherwise paid a sync and the host's work in full (bench/RESULTS.md,
-        session 26). The picks are `propose`'s step loop's: greedy rows' argmax, the others by their scheme
-        (engine/spec/proposal.py) from the same logits."""
+        the first H100 runs of the graph runner). The picks are `propose`'s step loop's: greedy rows' argmax, the
+        others by their scheme (engine/spec/proposal.py) from the same logits."""
         seq_ids, k, batch = [r.seq_id for r in requests], requests[0].k, len(requests)
         greedy = all(r.sampling.greedy for r in requests)
         sampling = None if greedy else BatchSampling.from_params([r.sampling for r in requests])

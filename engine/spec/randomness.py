@@ -2,7 +2,7 @@
 
 No generator state exists anywhere: the sampler on the target's device, the draft worker and the in-process engine
 compute the same numbers for the same request and position, and a request re-prefilled on another replica (its seed
-travels with it, deployments/transport/messages.SeqDelta.seed) continues the same stream. The idea is Philox's (Salmon
+travels with it, engine/request/settings.SequenceSettings.seed) continues the same stream. The idea is Philox's (Salmon
 et al. 2011, "Parallel random numbers: as easy as 1, 2, 3"): randomness as a pure function of a counter, here a small
 integer mixing function (a 32-bit finaliser from Wellons' hash prospector: xor-shift, multiply, xor-shift, multiply,
 xor-shift), vectorised over torch integer tensors on whatever device the caller works on.

@@ -210,8 +210,8 @@ class _Lease:
 class LocalBroker:
     """One draft and one target 'replica'; `fail_at_call[kind] = n` kills it at its n-th call.
 
-    Like the replicas (model_deployments._LeasedReplica), it refuses a target lease when the target core's runner
-    holds `kv_capacity` leased sequences already; `starting` names the deployments whose replicas do not answer
+    Like the replicas (deployments/workers/replicas._LeasedReplica), it refuses a target lease when the target core's
+    runner holds `kv_capacity` leased sequences already; `starting` names the deployments whose replicas do not answer
     `ready` yet."""
 
     def __init__(self, config: SpecServeConfig) -> None:

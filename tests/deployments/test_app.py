@@ -27,13 +27,13 @@ def test_every_deployment_sheds_with_503_and_retry_after_and_ray_accepts_the_opt
 
 
 def test_model_workers_spin_briefly_unless_the_operator_says_otherwise(monkeypatch):
-    from deployments.workers import replicas as model_deployments
+    from deployments.workers import replicas
 
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    options = model_deployments._actor_options({"num_cpus": 1, "num_gpus": 0, "resources": {}}, 1, "w")
-    assert options["runtime_env"]["env_vars"]["GOMP_SPINCOUNT"] == model_deployments.DEFAULT_GOMP_SPINCOUNT
+    options = replicas._actor_options({"num_cpus": 1, "num_gpus": 0, "resources": {}}, 1, "w")
+    assert options["runtime_env"]["env_vars"]["GOMP_SPINCOUNT"] == replicas.DEFAULT_GOMP_SPINCOUNT
     monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
-    assert model_deployments.worker_env()["GOMP_SPINCOUNT"] == "300000"
+    assert replicas.worker_env()["GOMP_SPINCOUNT"] == "300000"
 
 
 def test_autoscaling_windows_must_outlast_the_load_reports():
@@ -74,7 +74,7 @@ def test_a_thread_s_niceness_is_its_own_and_a_refusal_is_a_warning(monkeypatch, 
     import os
     import threading
 
-    from deployments.workers import base as worker_base
+    from deployments.workers import base
 
     def in_thread(fn, *args):
         out = []
@@ -85,15 +85,15 @@ def test_a_thread_s_niceness_is_its_own_and_a_refusal_is_a_warning(monkeypatch, 
 
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     higher = min(mine + 1, 19)  # raising it needs no privilege
-    assert in_thread(worker_base.set_thread_niceness, higher) == higher
-    assert in_thread(worker_base.set_thread_niceness, None) == mine  # a new thread inherits this one's; None keeps it
+    assert in_thread(base.set_thread_niceness, higher) == higher
+    assert in_thread(base.set_thread_niceness, None) == mine  # a new thread inherits this one's; None keeps it
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the calling thread's alone
 
     def refuse(*args):
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(worker_base.os, "setpriority", refuse)
-    assert in_thread(worker_base.set_thread_niceness, -5) == mine
+    monkeypatch.setattr(base.os, "setpriority", refuse)
+    assert in_thread(base.set_thread_niceness, -5) == mine
     assert "cannot set niceness -5" in caplog.text and "CAP_SYS_NICE" in caplog.text
 
 

@@ -29,9 +29,9 @@ def ray_cluster():
 
 
 def replica_stats(app_name: str, timeout_s: float = 60.0) -> dict:
-    """The Target deployment's `stats()` through a Serve handle from the driver. (Such a call once never got a
-    reply, with the replica and its worker idle: the replica's calls to its worker were wedged behind a cancelled
-    release, fixed by `replicas.detached_call`; no retry hides it now.)"""
+    """The Target deployment's `stats()` through a Serve handle from the driver. (Such a call can go unanswered,
+    with the replica and its worker idle, where the replica's calls to its worker wedge behind a cancelled release:
+    `replicas.detached_call` prevents that, and no retry hides it.)"""
     from ray import serve
 
     return serve.get_deployment_handle("Target", app_name=app_name).stats.remote().result(timeout_s=timeout_s)
@@ -232,7 +232,7 @@ def test_health_check_answers_during_a_long_model_call_and_fails_a_hung_one(ray_
 
     import ray
 
-    from deployments.workers import replicas as model_deployments
+    from deployments.workers import replicas
     from deployments.workers.actors import ray_actor_classes
     from deployments.workers.base import BusyClock
 
@@ -259,12 +259,12 @@ def test_health_check_answers_during_a_long_model_call_and_fails_a_hung_one(ray_
 
     worker = LongCall.options(num_cpus=0.1, max_concurrency=1).remote()
     ray.get(worker.ping.remote())
-    monkeypatch.setattr(model_deployments, "HEALTH_PING_TIMEOUT_S", 2.0)
-    replica = model_deployments._LeasedReplica()
+    monkeypatch.setattr(replicas, "HEALTH_PING_TIMEOUT_S", 2.0)
+    replica = replicas._LeasedReplica()
     call = worker.compute.remote(8.0)
     time.sleep(1.0)
     asyncio.run(replica._check([worker]))  # busy 1 s, answered at once: healthy
-    monkeypatch.setattr(model_deployments, "STUCK_CALL_S", 1.5)
+    monkeypatch.setattr(replicas, "STUCK_CALL_S", 1.5)
     time.sleep(1.0)
     with pytest.raises(TimeoutError, match="taken as hung"):
         asyncio.run(replica._check([worker]))
@@ -361,8 +361,8 @@ def test_a_full_target_replica_refuses_leases_and_takes_one_again_once_a_lease_e
 
 
 def test_one_and_two_kv_slots_start_measure_their_costs_and_serve_once_health_says_200(ray_cluster, tiny_model_dirs):
-    """Replicas whose KV caches hold one or two sequences measure their costs at start within them (the adaptive
-    policy's start-up measurement used to ask for 16 and kill the constructor, again and again); /health answers
+    """Replicas whose KV caches hold one or two sequences measure their costs at start within them (a start-up
+    measurement past the free slots would kill the constructor, again and again); /health answers
     503 not_ready until they can serve, and once it answers 200 a speculative completion runs at once."""
     from ray import serve
 

@@ -30,9 +30,9 @@ is summed in one fixed order), which MKL does not promise.
 
 The shared library (every source in engine/models/cpu/csrc) is compiled with the system's C++ compiler (`CXX`, default
 g++) against the installed torch's headers into `SPECSERVE_KERNEL_CACHE` (default ~/.cache/specserve/kernels), once per
-source, torch version and flags (~20 s on 2 cores); `make install` builds it ahead (`main()`). Where it cannot be used
-(no AVX2, not x86, no compiler, a failed build) `op(name)` returns None, the reason is logged once as a warning, and
-callers keep their ATen code. `SPECSERVE_CPU_OPS=aten` turns it off (A/B measurements).
+source, torch version and flags (slow on a small machine); `make install` builds it ahead (`main()`). Where it cannot
+be used (no AVX2, not x86, no compiler, a failed build) `op(name)` returns None, the reason is logged once as a
+warning, and callers keep their ATen code. `SPECSERVE_CPU_OPS=aten` turns it off (A/B measurements).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def small_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], 
 @functools.cache
 def bf16_gemm() -> Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor] | None:
     """`bf16_gemm(x [M, K], packed [N/16, K/2, 16, 2], n, bias [N] | None) -> [M, N]` (bf16_gemm.cpp; `packed` from
-    cpu_kernels.pack_bf16), or None where the library is unavailable or the CPU lacks AVX512_BF16."""
+    linear.pack_bf16), or None where the library is unavailable or the CPU lacks AVX512_BF16."""
     supported = op("bf16_gemm_supported")
     return op("bf16_gemm") if supported is not None and supported() else None
 

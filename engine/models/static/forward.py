@@ -124,13 +124,13 @@ class _Projection(nn.Module):
             self.kernel_scales = nn.Parameter(scales.to(torch.bfloat16), requires_grad=False)
 
     def forward(self, x: torch.Tensor, step: bool | None = None) -> torch.Tensor:  # [..., in] -> [..., out]
-        """`step`: a decode/verify step (True) or a prompt chunk (False); which CPU kernel runs (cpu_kernels.linear)."""
+        """`step`: a decode/verify step (True) or a prompt chunk (False); which CPU kernel runs (cpu/linear.py)."""
         if self.packed is not None:
             rows = x.reshape(-1, x.shape[-1]).contiguous()
             return cpu_extension.bf16_gemm()(rows, self.packed, self.out_features, self.bias).reshape(
                 *x.shape[:-1], self.out_features)
         if self.scales is None:
-            return linear(x, self.weight, self.bias, step)  # on CPU: specserve's kernel or ATen's, cpu_kernels.py
+            return linear(x, self.weight, self.bias, step)  # on CPU: specserve's kernel or ATen's, cpu/linear.py
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         kernel = small_gemm_for(x, self.weight)
@@ -263,7 +263,7 @@ class StaticLlama(nn.Module):
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         # decode/verify steps run every product on the CPU kernel, whatever the batch, so a row's step is computed
         # the same in any batch; fp32 prompt chunks (compute-bound) take MKL (bf16 ones stay on the kernel too:
-        # cpu_kernels.linear)
+        # engine/models/cpu/linear.linear)
         step = width <= STEP_MAX_WIDTH
         x = ops.norm(hidden, self.layers[0].input_norm)
         for index, layer in enumerate(self.layers):

@@ -4,9 +4,10 @@ and RoPE with the KV-cache write.
 Inside a captured CUDA graph a kernel's launch costs next to nothing on the host, but every kernel still costs the
 device a few microseconds of start and drain, whatever its size. Written with ATen operators a Llama layer's norms,
 RoPE, SiLU and residual adds take ~40 kernels; at decode sizes their arithmetic is nothing and their count is the
-cost (an 8B-shaped step: 32 layers, ~1,300 such kernels; the graphs ran at 1.58x the memory roofline where
-inductor's fused graphs ran at 1.23x: bench/RESULTS.md, session 26). Here each is one kernel, as vLLM's and SGLang's
-fused RMSNorm, SiLU-and-mul and rotary-embedding kernels are; a layer is then 4 products, 4 of these and attention.
+cost (an 8B-shaped step: 32 layers, ~1,300 such kernels; the graphs took markedly longer over the memory
+roofline than inductor's fused graphs: bench/RESULTS.md, the first H100 runs of the graph runner). Here each is
+one kernel, as vLLM's and SGLang's fused RMSNorm, SiLU-and-mul and rotary-embedding kernels are; a layer is then 4
+products, 4 of these and attention.
 
 Each kernel rounds where the ATen operators it replaces round (a bf16 product, then a bf16 sum, as `apply_rope` in
 bf16 does: engine/models/static/rope.py), so its results match theirs but for the order of a norm's sum of squares.

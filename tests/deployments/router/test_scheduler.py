@@ -81,8 +81,8 @@ def test_long_prompts_on_one_target_send_their_chunks_in_one_call_with_their_own
 
 def test_the_n_choices_of_one_request_prefill_their_prompt_once(tiny_model_dirs):
     """n = 3 over a 40-token prompt: the three sequences reach the target worker in one call, whose runner computes
-    the prompt for one row and copies it to the others (engine/models/static/runner.shared_heads); the greedy choices
-    all equal plain decoding."""
+    the prompt for one row and copies it to the others (engine/models/static/prefill_plan.shared_heads); the greedy
+    choices all equal plain decoding."""
     config = tiny_config(tiny_model_dirs, model={"draft": "ngram"})
     broker = LocalBroker(config)
     router = Router(config, broker)

@@ -1,4 +1,5 @@
-"""The direct worker channel (deployments/transport/channel.py, channel_wire.py): replies, errors, authentication, concurrency, dead peers."""
+"""The direct worker channel (deployments/transport/channel.py, wire.py): replies, errors, authentication, concurrency,
+dead peers."""
 
 import asyncio
 import dataclasses

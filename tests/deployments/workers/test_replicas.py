@@ -95,9 +95,9 @@ def test_the_sweep_closes_a_lease_whose_sequence_was_released_after_it_began(mon
     """A lease whose generator never reaches its `finally` (it is left suspended, as seen under load) is closed once
     its worker says the sequence was released after the lease was granted; an older release (before a re-lease) and
     young leases are left alone, and the abandoned generator's `finally`, should it run later, changes nothing."""
-    import deployments.workers.replicas as md
+    import deployments.workers.replicas as replicas
 
-    monkeypatch.setattr(md, "RECLAIM_AFTER_S", 0.0)
+    monkeypatch.setattr(replicas, "RECLAIM_AFTER_S", 0.0)
     replica, worker = _LeasedReplica(), _ReleasingWorker()
     replica.capacity = 2
 
@@ -126,7 +126,7 @@ def test_the_sweep_closes_a_lease_whose_sequence_was_released_after_it_began(mon
 
 
 def test_young_leases_are_not_checked(monkeypatch):
-    import deployments.workers.replicas as md
+    import deployments.workers.replicas as replicas
 
     replica, worker = _LeasedReplica(), _ReleasingWorker()
 
@@ -137,15 +137,15 @@ def test_young_leases_are_not_checked(monkeypatch):
         return replica._sweeping, replica.leases
 
     sweeping, leases = asyncio.run(go())
-    assert md.RECLAIM_AFTER_S >= 1.0 and sweeping is None and leases == 1
+    assert replicas.RECLAIM_AFTER_S >= 1.0 and sweeping is None and leases == 1
 
 
 def test_a_release_that_never_answers_still_ends_the_lease(monkeypatch):
     """Seen under load: the worker's answer to a lease's release never came back, and each such lease stayed counted
     until the replica refused every new lease as full. The lease is counted off after RELEASE_WAIT_S."""
-    import deployments.workers.replicas as md
+    import deployments.workers.replicas as replicas
 
-    monkeypatch.setattr(md, "RELEASE_WAIT_S", 0.05)
+    monkeypatch.setattr(replicas, "RELEASE_WAIT_S", 0.05)
 
     class _Silent:
         def __init__(self):
@@ -182,24 +182,24 @@ def test_a_workers_startup_error_is_raised_as_itself_and_other_failures_as_ray_r
     import ray
 
     from deployments.errors import StartupError
-    from deployments.workers import replicas as model_deployments
+    from deployments.workers import replicas
 
     def fail_with(text):
         def get(refs):
             raise ray.exceptions.RayError(text)
         return get
 
-    monkeypatch.setattr(model_deployments.ray, "get", fail_with(RAY_REPORT))
+    monkeypatch.setattr(replicas.ray, "get", fail_with(RAY_REPORT))
     with pytest.raises(StartupError) as raised:
-        model_deployments.started(["ref"])
+        replicas.started(["ref"])
     assert str(raised.value) == ("Draft worker cannot start: the KV-cache budget (0.000 GiB) does not hold one "
                                  "sequence: raise kv_cache_gib / kv_cache_fraction or lower max_model_len")
     assert raised.value.__cause__ is None and raised.value.__suppress_context__, "no dead-actor report chained on"
-    monkeypatch.setattr(model_deployments.ray, "get", fail_with("The actor died unexpectedly: node lost"))
+    monkeypatch.setattr(replicas.ray, "get", fail_with("The actor died unexpectedly: node lost"))
     with pytest.raises(ray.exceptions.RayError, match="node lost"):
-        model_deployments.started(["ref"])
-    monkeypatch.setattr(model_deployments.ray, "get", lambda refs: ["stats"])
-    assert model_deployments.started(["ref"]) == ["stats"]
+        replicas.started(["ref"])
+    monkeypatch.setattr(replicas.ray, "get", lambda refs: ["stats"])
+    assert replicas.started(["ref"]) == ["stats"]
 
 
 def test_a_worker_call_is_submitted_outside_the_calling_task_and_a_cancel_of_that_task_never_reaches_it():

@@ -283,12 +283,12 @@ def test_init_distributed_sets_the_backend_timeout_and_nccl_error_handling(tiny_
     import torch
     import torch.distributed as dist
 
-    import deployments.workers.target as workers
+    import deployments.workers.target as target
 
     seen = []
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.append(
         (backend, kw["timeout"], kw.get("device_id"), os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))))
-    monkeypatch.setattr(workers, "rank_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(target, "rank_device", lambda device: torch.device("cuda", 0))
     monkeypatch.setattr(TargetWorkerCore, "load", lambda self: None)
     for name in ("SPECSERVE_COLLECTIVE_TIMEOUT_S", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
         monkeypatch.setenv(name, "")  # recorded, so what init_distributed sets is undone after the test
@@ -314,18 +314,18 @@ def test_a_tp_target_runs_the_runner_its_config_names(tiny_model_dirs):
     import pytest
     from pydantic import ValidationError
 
-    import deployments.workers.target as target_worker
+    import deployments.workers.target as target
     from engine.models.transformers_runner import ModelRunner
 
     config = tiny_config(tiny_model_dirs, runner={"kind": "transformers"}, tp_size=2)
     core = TargetWorkerCore(config.engine_config(), 0, 2)
     warmed = []
-    real = target_worker.warm_up
-    target_worker.warm_up = lambda runner, k, what: warmed.append((runner, k, what)) or real(runner, k, what)
+    real = target.warm_up
+    target.warm_up = lambda runner, k, what: warmed.append((runner, k, what)) or real(runner, k, what)
     try:
         core.load()
     finally:
-        target_worker.warm_up = real
+        target.warm_up = real
     # a rank warms its runner up at load (the static runner captures its CUDA graphs there, every rank alike)
     assert warmed == [(core.runner, config.speculation.num_speculative_tokens, "target")]
     assert isinstance(core.runner, ModelRunner) and core.stats()["runner"] == "ModelRunner"

@@ -221,7 +221,7 @@ def test_release_stale_frees_only_sequences_no_call_touched_lately(target, draft
 
 
 def test_released_ago_reports_when_each_sequence_was_released(target):
-    """The replica's sweep closes leases whose sequences were released after they began (model_deployments.py)."""
+    """The replica's sweep closes leases whose sequences were released after they began (workers/replicas.py)."""
     import time
 
     assert target.released_ago(["nothing-yet"]) == {}

@@ -69,14 +69,14 @@ def test_the_key_changes_with_the_models_files_the_runner_and_its_settings(tmp_p
 def test_the_key_names_the_cpu_operators_steps_run_on(monkeypatch):
     """Costs measured on ATen's operators are not reused once specserve's CPU operators run the steps, or after
     their sources change (engine/models/cpu/extension.py)."""
-    from engine.calibration import store as cost_cache
+    from engine.calibration import store
     from engine.models.cpu import extension as cpu_extension
 
-    with_ops = cost_cache.hardware_key(torch.device("cpu"))
+    with_ops = store.hardware_key(torch.device("cpu"))
     monkeypatch.setattr(cpu_extension, "_namespace", lambda: None)
-    assert cost_cache.hardware_key(torch.device("cpu"))["cpu_ops"] == "aten"
+    assert store.hardware_key(torch.device("cpu"))["cpu_ops"] == "aten"
     if with_ops["cpu_ops"] != "aten":  # x86 with AVX2 and g++ (this project's machines)
         assert with_ops["cpu_ops"].startswith("specserve_ops-")
         monkeypatch.setattr(cpu_extension, "_namespace", lambda: object())
         monkeypatch.setattr(cpu_extension, "SOURCES", [*cpu_extension.SOURCES, Path(cpu_extension.__file__)])
-        assert cost_cache.hardware_key(torch.device("cpu"))["cpu_ops"] != with_ops["cpu_ops"]
+        assert store.hardware_key(torch.device("cpu"))["cpu_ops"] != with_ops["cpu_ops"]

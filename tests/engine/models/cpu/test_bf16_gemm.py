@@ -1,4 +1,4 @@
-"""engine/models/cpu/csrc/bf16_gemm.cpp (cpu_extension.bf16_gemm, weights from cpu_kernels.pack_bf16): the bf16 product
+"""engine/models/cpu/csrc/bf16_gemm.cpp (cpu_extension.bf16_gemm, weights from linear.pack_bf16): the bf16 product
 of bf16 models on CPUs with AVX512_BF16. Its sums are VDPBF16PS's, bit for bit; a row's result does not depend on the
 rows beside it or on the threads; it refuses what it does not compute. Skipped where the CPU lacks AVX512_BF16 (then
 bf16 models keep small_gemm, tests/engine/models/cpu/test_extension.py)."""

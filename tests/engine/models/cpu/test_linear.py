@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.cpu import linear as cpu_kernels
+from engine.models.cpu import linear as linear_module
 from engine.models.cpu.linear import SPLIT_GEMV_MIN_ELEMENTS, linear
 
 
@@ -30,7 +30,7 @@ def test_linear_equals_f_linear(rows, with_bias, two_threads):
 
 
 def test_one_row_of_a_large_matrix_runs_as_one_bmm_per_thread_block(two_threads, monkeypatch):
-    monkeypatch.setattr(cpu_kernels.cpu_extension, "small_gemm", lambda: None)  # a machine without the kernel
+    monkeypatch.setattr(linear_module.cpu_extension, "small_gemm", lambda: None)  # a machine without the kernel
     calls = []
     real_bmm = torch.bmm
 
@@ -49,7 +49,7 @@ def test_one_row_of_a_large_matrix_runs_as_one_bmm_per_thread_block(two_threads,
 def test_split_gemv_falls_back_to_f_linear(shape, two_threads, monkeypatch):
     monkeypatch.setattr(torch, "bmm", lambda *a: pytest.fail("bmm used"))
     weight, x = torch.randn(*shape), torch.randn(1, 320)
-    torch.testing.assert_close(cpu_kernels.linear(x, weight), F.linear(x, weight))
+    torch.testing.assert_close(linear_module.linear(x, weight), F.linear(x, weight))
 
 
 @pytest.mark.parametrize(("rows", "in_features", "used"), [(1, 320, True), (64, 320, True), (65, 320, False),
@@ -61,7 +61,7 @@ def test_rows_the_small_gemm_kernel_takes(rows, in_features, used, monkeypatch):
         seen.append(tuple(x.shape))
         return F.linear(x, weight, bias)
 
-    monkeypatch.setattr(cpu_kernels.cpu_extension, "small_gemm", lambda: kernel)
+    monkeypatch.setattr(linear_module.cpu_extension, "small_gemm", lambda: kernel)
     x, weight = torch.randn(1, rows, in_features), torch.randn(1024, in_features)
     out = linear(x, weight)
     assert out.shape == (1, rows, 1024)
@@ -93,6 +93,6 @@ def test_steps_take_the_kernel_for_every_row_and_prompt_chunks_never(rows, step,
         seen.append(tuple(x.shape))
         return F.linear(x, weight, bias)
 
-    monkeypatch.setattr(cpu_kernels.cpu_extension, "small_gemm", lambda: kernel)
+    monkeypatch.setattr(linear_module.cpu_extension, "small_gemm", lambda: kernel)
     linear(torch.randn(1, rows, 320), torch.randn(1024, 320), step=step)
     assert seen == ([(rows, 320)] if used else [])

@@ -5,7 +5,7 @@ rows give zeros."""
 import pytest
 import torch
 
-from engine.models.static import attention as attention_kernels
+from engine.models.static import attention
 from engine.models.static.attention import RowIndex, cache_attention, reference_attention
 
 pytest.importorskip("triton")
@@ -17,7 +17,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # without a GPU: Triton
 @pytest.fixture
 def interpreted():
     """The Triton kernel runs here: on a GPU, or on the CPU in Triton's interpreter."""
-    if not attention_kernels.available():
+    if not attention.available():
         pytest.skip("Triton cannot run here (no GPU and TRITON_INTERPRET unset)")
 
 
@@ -70,9 +70,9 @@ def test_a_row_reads_only_its_slot_below_its_limit_and_padding_rows_are_zero(int
 
 
 def test_without_triton_the_reference_runs(monkeypatch):
-    monkeypatch.setattr(attention_kernels, "triton", None)
+    monkeypatch.setattr(attention, "triton", None)
     q, k, v, rows = _case(2, 4, 2, 3, 16, 2, 100, torch.float32)
-    assert not attention_kernels.available()
+    assert not attention.available()
     torch.testing.assert_close(cache_attention(q, k, v, rows, 0.5), reference_attention(q, k, v, rows, 0.5))
 
 

@@ -406,7 +406,7 @@ def test_graph_steps_pad_rows_into_the_scratch_tail_and_make_no_host_sync():
 
 def test_a_kv_budget_given_as_a_fraction_leaves_room_for_the_graphs(monkeypatch):
     import engine.models.kv_budget as kv_budget
-    import engine.models.static.runner as static_runner
+    import engine.models.static.runner as runner
     from engine.models.static.forward import StaticLlama
 
     monkeypatch.setattr(kv_budget, "free_memory_bytes", lambda device: 10 << 30)
@@ -416,7 +416,7 @@ def test_a_kv_budget_given_as_a_fraction_leaves_room_for_the_graphs(monkeypatch)
     budget = KVBudget(fraction=2e-4, max_num_seqs=512)
     eager, graphs = (StaticRunner(model, budget=budget, compile=mode) for mode in ("off", "graphs"))
     # the graphs' reserve is sized for max_num_seqs rows of the widest step and comes out of the free memory first
-    reserve = static_runner.estimate_graph_bytes(model.config, 512, static_runner.MAX_WIDTH, model.config.vocab_size)
+    reserve = runner.estimate_graph_bytes(model.config, 512, runner.MAX_WIDTH, model.config.vocab_size)
     slot = StaticLlama.slot_bytes(model.config, graphs.model.capacity, graphs.kv_cache_dtype)
     assert eager.capacity == int((10 << 30) * 2e-4) // slot
     assert graphs.capacity == int(((10 << 30) - reserve) * 2e-4) // slot < eager.capacity

@@ -204,7 +204,7 @@ def test_the_runner_a_shard_gets(two_ranks):
 
 # ---- a peer killed mid-step -----------------------------------------------------------------------------------
 def _dying_worker(rank, world, port, directory, results):
-    import engine.models.static.forward as static_llama
+    import engine.models.static.forward as forward
     from engine.models.tensor_parallel import CollectiveError
 
     _init(rank, world, port, timeout_s=60)
@@ -214,7 +214,7 @@ def _dying_worker(rank, world, port, directory, results):
     runner.forward(["a"], [[2, 3, 4]], [1])  # healthy
     if rank == 1:
         calls = []
-        reduce_sum = static_llama.reduce_sum
+        reduce_sum = forward.reduce_sum
 
         def dies_on_the_third(t, shard):
             calls.append(1)
@@ -222,7 +222,7 @@ def _dying_worker(rank, world, port, directory, results):
                 os._exit(3)  # killed inside the step: between the first layer's collectives and the rest
             return reduce_sum(t, shard)
 
-        static_llama.reduce_sum = dies_on_the_third
+        forward.reduce_sum = dies_on_the_third
     start = time.monotonic()
     try:
         runner.forward(["a"], [[5]], [1])
