@@ -8,7 +8,7 @@ import pytest
 
 from deployments.autoscaling import LIVE_SEQUENCES, OVERLAP_ALLOWANCE, live_sequences_policy, replicas_for
 from deployments.workers.replicas import _LeasedReplica
-from tests.deployments.workers.test_replicas import _Worker
+from tests.deployments.workers.test_replicas import _Worker, until_sent
 
 
 def _context(reported: dict[str, float], running: list[str], target: float, ongoing: float = 0.0):
@@ -40,6 +40,7 @@ def test_serve_s_count_stands_in_until_every_running_replica_has_reported():
 
 def test_a_lease_its_router_ended_is_not_load_while_the_worker_releases_it():
     replica, worker = _LeasedReplica(), _Worker()
+    worker.arrive.clear()  # the release reaches the worker when the test says
 
     async def go():
         first, second = replica._hold("a", [worker], "e"), replica._hold("b", [worker], "e")
@@ -49,8 +50,9 @@ def test_a_lease_its_router_ended_is_not_load_while_the_worker_releases_it():
         held = asyncio.ensure_future(first.__anext__())
         await asyncio.sleep(0)
         held.cancel()  # the router ends request a: its release is on its way to the worker
-        await asyncio.sleep(0.002)
+        await until_sent(worker)
         releasing = (replica.record_autoscaling_stats(), replica.leases, list(worker.released))
+        worker.arrive.set()
         await asyncio.gather(held, return_exceptions=True)
         return both, releasing, replica.record_autoscaling_stats()
 

@@ -229,6 +229,7 @@ def test_a_steady_load_of_n_streams_at_n_over_2_per_replica_holds_exactly_2_repl
 def test_health_check_answers_during_a_long_model_call_and_fails_a_hung_one(ray_cluster, tiny_model_dirs,
                                                                             monkeypatch):
     import asyncio
+    import threading
 
     import ray
 
@@ -246,29 +247,42 @@ def test_health_check_answers_during_a_long_model_call_and_fails_a_hung_one(ray_
         ray.kill(w)
 
     @ray.remote(concurrency_groups={"control": 1})
-    class LongCall:  # a worker in a model call of `seconds` (the real ones' calls are milliseconds on tiny models)
+    class LongCall:  # a worker in one model call until the test ends it (the real ones' take milliseconds here)
         def __init__(self):
-            self.busy = BusyClock()
+            self.busy, self.ended = BusyClock(), threading.Event()
 
-        def compute(self, seconds):
+        def compute(self):
             with self.busy:
-                time.sleep(seconds)
+                self.ended.wait(300)
+
+        @ray.method(concurrency_group="control")
+        def end(self):
+            self.ended.set()
 
         def ping(self):
             return self.busy.seconds()
 
+    def busy_for(seconds: float) -> None:
+        """Until the call has run over `seconds`, by the clock its pings report (120 s: a hang)."""
+        deadline = time.monotonic() + 120
+        while ray.get(worker.ping.options(concurrency_group="control").remote()) <= seconds:
+            assert time.monotonic() < deadline, f"the call never ran {seconds} s"
+            time.sleep(0.05)
+
     worker = LongCall.options(num_cpus=0.1, max_concurrency=1).remote()
     ray.get(worker.ping.remote())
-    monkeypatch.setattr(replicas, "HEALTH_PING_TIMEOUT_S", 2.0)
+    # HEALTH_PING_TIMEOUT_S as deployed (20 s): a ping stuck behind the call, which lasts until the test ends it,
+    # would fail the first check
     replica = replicas._LeasedReplica()
-    call = worker.compute.remote(8.0)
-    time.sleep(1.0)
-    asyncio.run(replica._check([worker]))  # busy 1 s, answered at once: healthy
+    call = worker.compute.remote()
+    busy_for(0.0)
+    asyncio.run(replica._check([worker]))  # in the call, and answered: healthy
     monkeypatch.setattr(replicas, "STUCK_CALL_S", 1.5)
-    time.sleep(1.0)
+    busy_for(2.0)
     with pytest.raises(TimeoutError, match="taken as hung"):
         asyncio.run(replica._check([worker]))
-    ray.get(call)
+    ray.get(worker.end.remote())
+    ray.get(call, timeout=60)
     asyncio.run(replica._check([worker]))  # the call ended: healthy again
     ray.kill(worker)
 
@@ -285,16 +299,16 @@ def test_health_is_503_naming_the_missing_target_while_it_cannot_start(ray_clust
     answers, deadline = [], time.time() + 180
     while len(answers) < 2:  # the Router's own answers (before it runs, the proxy answers 404 in plain text)
         assert time.time() < deadline, f"the Router never answered: {serve.status()}"
-        start = time.time()
+        # the Target never starts: a probe that waited for it would never answer (the timeout turns that into a
+        # failure); one that waits readiness.PROBE_TIMEOUT_S answers 503 (tests/deployments/api/test_readiness.py)
         r = httpx.get(f"http://127.0.0.1:{PORT}/stuck/health", timeout=120)
         if r.headers.get("content-type") == "application/json":
-            answers.append((r, time.time() - start))
+            answers.append(r)
         time.sleep(0.5)
-    for r, _ in answers:
+    for r in answers:
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
         error = r.json()["error"]
         assert error["code"] == "not_ready" and "no Target replica" in error["message"], error
-    assert answers[-1][1] < 10, "the probe waits about readiness.PROBE_TIMEOUT_S, not for the Target to start"
     # Serve stops the never-placed Target replica after its graceful_shutdown_timeout_s (20 s, deployments/app.py):
     # nothing of it runs meanwhile, so the next tests go on while the application goes away. Health turning 200 once
     # a completion can run: test_one_and_two_kv_slots_start_measure_their_costs_and_serve_once_health_says_200

@@ -18,6 +18,7 @@ from engine.request.delta import SeqDelta, first_delta
 from engine.request.grammar import GrammarError, GrammarSpec
 from engine.request.sampling import SamplingParams
 from tests.deployments.conftest import LocalBroker, http_server, tiny_config
+from tests.deployments.held_rounds import HeldRounds, until
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -237,7 +238,7 @@ def _fail_compiling(monkeypatch, compiler, bad: GrammarSpec, why: str) -> None:
 
 
 def _wait_released(broker, router) -> None:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # only turns a lease never released into a failure
     while (router.scheduler.num_live or any(broker.open_leases.values())) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert router.scheduler.num_live == 0 and not any(broker.open_leases.values()), "the leases were released"
@@ -263,13 +264,15 @@ def test_a_grammar_the_target_cannot_compile_fails_its_request_only(served, monk
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     alone = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=120, temperature=0,
                                            response_format=fmt).choices[0].message.content
-    monkeypatch.setattr(broker, "verify_delay", 0.02)  # slow rounds: the failing request joins mid-generation
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    # the streaming request's rounds after its first wait until the failing request has joined it
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, HeldRounds(broker, monkeypatch, free=1) as rounds:
         chunks = iter(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=120, temperature=0,
                                                      response_format=fmt, stream=True))
         text = next(chunks).choices[0].delta.content or ""  # the request is live: its first round is done
         failing = pool.submit(client.completions.create, model="tiny", prompt="Number:", max_tokens=10,
                               temperature=0, extra_body={"structured_outputs": {"regex": bad.source}})
+        until(lambda: router.scheduler.num_live == 2, "the failing request to join mid-generation")
+        rounds.release()
         text += "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
         with pytest.raises(openai.InternalServerError) as info:
             failing.result()

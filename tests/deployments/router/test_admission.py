@@ -2,6 +2,7 @@
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -10,6 +11,7 @@ from deployments.router import admission
 from deployments.router.admission import LeaseRefused, SpaceWait, min_capacity, refusal
 from deployments.router.router import Router
 from tests.deployments.conftest import LocalBroker, bound_kv_cache, tiny_config
+from tests.deployments.held_rounds import HeldRounds
 from tests.deployments.router.test_router import PROMPT_IDS, client, complete, plain_reference
 
 
@@ -53,16 +55,22 @@ def test_the_wait_tries_again_until_a_slot_is_free(monkeypatch):
 
 
 def test_the_wait_ends_in_an_overload_past_its_bound_and_other_errors_are_not_retried(monkeypatch):
+    """The wait gives up at its first refusal past `max_wait_s` after the first one, not before and not after: on
+    a clock that each refusal moves on by 0.02 s (whatever the machine's real pauses), a 0.05-s bound is the
+    fourth refusal (at 0.02, 0.04, 0.06 and 0.08 s: past 0.02 + 0.05)."""
     monkeypatch.setattr(admission, "FIRST_PAUSE_S", 0.001)
-    space = SpaceWait(max_wait_s=0.05)
+    clock = [100.0]
+    monkeypatch.setattr(admission, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    space, refusals = SpaceWait(max_wait_s=0.05), []
 
     async def full():
+        clock[0] += 0.02
+        refusals.append(clock[0])
         raise ReplicaFull("replica t holds 1 sequences")
 
-    start = time.monotonic()
     with pytest.raises(ReplicaFull, match="no free KV-cache slot within 0.05 s") as info:
-        asyncio.run(space.lease(full))
-    assert isinstance(info.value, Overloaded) and 0.05 <= time.monotonic() - start < 2
+        asyncio.run(asyncio.wait_for(space.lease(full), 60))
+    assert isinstance(info.value, Overloaded) and len(refusals) == 4, refusals
     assert space.waiting == 0
 
     calls = []
@@ -77,8 +85,9 @@ def test_the_wait_ends_in_an_overload_past_its_bound_and_other_errors_are_not_re
 
 
 def test_a_request_ending_wakes_the_waiting_ones_at_once(monkeypatch):
-    monkeypatch.setattr(admission, "FIRST_PAUSE_S", 30.0)  # only the wake-up can end the pause in time
-    space, full = SpaceWait(max_wait_s=60.0), [True]
+    monkeypatch.setattr(admission, "FIRST_PAUSE_S", 3600.0)  # only the wake-up can end the pause (60 s: a hang)
+    monkeypatch.setattr(admission, "MAX_PAUSE_S", 3600.0)
+    space, full = SpaceWait(max_wait_s=7200.0), [True]
 
     async def take():
         if full[0]:
@@ -91,7 +100,7 @@ def test_a_request_ending_wakes_the_waiting_ones_at_once(monkeypatch):
             await asyncio.sleep(0.001)
         full[0] = False
         space.freed()
-        return await asyncio.wait_for(waiter, 5)
+        return await asyncio.wait_for(waiter, 60)
 
     assert asyncio.run(go()) == "lease"
 
@@ -111,9 +120,9 @@ async def _until(condition, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def test_a_second_request_waits_for_the_slot_and_completes_after_the_first_ends(tiny_model_dirs):
+def test_a_second_request_waits_for_the_slot_and_completes_after_the_first_ends(tiny_model_dirs, monkeypatch):
     router, broker = _router(tiny_model_dirs, capacity=1)
-    broker.verify_delay = 0.01  # long enough to see the second request wait
+    rounds = HeldRounds(broker, monkeypatch, free=1)  # the first request's rounds wait until the second waits
     second_prompt = [9, 8, 7, 6]
 
     async def go():
@@ -123,6 +132,7 @@ def test_a_second_request_waits_for_the_slot_and_completes_after_the_first_ends(
             second = asyncio.ensure_future(complete(c, prompt=second_prompt, max_tokens=12))
             await _until(lambda: router.scheduler.space.waiting == 1)
             assert not first.done() and broker.refused >= 1
+            rounds.release()
             r1 = await first
             waited_until_first_ended = not second.done()
             return r1, await second, waited_until_first_ended
@@ -137,15 +147,17 @@ def test_a_second_request_waits_for_the_slot_and_completes_after_the_first_ends(
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_past_the_wait_bound_a_request_gets_503_with_retry_after_and_later_ones_are_admitted(tiny_model_dirs,
-                                                                                              stream):
+                                                                                              monkeypatch, stream):
     router, broker = _router(tiny_model_dirs, capacity=1, max_queue_wait_s=0.1)
-    broker.verify_delay = 0.02  # the first request holds its slot for well over 0.1 s
+    rounds = HeldRounds(broker, monkeypatch, free=1)  # the first request holds its slot until the second has its 503
 
     async def go():
         async with client(router) as c:
             first = asyncio.ensure_future(complete(c, max_tokens=30))
             await _until(lambda: router.scheduler.num_live == 1)
             refused = await complete(c, prompt=[9, 8, 7, 6], max_tokens=4, stream=stream)
+            assert not first.done(), "the first request held its slot all along"
+            rounds.release()
             r1 = await first
             later = await complete(c, prompt=[9, 8, 7, 6], max_tokens=4)
             return r1, refused, later

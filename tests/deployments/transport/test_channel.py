@@ -163,15 +163,16 @@ def test_one_way_sends_arrive_in_order():
     sender = ChannelSender(server.endpoint)
     for i in range(200):
         sender.send("record", i)
-    assert done.wait(10)
+    assert done.wait(60)
     assert seen == list(range(200))
     sender.close()
     server.close()
 
 
-def _serve_in_process(queue, ready_to_die):
-    server = ChannelServer({"hang": lambda *a: (time.sleep(60), "never")[1], "echo": lambda x: x}, "127.0.0.1",
-                           bind_host="127.0.0.1")
+def _serve_in_process(queue, ready_to_die, inside):
+    """A worker process whose `hang` sets `inside` and never answers; it exits once `ready_to_die` is set."""
+    server = ChannelServer({"hang": lambda *a: (inside.set(), time.sleep(3600), "never")[2], "echo": lambda x: x},
+                           "127.0.0.1", bind_host="127.0.0.1")
     queue.put(server.endpoint)
     ready_to_die.wait(60)
     os._exit(1)
@@ -179,8 +180,8 @@ def _serve_in_process(queue, ready_to_die):
 
 def test_a_worker_dying_mid_call_ends_the_call_at_once():
     ctx = multiprocessing.get_context("spawn")
-    queue, die = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_serve_in_process, args=(queue, die), daemon=True)
+    queue, die, inside = ctx.Queue(), ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_serve_in_process, args=(queue, die, inside), daemon=True)
     proc.start()
     endpoint = queue.get(timeout=60)
     channels = AsyncChannels()
@@ -188,12 +189,10 @@ def test_a_worker_dying_mid_call_ends_the_call_at_once():
     async def run():
         assert await channels.call(endpoint, "echo", 7) == 7
         task = asyncio.ensure_future(channels.call(endpoint, "hang"))
-        await asyncio.sleep(0.3)
-        die.set()  # the process exits while the call is inside it
-        start = time.monotonic()
+        assert await asyncio.get_running_loop().run_in_executor(None, inside.wait, 60), "the call never arrived"
+        die.set()  # the process exits while the call is inside it (`hang` never answers: only its end ends the call)
         with pytest.raises(ChannelClosed):
-            await asyncio.wait_for(task, 20)
-        return time.monotonic() - start
+            await asyncio.wait_for(task, 60)
 
     asyncio.run(run())
     proc.join(10)
@@ -271,8 +270,8 @@ def test_a_worker_dying_mid_chain_ends_the_call_naming_it():
     first = _first(relay)
     channels = AsyncChannels()
     for role in ("first", "last"):
-        queue, die = ctx.Queue(), ctx.Event()
-        proc = ctx.Process(target=_serve_in_process, args=(queue, die), daemon=True)
+        queue, die, inside = ctx.Queue(), ctx.Event(), ctx.Event()
+        proc = ctx.Process(target=_serve_in_process, args=(queue, die, inside), daemon=True)
         proc.start()
         dying = queue.get(timeout=60)
         # the dying process is the chain's first worker (it hangs in its handler), or its last (the first passes a
@@ -282,10 +281,10 @@ def test_a_worker_dying_mid_chain_ends_the_call_naming_it():
 
         async def run():
             task = asyncio.ensure_future(channels.chain(head, tail, method, 1))
-            await asyncio.sleep(0.5)
-            die.set()
+            assert await asyncio.get_running_loop().run_in_executor(None, inside.wait, 60), "the chain never arrived"
+            die.set()  # while the chain's call is inside the dying process
             with pytest.raises(ChannelClosed) as info:
-                await asyncio.wait_for(task, 20)
+                await asyncio.wait_for(task, 60)
             return info.value.endpoint
 
         assert asyncio.run(run()) == dying, role

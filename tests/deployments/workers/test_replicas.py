@@ -11,11 +11,14 @@ from deployments.workers.replicas import _LeasedReplica, detached_call
 
 
 class _Ref:
-    """Stands in for a Ray ObjectRef: `future()` resolves with `answer()` after `delay` s (never, with None)."""
+    """Stands in for a Ray ObjectRef: `future()` resolves with `answer()` after `delay` s (never, with None), or
+    once `gate` is set."""
 
-    def __init__(self, answer=lambda: None, delay: float | None = 0.0) -> None:
+    def __init__(self, answer=lambda: None, delay: float | None = 0.0, gate: threading.Event | None = None) -> None:
         self._future: concurrent.futures.Future = concurrent.futures.Future()
-        if delay is not None:
+        if gate is not None:
+            threading.Thread(target=lambda: gate.wait(60) and self._future.set_result(answer()), daemon=True).start()
+        elif delay is not None:
             threading.Timer(delay, lambda: self._future.set_result(answer())).start()
 
     def future(self) -> concurrent.futures.Future:
@@ -23,19 +26,32 @@ class _Ref:
 
 
 class _Worker:
-    """A model worker whose `release.remote()` is awaited by the replica; records what it released."""
+    """A model worker whose `release.remote()` is awaited by the replica; records what it released. Its releases
+    reach it once `arrive` is set (at once, unless a test clears it to look at a release on its way)."""
 
     def __init__(self) -> None:
-        self.released = []
+        self.released, self.sent = [], []
         self.release = self
+        self.arrive = threading.Event()
+        self.arrive.set()
 
     def remote(self, seq_ids):
-        return _Ref(lambda: self.released.extend(seq_ids), delay=0.01)  # reaches the worker a little later
+        self.sent.append(seq_ids)
+        return _Ref(lambda: self.released.extend(seq_ids), gate=self.arrive)
+
+
+async def until_sent(worker: _Worker) -> None:
+    """Until the replica has sent a release to `worker` (the timeout only turns a hang into a failure)."""
+    deadline = time.monotonic() + 60
+    while not worker.sent:
+        assert time.monotonic() < deadline, "no release was sent"
+        await asyncio.sleep(0.001)
 
 
 def test_a_replica_refuses_leases_past_its_capacity_and_frees_the_slot_once_the_worker_released():
     replica, worker = _LeasedReplica(), _Worker()
     replica.capacity = 1
+    worker.arrive.clear()  # the release reaches the worker when the test says
 
     async def go():
         first = replica._hold("a", [worker], "endpoint")
@@ -44,8 +60,9 @@ def test_a_replica_refuses_leases_past_its_capacity_and_frees_the_slot_once_the_
         held = asyncio.ensure_future(first.__anext__())  # the lease stays open until the router cancels it
         await asyncio.sleep(0)
         held.cancel()
-        await asyncio.sleep(0.002)
+        await until_sent(worker)
         releasing = (list(worker.released), replica.leases)  # the release is on its way to the worker
+        worker.arrive.set()
         await asyncio.gather(held, return_exceptions=True)
         released = (list(worker.released), replica.leases)
         third = replica._hold("c", [worker], "endpoint")
@@ -128,6 +145,8 @@ def test_the_sweep_closes_a_lease_whose_sequence_was_released_after_it_began(mon
 def test_young_leases_are_not_checked(monkeypatch):
     import deployments.workers.replicas as replicas
 
+    assert replicas.RECLAIM_AFTER_S >= 1.0
+    monkeypatch.setattr(replicas, "RECLAIM_AFTER_S", 3600.0)  # young whatever pause a busy machine makes here
     replica, worker = _LeasedReplica(), _ReleasingWorker()
 
     async def go():
@@ -137,7 +156,7 @@ def test_young_leases_are_not_checked(monkeypatch):
         return replica._sweeping, replica.leases
 
     sweeping, leases = asyncio.run(go())
-    assert replicas.RECLAIM_AFTER_S >= 1.0 and sweeping is None and leases == 1
+    assert sweeping is None and leases == 1
 
 
 def test_a_release_that_never_answers_still_ends_the_lease(monkeypatch):
@@ -214,8 +233,12 @@ def test_a_worker_call_is_submitted_outside_the_calling_task_and_a_cancel_of_tha
             return refs[-1]
 
     async def go():
-        waiting = asyncio.ensure_future(detached_call(_Method(), ["a"], timeout_s=5))
-        await asyncio.sleep(0.05)
+        waiting = asyncio.ensure_future(detached_call(_Method(), ["a"], timeout_s=60))
+        deadline = time.monotonic() + 60  # only turns a hang into a failure
+        while not refs:  # the call is submitted: the cancel below comes while it is awaited
+            assert time.monotonic() < deadline, "the call was never submitted"
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0)
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
         return waiting.cancelled(), threading.get_ident()

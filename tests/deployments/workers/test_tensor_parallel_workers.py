@@ -258,15 +258,16 @@ def test_a_stuck_peer_fails_rank_0s_call_after_the_collective_timeout(tiny_model
 
             async def verify(seq_id):
                 call = VerifyCall(first_delta(seq_id, [5, 6, 7]), [])
-                return await asyncio.wait_for(channels.call(rank0, "verify", [call.wire()]), 60)
+                return await asyncio.wait_for(channels.call(rank0, "verify", [call.wire()]), 120)
 
             assert VerifyResult.from_wire(await verify("a")).verdicts[0].tokens  # healthy
             stuck.set()
             start = time.monotonic()
-            with pytest.raises(TensorParallelBroken, match="[Tt]imed out"):
+            # the configured bound, not the default (60 s on CPU): gloo names the one it waited for
+            with pytest.raises(TensorParallelBroken, match=f"[Tt]imed out waiting {timeout_s * 1000}ms"):
                 await verify("b")
             failed_after = time.monotonic() - start
-            assert timeout_s - 0.5 < failed_after < 30, failed_after  # the configured bound, far below the default
+            assert failed_after > timeout_s - 0.5, failed_after  # not before it
             with pytest.raises(TensorParallelBroken):
                 await verify("c")  # broken from then on
 
