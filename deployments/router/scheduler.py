@@ -109,6 +109,10 @@ class Scheduler:
         self.broker = broker
         self.stats = SchedulerStats()
         self._live: dict[str, LiveRequest] = {}
+        # requests in the round now in flight, and those of them that ended (their client gone) before it came back:
+        # their leases close when the round is back, so no call of it reaches a worker that has freed the sequence
+        self._in_round: set[str] = set()
+        self._ended_in_round: list[LiveRequest] = []
         self.admission = Admission(config.max_live_sequences, config.max_queue_wait_s)
         self.space = self.admission.space  # requests waiting for a free KV-cache slot
         self._wakeup = asyncio.Event()
@@ -215,6 +219,15 @@ class Scheduler:
         live = self._live.pop(request_id, None)
         if live is None:
             return
+        if request_id in self._in_round and not after_round:
+            # its round's calls are on the way: freeing the sequence now would fail that round's call for every row
+            # in it (the worker no longer knows the sequence its delta continues); the round closes it when it is back
+            self._ended_in_round.append(live)
+            return
+        await self._close(live, after_round)
+
+    async def _close(self, live: LiveRequest, after_round: bool) -> None:
+        """Close an ended request's leases, which frees its sequences on the workers (`_finish`)."""
         if after_round:  # the Draft worker too: a CI run saw a Draft replica count leases whose ends it never saw
             held = [lease for lease in (None if live.reletting else live.target, live.draft) if lease is not None]
             await asyncio.gather(*(lease.release() for lease in held))
@@ -263,8 +276,14 @@ class Scheduler:
         all_ks = [k for _, ks in plans for k in ks]
         self.last_mean_k = sum(all_ks) / len(all_ks) if all_ks else 0.0
         observe(self.metrics.load, len(self._live), self.admission.waiting, self.last_mean_k)
-        await asyncio.gather(*(self.round.run(rows, ks) for rows, ks in plans),
-                             *(self._prefill_chunks(lives) for lives in prefilling.values()))
+        self._in_round = {live.seq.request_id for rows in [*groups.values(), *prefilling.values()] for live in rows}
+        try:
+            await asyncio.gather(*(self.round.run(rows, ks) for rows, ks in plans),
+                                 *(self._prefill_chunks(lives) for lives in prefilling.values()))
+        finally:
+            self._in_round = set()
+            ended, self._ended_in_round = self._ended_in_round, []
+            await asyncio.gather(*(self._close(live, after_round=True) for live in ended))
 
     def _ks(self, rows: list[LiveRequest]) -> list[int]:
         """Each row's draft length this round (GroupRound.plan), counting the requests about to join."""
