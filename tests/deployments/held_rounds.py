@@ -60,6 +60,11 @@ class HeldRounds:
         """Let every held round go, and every later one."""
         self._released.set()
 
+    def hold(self) -> None:
+        """Hold the calls from now on again (after `release()` or `allow(n)`); call it while no round is on the way."""
+        self.free = self.passed
+        self._released.clear()
+
     def __enter__(self) -> HeldRounds:
         return self
 

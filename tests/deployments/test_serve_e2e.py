@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import httpx
 import pytest
@@ -94,37 +95,65 @@ def test_eight_concurrent_streams_are_batched(client, reference):
 
 # The draft worker is found by its actor name, not through a Serve handle of the Draft deployment: a fresh driver's
 # handle once held its call for over 120 s without sending it (CI, the replica's log shows no call arriving).
+# The driver connects and finds the worker first (seconds), then kills it when the test writes a line: the kill
+# follows the stream's first tokens by one stats call instead of a driver's start.
 KILL_PINNED_DRAFT_WORKER = """
-import json, ray
+import json, ray, sys
 ray.init(address="auto", log_to_driver=False)
 (found,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("specserve-draft-")]
 worker = ray.get_actor(found["name"], namespace=found["namespace"])
+print("ready", flush=True)
+sys.stdin.readline()
 live = ray.get(worker.stats.remote(), timeout=60)["live_sequences"]
 ray.kill(worker, no_restart=True)
-print(json.dumps({"live_sequences": live}))
+print(json.dumps({"live_sequences": live}), flush=True)
 """
+MAX_TOKENS = 256  # long enough (EOS ignored) that many rounds remain after the kill
 
 
 def test_killing_the_pinned_draft_worker_mid_stream_keeps_the_output(client, reference):
-    """The only Draft replica is the one the request is pinned to; its worker is killed from another driver."""
+    """The only Draft replica is the one the request is pinned to; its worker is killed from another driver once the
+    stream has produced its first tokens. No product hook holds the request open for the kill, so the test checks
+    after the fact that the kill landed while the request was live (a round of its own failed on the dead worker)."""
     prompt = "List the days of the week, one per line."
-    # long enough (EOS ignored) that many rounds remain after the kill
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=160, temperature=0, stream=True,
-                                            # fixed K: the adaptive policy may not draft at all on a busy machine
-                                            extra_body={"ignore_eos": True, "speculative": {"k": 3, "adaptive": False}})
-    text, killed = "", None
-    for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-        if killed is None and len(text) > 5:
-            done = subprocess.run([sys.executable, "-c", KILL_PINNED_DRAFT_WORKER], capture_output=True, text=True,
-                                  timeout=120, env={**os.environ, "RAY_ADDRESS": "auto"})
-            assert done.returncode == 0, done.stderr[-2000:]
-            killed = json.loads(done.stdout.strip().splitlines()[-1])
+    failures_before = httpx.get("http://127.0.0.1:8000/stats").json()["replica_failures"]
+    log = tempfile.TemporaryFile("w+")  # the driver's own log, read only when it fails
+    killer = subprocess.Popen([sys.executable, "-c", KILL_PINNED_DRAFT_WORKER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "RAY_ADDRESS": "auto"})
+
+    def driver_log() -> str:
+        log.seek(0)
+        return log.read()[-2000:]
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            ready = pool.submit(killer.stdout.readline).result(timeout=120)
+        assert ready.strip() == "ready", (ready, driver_log())
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                                # fixed K: the adaptive policy may not draft at all on a busy machine
+                                                extra_body={"ignore_eos": True,
+                                                            "speculative": {"k": 3, "adaptive": False}})
+        text, killed, read_at_kill = "", None, None
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if killed is None and text:
+                read_at_kill = len(text)
+                out, _ = killer.communicate("kill\n", timeout=120)
+                assert killer.returncode == 0, driver_log()
+                killed = json.loads(out.strip().splitlines()[-1])
+    finally:
+        if killer.poll() is None:
+            killer.kill()
+        log.close()
     assert killed is not None and killed["live_sequences"] == 1, "the request's sequence lived on that draft worker"
-    assert text == reference(prompt, True, 160, ignore_eos=True)
-    assert httpx.get("http://127.0.0.1:8000/stats").json()["replica_failures"] >= 1
+    failures = httpx.get("http://127.0.0.1:8000/stats").json()["replica_failures"] - failures_before
+    assert failures >= 1, (
+        f"the draft worker was killed after the request's last drafting round (the client had read {read_at_kill} of "
+        f"{len(text)} characters when it sent the kill): the request never met the dead worker, so this run did not "
+        f"test a kill mid-stream; the server outran the kill (a busy machine?), rerun it or raise MAX_TOKENS")
+    assert text == reference(prompt, True, MAX_TOKENS, ignore_eos=True)
     # Serve's health check replaces the broken Draft replica; later requests still succeed
     after = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
                                            max_tokens=16, temperature=0)

@@ -1,6 +1,7 @@
 """Router + Scheduler + worker cores without a cluster: OpenAI API, batching, stickiness, failures, errors."""
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 
@@ -12,6 +13,7 @@ from deployments.router.router import Router
 from engine import ModelRunner, SamplingParams, SpeculativeEngine
 from engine.models.loading import load_causal_lm, load_tokenizer, resolve
 from tests.deployments.conftest import LocalBroker, http_server, tiny_config
+from tests.deployments.held_rounds import HeldRounds, until
 
 PROMPT_IDS = [5, 6, 7, 8, 9, 10]
 
@@ -233,46 +235,67 @@ def test_api_key_required_when_configured(tiny_model_dirs, monkeypatch):
     assert health.status_code == 200
 
 
-def test_admission_limit_answers_503_with_retry_after(tiny_model_dirs):
+async def _until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """`until` inside the test's event loop (where the in-process app runs its rounds): yields while it waits."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+def test_admission_limit_answers_503_with_retry_after(tiny_model_dirs, monkeypatch):
     config = tiny_config(tiny_model_dirs, limits={"max_live_sequences_per_router": 1})
-    router = Router(config, LocalBroker(config))
+    broker = LocalBroker(config)
+    router = Router(config, broker)
 
     async def go():
-        async with client(router) as c:
-            return await asyncio.gather(*[complete(c, max_tokens=40) for _ in range(4)])
+        # the admitted request's rounds wait until the other three have their answers: all four overlap
+        with HeldRounds(broker, monkeypatch) as rounds:
+            async with client(router) as c:
+                tasks = [asyncio.ensure_future(complete(c, max_tokens=40)) for _ in range(4)]
+                await _until(lambda: sum(t.done() for t in tasks) == 3, "three of the four to be answered")
+                assert rounds.passed == 0 and router.scheduler.num_live == 1, "answered while the admitted one held"
+                rounds.release()
+                return await asyncio.gather(*tasks)
 
     results = asyncio.run(go())
     codes = sorted(r.status_code for r in results)
-    assert codes.count(200) >= 1 and 503 in codes
+    assert codes == [200, 503, 503, 503], codes
     for r in results:
         if r.status_code == 503:
             assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"
 
 
-def test_refusal_comes_at_the_door_before_parsing_or_tokenizing(tiny_model_dirs):
+def test_refusal_comes_at_the_door_before_parsing_or_tokenizing(tiny_model_dirs, monkeypatch):
     config = tiny_config(tiny_model_dirs, limits={"max_live_sequences_per_router": 1})
     broker = LocalBroker(config)
-    broker.verify_delay = 0.01
     router = Router(config, broker)
     calls = []
     tokenize = router.tokenizer.__class__.__call__
     router.tokenizer.__class__.__call__ = lambda self, *a, **kw: (calls.append(a), tokenize(self, *a, **kw))[1]
 
     async def go():
-        async with client(router) as c:
-            running = asyncio.create_task(complete(c, max_tokens=60))
-            while router.scheduler.num_live == 0:
-                await asyncio.sleep(0.005)
-            refused_text = await c.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
-            refused_junk = await c.post("/v1/completions", content=b"{not json",
-                                        headers={"Content-Type": "application/json"})
-            return await running, refused_text, refused_junk
+        # the running request's rounds wait until both refusals are back: it is live when they arrive
+        with HeldRounds(broker, monkeypatch) as rounds:
+            async with client(router) as c:
+                running = asyncio.create_task(complete(c, max_tokens=60))
+                await _until(lambda: router.scheduler.num_live == 1, "the first request to be admitted")
+                text = asyncio.ensure_future(c.post("/v1/completions",
+                                                    json={"model": "tiny", "prompt": "hello", "max_tokens": 4}))
+                await _until(lambda: text.done() or router.scheduler.num_live > 1, "the second request's answer")
+                assert router.scheduler.num_live == 1, "the second request was admitted beside the running one"
+                refused_text = await text
+                refused_junk = await c.post("/v1/completions", content=b"{not json",
+                                            headers={"Content-Type": "application/json"})
+                assert not running.done() and rounds.passed == 0, "both answered while the running request was held"
+                rounds.release()
+                return await running, refused_text, refused_junk
 
     try:
         ok, refused_text, refused_junk = asyncio.run(go())
     finally:
         router.tokenizer.__class__.__call__ = tokenize
-    assert ok.status_code == 200
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 60
     for r in (refused_text, refused_junk):
         assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"
     assert calls == [], "a refused request was never tokenized"
@@ -326,26 +349,33 @@ def test_chat_without_a_chat_template_is_a_clear_400(setup):
     assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
 
 
-def test_bad_requests_do_not_disturb_a_stream_in_the_same_batch(setup, tiny_model_dirs):
+def test_bad_requests_do_not_disturb_a_stream_in_the_same_batch(setup, tiny_model_dirs, monkeypatch):
     """Over real HTTP (uvicorn): a burst of bad requests arrives while a good stream is mid-generation."""
     config, broker, router = setup
     bad_bodies = [{"prompt": [99999]}, {"max_tokens": 100000}, {"temperature": -1}, {"prompt": [1] * 300},
                   {"model": "nope"}, {"stop": [""]}]
     good = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 60, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    broker.verify_delay = 0.02  # ~20 rounds of 20 ms: the burst below lands mid-generation
-    with http_server(router) as base:
-        text, statuses, live = "", [], None
+    # the good stream's first round goes; its next ones wait until the burst below has its answers (or one of the
+    # bad requests got into the scheduler, where only a round would answer it)
+    with http_server(router) as base, HeldRounds(broker, monkeypatch, free=1) as rounds, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        text, burst, live, passed = "", None, None, None
         with httpx.stream("POST", f"{base}/v1/completions", json=good, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     text += json.loads(line[6:])["choices"][0]["text"]
-                    if not statuses:
-                        live = router.scheduler.num_live
-                        statuses = [httpx.post(f"{base}/v1/completions", timeout=30,
-                                               json={"model": "tiny", "prompt": PROMPT_IDS, **b}).status_code
-                                    for b in bad_bodies]
-    assert live == 1, "the bad requests arrived while the good one was live"
+                    if burst is None:
+                        burst = pool.submit(lambda: [
+                            httpx.post(f"{base}/v1/completions", timeout=60,
+                                       json={"model": "tiny", "prompt": PROMPT_IDS, **b}).status_code
+                            for b in bad_bodies])
+                        until(lambda: burst.done() or router.scheduler.num_live > 1, "the bad requests' answers")
+                        live, passed = router.scheduler.num_live, rounds.passed
+                        rounds.release()
+        statuses = burst.result(timeout=60)
+    assert passed == 1, "the bad requests were answered between the good stream's first round and its second"
+    assert live == 1, "no bad request joined the good one in the scheduler"
     assert all(400 <= s < 500 for s in statuses), statuses
     assert text == plain_reference(tiny_model_dirs, PROMPT_IDS, 60)
 

@@ -6,7 +6,6 @@ CollectiveError at once, not after a hang."""
 
 import datetime
 import os
-import time
 
 import pytest
 import torch
@@ -207,7 +206,7 @@ def _dying_worker(rank, world, port, directory, results):
     import engine.models.static.forward as forward
     from engine.models.tensor_parallel import CollectiveError
 
-    _init(rank, world, port, timeout_s=60)
+    _init(rank, world, port, timeout_s=GROUP_TIMEOUT_S)
     runner = StaticRunner(load_shard(resolve(directory), "float32", "cpu", rank, world), budget=BUDGET,
                           compile=False)
     runner.add("a")
@@ -223,17 +222,21 @@ def _dying_worker(rank, world, port, directory, results):
             return reduce_sum(t, shard)
 
         forward.reduce_sum = dies_on_the_third
-    start = time.monotonic()
     try:
         runner.forward(["a"], [[5]], [1])
-        results[rank] = ("no error", time.monotonic() - start)
+        results[rank] = "no error"
     except CollectiveError as exc:
-        results[rank] = (f"CollectiveError: {exc}", time.monotonic() - start)
+        results[rank] = f"CollectiveError: {exc}"
     os._exit(0)  # the group is broken: nothing to tear down
+
+
+# far past run_ranks' 120 s hang guard: a survivor that fails at all failed on the peer's closed sockets, not by
+# waiting out the group's timeout
+GROUP_TIMEOUT_S = 3600
 
 
 def test_a_peer_killed_mid_step_fails_the_step_with_collective_error_at_once(model_dirs):
     results = run_ranks(_dying_worker, WORLD, model_dirs["llama"], timeout=120, exitcodes={1: 3})
-    outcome, seconds = results[0]
+    outcome = results[0]
     assert outcome.startswith("CollectiveError"), outcome
-    assert seconds < 10, seconds  # the peer's sockets closed: far below the group's 60 s timeout
+    assert "timed out" not in outcome.lower(), outcome  # gloo names the dead peer's connection, not a timeout
