@@ -145,17 +145,27 @@ def test_a_chained_round_the_draft_cannot_pass_on_verifies_without_its_drafts(se
 
 
 def test_aborted_request_frees_caches_at_once(setup):
-    """What the HTTP layer does when a client hangs up: close the request's output stream after one round."""
+    """What the HTTP layer does when a client hangs up: close the request's output stream after one round. It
+    leaves the round loop at once; its leases close, and its caches are freed, once the round on the way with it
+    is back (freeing them sooner would fail that round's call for the other rows in it), and no later round runs."""
     config, broker, router = setup
+    target = broker.cores["target"]
 
     async def go():
         stream = router.scheduler.generate(PROMPT_IDS, SamplingParams(max_tokens=120, ignore_eos=True))
         first = await stream.__anext__()
         assert not first.finished and router.scheduler.num_live == 1
-        assert broker.cores["target"].runner.num_live == 1
+        assert target.runner.num_live == 1
+        rounds = router.scheduler.stats.timings.rounds
         await stream.aclose()
+        assert router.scheduler.num_live == 0, "it left the round loop at once"
+        for _ in range(6000):  # a guard against a hang only: the round on the way comes back
+            if broker.open_leases == {"draft": 0, "target": 0}:
+                break
+            await asyncio.sleep(0.01)
+        return router.scheduler.stats.timings.rounds - rounds
 
-    asyncio.run(go())
+    assert asyncio.run(go()) <= 1, "no round ran after the one on the way"
     assert router.scheduler.num_live == 0
     assert broker.open_leases == {"draft": 0, "target": 0}
     assert broker.cores["target"].runner.num_live == 0
