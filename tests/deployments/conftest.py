@@ -192,8 +192,6 @@ class _Lease:
 
     async def _verify(self, run) -> VerifyResult:
         self._maybe_fail()
-        if self.broker.verify_delay:  # a slower "replica", so a test can act while a request is mid-generation
-            await asyncio.sleep(self.broker.verify_delay)
         return VerifyResult.from_wire(run())
 
     async def release(self) -> None:
@@ -225,7 +223,6 @@ class LocalBroker:
             self.cores["draft"] = self._core("draft")
         self.keys = {kind: f"{kind}-0" for kind in self.cores}
         self.fail_at_call: dict[str, int] = {}
-        self.verify_delay = 0.0
         self.calls = {"draft": 0, "target": 0}
         self.open_leases = {"draft": 0, "target": 0}
         self.leases_taken = {"draft": 0, "target": 0}

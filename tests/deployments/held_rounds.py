@@ -1,7 +1,7 @@
 """Rounds a test holds: a LocalBroker's target verify calls past the first `free` wait until the test lets them go.
 
 A test that must act while a request is mid-generation (a hang-up, a second request, a burst) holds the request's
-rounds instead of slowing them down (`verify_delay`): a slow round is only a head start, which a busy machine can
+rounds instead of slowing them down: a slow round is only a head start, which a busy machine can
 use up before the test acts; a held round waits for it however long that takes. The wait is bounded (HOLD_LIMIT_S)
 only so that a test that never lets go fails instead of hanging."""
 
