@@ -263,8 +263,9 @@ def test_admission_limit_answers_503_with_retry_after(tiny_model_dirs, monkeypat
         with HeldRounds(broker, monkeypatch) as rounds:
             async with client(router) as c:
                 tasks = [asyncio.ensure_future(complete(c, max_tokens=40)) for _ in range(4)]
-                await _until(lambda: sum(t.done() for t in tasks) == 3, "three of the four to be answered")
-                assert rounds.passed == 0 and router.scheduler.num_live == 1, "answered while the admitted one held"
+                await _until(lambda: sum(t.done() for t in tasks) == 3 and router.scheduler.num_live == 1,
+                             "three of the four to be answered, the fourth admitted")
+                assert rounds.passed == 0, "answered while the admitted one held"
                 rounds.release()
                 return await asyncio.gather(*tasks)
 
