@@ -4,7 +4,8 @@ One `step()` is one round for every live sequence (Leviathan et al. 2022, arXiv 
 batched): plan -> draft -> verify -> commit, as the served round runs it spread over machines. The round plan gives
 each sequence its K (engine/spec/plan.py, the served round's planner), the proposer drafts, and the target's verify
 step (engine/spec/verify.TargetVerifier, the served target worker's too) scores all of them in one batched forward and
-keeps the agreeing prefix plus one recovered or bonus token, on the logits' device; engine/spec/accept.commit commits it.
+keeps the agreeing prefix plus one recovered or bonus token, on the logits' device; engine/spec/accept.commit commits
+it.
 Every request has a seed (its own, or one drawn at admission: SequenceState.seed), and every random number is a
 function of it and the token position (engine/spec/randomness.py), so no generator state lives here. Sequences join and
 leave between rounds. k = 0 (or speculation off for a sequence) is plain target decoding through the same path.
@@ -63,7 +64,6 @@ class SpeculativeEngine:
         self.grammars = SequenceGrammars(GrammarCompiler(tokenizer, target.vocab_size, self.eos_token_ids))
         # the target's side of each round, the served target worker's too (engine/spec/verify.py)
         self.verifier = TargetVerifier(target, self.grammars)
-        self._sent: dict[str, int] = {}  # committed tokens the verifier holds, by request
 
     # ---- admission ------------------------------------------------------------------------------------------
     @property
@@ -89,7 +89,6 @@ class SpeculativeEngine:
             except GrammarError:
                 self.grammars.release(request_id)  # not admitted: nothing of it is kept
                 raise
-        self._sent[request_id] = 0
         self._rows[request_id] = SpecRow(seq, AcceptanceTracker(prior=self.population.acceptance),
                                          options=speculation)
 
@@ -100,7 +99,6 @@ class SpeculativeEngine:
             self._release(row.seq)
 
     def _release(self, seq: SequenceState) -> None:
-        self._sent.pop(seq.request_id, None)
         self.verifier.release(seq.request_id)
         if self.proposer is not None:
             self.proposer.release(seq.request_id)
@@ -118,11 +116,10 @@ class SpeculativeEngine:
             if k > 0 and self.proposer is not None:
                 row.draft_sent = row.seq.num_tokens
         t1 = time.perf_counter()
-        verify = [VerifyRow(seq_delta(s, self._sent[s.request_id]), drafts[b], proposals[b])
-                  for b, s in enumerate(seqs)]
+        verify = [VerifyRow(seq_delta(row.seq, row.target_sent), drafts[b], proposals[b]) for b, row in enumerate(rows)]
         outcome = self.verifier.verify(verify)
-        for s in seqs:
-            self._sent[s.request_id] = s.num_tokens
+        for row in rows:
+            row.target_sent = row.seq.num_tokens
         if outcome.failed:  # the grammar was compiled at admission: a matcher that broke
             raise next(iter(outcome.failed.values()))
         for b, run in outcome.prompt_logprobs.items():

@@ -67,7 +67,6 @@ class LiveRequest(SpecRow):
     target: TargetLease = field(kw_only=True)
     draft: DraftLease | None = None
     draft_extra: list[int] = field(default_factory=list)  # tokens past those it was sent (an ahead draft's base)
-    target_sent: int = 0
     failures: int = 0
     reletting: bool = False  # its Target replica died; a new lease is being taken (it sits out the rounds)
     overlap: bool = False  # draft its next round during this round's verify

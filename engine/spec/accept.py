@@ -77,10 +77,6 @@ class RowVerify:
     allowed: torch.Tensor | None = None
 
 
-def row_scheme(params: SamplingParams, seed: int, coupled: bool, position: int) -> RowScheme:
-    return RowScheme(greedy=params.greedy, coupled=coupled, seed=seed, position=position)
-
-
 def verify_rows(
     logits: torch.Tensor,  # [B, T, V] the target's verify logits; row b's first len(drafts) + 1 positions are real
     rows: Sequence[RowVerify],  # B rows

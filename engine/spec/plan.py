@@ -43,13 +43,15 @@ class SpecRow:
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)  # the request's own acceptance
     options: SpeculationOptions = field(default_factory=SpeculationOptions)  # the request's own (K, pinned, overlap)
     draft_sent: int = 0  # committed tokens its draft holds (a draft model reads the rest before drafting)
+    target_sent: int = 0  # committed tokens its target holds (the next verify delta starts there)
 
     def outlook(self, cap: int, reads_context: bool) -> RowOutlook:
         """The row as the plan sees it: at most `cap` drafts; `reads_context`: its draft reads the tokens it lacks
         first (a draft model does; n-gram lookup reads nothing)."""
         return RowOutlook(acceptance=self.tracker.acceptance, cap=cap,
                           behind=self.seq.num_tokens - self.draft_sent if reads_context else 0,
-                          remaining=self.seq.remaining(), fixed=self.options.fixed, wants_probe=self.tracker.wants_probe)
+                          remaining=self.seq.remaining(), fixed=self.options.fixed,
+                          wants_probe=self.tracker.wants_probe)
 
 
 @dataclass(frozen=True)

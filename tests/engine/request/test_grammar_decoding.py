@@ -13,8 +13,8 @@ from engine import DraftModelProposer, ModelRunner, NgramProposer, SamplingParam
 from engine.proposers.base import Proposal
 from engine.request.grammar import GrammarCompiler, GrammarSpec, SequenceGrammars
 from engine.request.sampling import BatchSampling, logits_to_probs
-from engine.spec.accept import RowVerify, row_scheme, verify_rows
-from engine.spec.proposal import CompactProposal
+from engine.spec.accept import RowVerify, verify_rows
+from engine.spec.proposal import CompactProposal, RowScheme
 from engine.spec.randomness import DRAFT, gumbel, inverse_cdf, uniforms
 from tests.conftest import (
     BYTE_VOCAB,
@@ -63,7 +63,7 @@ def masked_sampler_case(k: int, coupled: bool, one_hot: bool):
         drafts = torch.stack([inverse_cdf(draft_p[i].expand(SAMPLES, -1), u[:, i]) for i in range(k)], dim=1)
     order = draft_p.argsort(dim=-1, descending=True)
     proposal = None if one_hot or coupled else CompactProposal(order.int(), draft_p.gather(-1, order))
-    rows = [RowVerify(params, row_scheme(params, int(seeds[i]), coupled, 17), drafts[i].tolist(), proposal,
+    rows = [RowVerify(params, RowScheme(params.greedy, coupled, int(seeds[i]), 17), drafts[i].tolist(), proposal,
                       allowed=allowed)
             for i in range(SAMPLES)]
     verdicts = verify_rows(target_logits[None].expand(SAMPLES, -1, -1), rows)

@@ -8,9 +8,9 @@ import torch
 
 from engine.request.sampling import BatchSampling, SamplingParams, logits_to_probs
 from engine.request.sequence import SequenceState
-from engine.spec.accept import RowVerify, TokenLogprob, Verdict, commit, row_scheme, token_logprobs, verify_rows
+from engine.spec.accept import RowVerify, TokenLogprob, Verdict, commit, token_logprobs, verify_rows
 from engine.spec.policy import AcceptanceTracker
-from engine.spec.proposal import CompactProposal
+from engine.spec.proposal import CompactProposal, RowScheme
 from engine.spec.randomness import ACCEPT, RESIDUAL, gumbel, seeds_tensor, uniforms
 from engine.spec.rejection import rejection_sample
 from engine.spec.stats import SpecStats
@@ -25,7 +25,7 @@ def _logits(batch, width, seed=0):
 
 
 def _row(params, drafts, seed=5, coupled=False, position=10, proposal=None):
-    return RowVerify(params, row_scheme(params, seed, coupled, position), drafts, proposal)
+    return RowVerify(params, RowScheme(params.greedy, coupled, seed, position), drafts, proposal)
 
 
 def test_greedy_rows_keep_the_agreeing_prefix_then_the_targets_token():
