@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from deployments.api.chat_template import chat_template_text
 from engine.calibration.store import DEFAULT_DIR as DEFAULT_COST_CACHE
-from engine.factory import DraftSource, EngineConfig, draft_source
+from engine.factory import DraftSource, EngineConfig, draft_source, parse_draft
 from engine.models.loading import DTYPES
 
 # Ray Serve's AutoscalingConfig.metrics_interval_s default: how often load reports reach the autoscaler
@@ -32,8 +32,11 @@ class ModelSection(StrictModel):
     target_dtype: str = Field("auto", description="dtype of the target weights; 'auto': bfloat16 where the hardware "
                                                   "computes it natively (CUDA, a CPU with avx512_bf16 or AMX), else "
                                                   "float32")
-    draft: str = Field("ngram", description="'ngram' (n-gram prompt lookup, no draft model), 'none', or a draft "
-                                            "model source (alias, .gguf, HF directory or cached id)")
+    draft: str = Field("ngram", description="'ngram' (n-gram prompt lookup, no draft model), 'none', 'self' (the "
+                                            "target's first L layers draft inside the target worker, L chosen at "
+                                            "start) or 'self:L', 'medusa:DIR' (Medusa heads' checkpoint, inside the "
+                                            "target worker), or a draft model source (alias, .gguf, HF directory or "
+                                            "cached id)")
     draft_dtype: str = Field("int8", description="dtype of the draft ('int8' = weight-only int8)")
     served_model_name: str = Field("smollm2-135m-instruct", description="the `model` name clients send")
     max_model_len: int = Field(2048, ge=16, description="context window (prompt + output tokens)")
@@ -54,6 +57,12 @@ class ModelSection(StrictModel):
     def _known_dtype(cls, v: str) -> str:
         if v not in DTYPES and v != "auto":
             raise ValueError(f"unknown dtype {v!r}; choose one of {sorted(DTYPES) + ['auto']}")
+        return v
+
+    @field_validator("draft")
+    @classmethod
+    def _draft_parses(cls, v: str) -> str:
+        parse_draft(v)  # ValueError naming model.draft for a malformed 'self:L' or 'medusa:'
         return v
 
     @field_validator("chat_template")
@@ -239,6 +248,14 @@ class SpecServeConfig(StrictModel):
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"speculation.calibration {self.speculation.calibration!r} is not a readable cost "
                                  f"profile: {exc}") from exc
+        if self.draft_source().in_target:
+            if self.tp_size > 1:
+                raise ValueError(f"model.draft: {self.model.draft!r} drafts inside the target worker, which runs it "
+                                 f"on one rank only so far: set tp_size 1 (got {self.tp_size}), or use "
+                                 f"a draft model or ngram")
+            if self.runner.kind == "transformers":
+                raise ValueError(f"model.draft: {self.model.draft!r} drafts inside the static runner's steps: set "
+                                 f"runner.kind auto or static (got transformers)")
         if self.limits.max_prompt_tokens >= self.model.max_model_len:
             raise ValueError("limits.max_prompt_tokens must be below model.max_model_len")
         if (self.tp_size > 1 and self.runner.compile == "on" and self.model.device == "cpu"

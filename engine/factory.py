@@ -27,17 +27,47 @@ log = logging.getLogger(__name__)
 
 class DraftMethod(str, enum.Enum):
     """How a deployment drafts: the one vocabulary for it, parsed once from the config's `draft` (a model source,
-    "ngram" or "none": `EngineConfig.draft_method`). A new kind of proposer is a member here, a branch in
-    `build_proposer` and `draft_source`, and its module in engine/proposers/."""
+    "ngram", "none", "self", "self:L" or "medusa:DIR": `EngineConfig.draft_method`). A new kind of proposer is a
+    member here, a branch in `build_proposer` (or `build_target_drafter`) and `draft_source`, and its module in
+    engine/proposers/."""
 
     MODEL = "model"  # a draft model (engine/proposers/draft_model.DraftModelProposer), served by Draft workers
     NGRAM = "ngram"  # prompt lookup (engine/proposers/ngram.NgramProposer), in the router: no model, no worker
     NONE = "none"  # no drafts: plain decoding
+    SELF = "self"  # the target's first layers (engine/proposers/early_exit.py), inside the target worker
+    MEDUSA = "medusa"  # Medusa heads (engine/proposers/medusa.py), inside the target worker
 
     @classmethod
     def of(cls, draft: str) -> "DraftMethod":
-        """The method a config's `draft` names: "ngram", "none", anything else a draft model's source."""
+        """The method a config's `draft` names: "ngram", "none", "self[:L]", "medusa:DIR", anything else a draft
+        model's source."""
+        if draft == "self" or draft.startswith("self:"):
+            return cls.SELF
+        if draft.startswith("medusa:"):
+            return cls.MEDUSA
         return {cls.NGRAM.value: cls.NGRAM, cls.NONE.value: cls.NONE}.get(draft, cls.MODEL)
+
+    @property
+    def in_target(self) -> bool:
+        """Drafts made inside the target worker, from its verify pass (engine/proposers/target_side.py)."""
+        return self in (DraftMethod.SELF, DraftMethod.MEDUSA)
+
+
+def parse_draft(draft: str) -> tuple[DraftMethod, str | None]:
+    """(method, argument): "self:4" -> (SELF, "4"), "self" -> (SELF, None: L chosen at start), "medusa:DIR" ->
+    (MEDUSA, DIR); a ValueError naming `model.draft` for a malformed one."""
+    method = DraftMethod.of(draft)
+    if method is DraftMethod.SELF:
+        arg = draft.partition(":")[2] or None
+        if arg is not None and (not arg.isdigit() or int(arg) < 1):
+            raise ValueError(f"model.draft: 'self:L' takes a layer count L >= 1, got {draft!r}")
+        return method, arg
+    if method is DraftMethod.MEDUSA:
+        arg = draft.partition(":")[2]
+        if not arg:
+            raise ValueError("model.draft: 'medusa:DIR' names the heads' checkpoint directory")
+        return method, arg
+    return method, None
 
 
 @dataclass(frozen=True)
@@ -150,7 +180,7 @@ def build_proposer(config: EngineConfig, target_tokenizer, target_vocab_size: in
     """The proposer of the config's draft method (None: no drafts); the one place proposers are chosen (the engine,
     the CLI, calibration and the Draft workers all build theirs here)."""
     method = config.draft_method
-    if method is DraftMethod.NONE:
+    if method is DraftMethod.NONE or method.in_target:  # a drafter inside the target: build_target_drafter
         return None
     if method is DraftMethod.NGRAM:
         return NgramProposer(config.ngram_min, config.ngram_max)
@@ -169,14 +199,17 @@ class DraftSource:
     scheduler, the cost bookkeeping and the application builder ask these questions and never the method.
 
     `local`: a proposer the router runs itself (n-gram lookup: no model, no worker). `remote`: Draft workers run a
-    draft model (their proposer is `build_proposer`'s), leased per request. Neither: plain decoding."""
+    draft model (their proposer is `build_proposer`'s), leased per request. `in_target`: the Target worker drafts
+    for itself (`build_target_drafter`): the router sends each row's K and gets accepted tokens back, one call a
+    round. None of them: plain decoding."""
 
     local: Proposer | None = None
     remote: bool = False
+    in_target: bool = False
 
     @property
     def drafts(self) -> bool:
-        return self.remote or self.local is not None
+        return self.remote or self.in_target or self.local is not None
 
 
 def draft_source(config: EngineConfig) -> DraftSource:
@@ -184,15 +217,43 @@ def draft_source(config: EngineConfig) -> DraftSource:
     method = config.draft_method
     if method is DraftMethod.NGRAM:
         return DraftSource(local=NgramProposer(config.ngram_min, config.ngram_max))
-    return DraftSource(remote=method is DraftMethod.MODEL)
+    return DraftSource(remote=method is DraftMethod.MODEL, in_target=method.in_target)
 
 
-def capture_graphs(runner: Runner | None, max_k: int) -> bool:
-    """Capture a static runner's CUDA graphs now (as the served workers do at start), where its steps are graphs;
-    other runners and step modes are left alone (inductor compiles a shape when first used). Whether it did."""
+def build_target_drafter(config: EngineConfig, runner: Runner, tokenizer=None):
+    """The draft source inside the target for the config's `self` or `medusa:DIR` (None for other methods): it runs
+    on the static runner only (its KV cache and hidden states), and on one rank (tensor_parallel_size 1)."""
+    method, arg = parse_draft(config.draft)
+    if not method.in_target:
+        return None
+    if not isinstance(runner, StaticRunner):
+        raise ValueError(f"model.draft: {config.draft!r} drafts inside the target's static runner, which does not "
+                         f"run this target (Llama, Mistral, Qwen2 and Gemma families; runner: auto or static)")
+    if method is DraftMethod.MEDUSA:
+        from engine.proposers.medusa import MedusaDrafter, load_medusa
+
+        heads = load_medusa(arg, runner.model.final_norm.shape[0], runner.vocab_size)
+        return MedusaDrafter(heads, runner.model)
+    from engine.proposers.early_exit import EarlyExitDrafter, auto_exit_layer
+
+    total = len(runner.model.layers)
+    if arg is None:
+        layers = auto_exit_layer(runner, tokenizer, config.num_speculative_tokens)
+    else:
+        layers = int(arg)
+        if layers >= total:
+            raise ValueError(f"model.draft: 'self:{layers}' exits after {layers} layers, but the target has {total} "
+                             f"(num_hidden_layers); L must be below it")
+    return EarlyExitDrafter(layers)
+
+
+def capture_graphs(runner: Runner | None, max_k: int, drafter=None) -> bool:
+    """Capture a static runner's CUDA graphs now (as the served workers do at start), where its steps are graphs,
+    an early-exit drafter's steps too; other runners and step modes are left alone (inductor compiles a shape when
+    first used). Whether it did."""
     if getattr(runner, "graphs", None) is None:
         return False
-    runner.warm_up(max_k)
+    runner.warm_up(max_k, exit_layers=getattr(drafter, "num_layers", None))
     return True
 
 
@@ -203,9 +264,10 @@ def build_engine(config: EngineConfig,
     on_loading("target", config.target)
     target, tokenizer = build_target(config)
     on_loading("draft", config.draft)
-    proposer = build_proposer(config, tokenizer, target.vocab_size)
+    drafter = build_target_drafter(config, target, tokenizer)
+    proposer = None if drafter is not None else build_proposer(config, tokenizer, target.vocab_size)
     for runner in (target, getattr(proposer, "runner", None)):
-        capture_graphs(runner, config.num_speculative_tokens)
+        capture_graphs(runner, config.num_speculative_tokens, drafter)
     eos_ids = sorted(eos_token_ids(resolve(config.target).directory, tokenizer))
     return SpeculativeEngine(target, tokenizer, proposer, config.num_speculative_tokens, eos_ids,
-                             config.max_batch_for_speculation)
+                             config.max_batch_for_speculation, drafter=drafter)

@@ -21,6 +21,7 @@ from engine.models.loading import tokenizer_eos_ids
 from engine.models.transformers_runner import ModelRunner
 from engine.proposers.base import Proposer, draft_rows
 from engine.proposers.draft_model import DraftModelProposer
+from engine.proposers.target_side import TargetDrafter
 from engine.request.delta import seq_delta
 from engine.request.grammar import GrammarCompiler, GrammarError, SequenceGrammars
 from engine.request.sampling import SamplingParams
@@ -45,12 +46,16 @@ class SpeculativeEngine:
         eos_token_ids: Sequence[int] = (),
         max_batch_for_speculation: int | None = None,
         profile: CostProfile | None = None,
+        drafter: TargetDrafter | None = None,
     ) -> None:
         if num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
         self.target = target
         self.tokenizer = tokenizer
         self.proposer = proposer
+        self.drafter = drafter  # drafts made inside the target (engine/proposers/target_side.py), or None
+        if proposer is not None and drafter is not None:
+            raise ValueError("one draft source: a proposer or a drafter inside the target")
         self.num_speculative_tokens = num_speculative_tokens
         self.max_batch_for_speculation = max_batch_for_speculation  # without a profile (engine/spec/plan.py)
         self.profile = profile  # the costs K is planned with (engine/calibration/measure.measure_profile); None: the threshold
@@ -63,7 +68,7 @@ class SpeculativeEngine:
         # keeps its own
         self.grammars = SequenceGrammars(GrammarCompiler(tokenizer, target.vocab_size, self.eos_token_ids))
         # the target's side of each round, the served target worker's too (engine/spec/verify.py)
-        self.verifier = TargetVerifier(target, self.grammars)
+        self.verifier = TargetVerifier(target, self.grammars, drafter=drafter)
 
     # ---- admission ------------------------------------------------------------------------------------------
     @property
@@ -81,7 +86,8 @@ class SpeculativeEngine:
         if request_id in self._rows:
             raise ValueError(f"request id {request_id!r} is already live")
         k = min(speculation.k_or(self.num_speculative_tokens), self.num_speculative_tokens)
-        seq = SequenceState.create(request_id, prompt_ids, params, k if self.proposer is not None else 0,
+        drafts = self.proposer is not None or self.drafter is not None
+        seq = SequenceState.create(request_id, prompt_ids, params, k if drafts else 0,
                                    self.target.max_model_len, self.eos_token_ids, self.tokenizer)
         if params.grammar is not None:  # a bad grammar raises engine.request.grammar.GrammarError here
             try:
@@ -116,8 +122,12 @@ class SpeculativeEngine:
             if k > 0 and self.proposer is not None:
                 row.draft_sent = row.seq.num_tokens
         t1 = time.perf_counter()
-        verify = [VerifyRow(seq_delta(row.seq, row.target_sent), drafts[b], proposals[b]) for b, row in enumerate(rows)]
+        own = self.drafter is not None  # the target drafts for itself: this round verifies the drafts it holds
+        verify = [VerifyRow(seq_delta(row.seq, row.target_sent), drafts[b], proposals[b], ks[b] if own else 0)
+                  for b, row in enumerate(rows)]
         outcome = self.verifier.verify(verify)
+        for b, held in outcome.drafts.items():
+            drafts[b] = held
         for row in rows:
             row.target_sent = row.seq.num_tokens
         if outcome.failed:  # the grammar was compiled at admission: a matcher that broke

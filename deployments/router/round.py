@@ -4,8 +4,9 @@
    the fixed `max_batch_for_speculation` threshold); rows drafting for the first time take their Draft lease
    (deployments/router/recovery.py).
 2. Draft: drafts at hand need no call (made ahead during the last round's verify: deployments/router/draft_ahead.py, or
-n-gram
-   lookup); the others come from the rows' Draft workers.
+   n-gram lookup); the others come from the rows' Draft workers. A drafter inside the target (`draft: self`,
+   `medusa:DIR`) needs no call either: the router sends each row's K with its verify call, the target verifies the
+   drafts it made for the row in the last call and drafts its next round before answering (engine/spec/verify.py).
 3. Verify: with one Draft worker and no overlap, one chained call (the Draft worker drafts and hands its tokens to
    the Target worker, which verifies and answers: transport.client.AsyncChannels.chain); else one draft call per
    Draft lease, then one verify call (with `overlap`, while the next round's drafts are made ahead).
@@ -113,6 +114,7 @@ class GroupRound:
         self.metrics = NullMetrics()
         # a local proposer (n-gram lookup) runs here, in the router; a draft model's runs in the Draft workers
         self.local = config.draft.local
+        self.in_target = config.draft.in_target  # the target drafts for itself: K travels in the verify call
         self.ahead = AheadDrafts(stats, recovery.replace_live_drafts)
         self._unchainable: set[tuple[str, str]] = set()  # (Draft, Target) replica keys whose chained round failed
 
@@ -169,7 +171,8 @@ class GroupRound:
         chained = verified is not None
         if verified is None:
             calls = [VerifyCall(live.delta(live.target_sent), drafts.tokens[b], drafts.proposals.get(b),
-                                self._decodes_ahead(live, ks[b])) for b, live in enumerate(rows)]
+                                self._decodes_ahead(live, ks[b]), ks[b] if self.in_target else 0)
+                     for b, live in enumerate(rows)]
             aheads = self.ahead.start(rows, drafts.tokens) if self.config.overlap else []
             try:
                 verified = await target.verify(calls)
@@ -184,8 +187,12 @@ class GroupRound:
             self.stats.chained_rounds += 1
         for live in rows:
             live.target_sent = live.seq.num_tokens
+        for b, held in verified.target_drafts.items():  # the target's own drafts this round verified
+            drafts.tokens[b] = held
         t2 = time.perf_counter()
-        verify_seen = [] if verified.ahead_rows else [  # a step decoded ahead ran in another round's batch
+        # a step decoded ahead ran in another round's batch; a target that drafts for itself spent part of the call
+        # drafting the next round (its profile's draft cost, not a verify's)
+        verify_seen = [] if verified.ahead_rows or (self.in_target and any(ks)) else [
             CostObservation(self.group_draft(rows), target, "verify", calls, max(len(d) for d in drafts.tokens),
                             verified.seconds)]
         for seen in drafts.costs + verify_seen:

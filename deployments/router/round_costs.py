@@ -51,7 +51,8 @@ class RoundCosts:
             return None  # the router has not leased a Draft replica yet: nothing known of the draft's costs
         key = pair_key(draft, target)
         if key not in self._measured:
-            draft_costs = draft.costs if draft is not None else None
+            # a Draft replica's costs; without one, those of a drafter inside the target (its own measurement)
+            draft_costs = draft.costs if draft is not None else (target.costs or {}).get("drafter")
             profile = None
             if target.costs is not None and (draft_costs is not None or not self.remote_draft):
                 profile = profile_from_costs(target.costs, draft_costs)

@@ -84,14 +84,17 @@ class VerifyCall:
     # the row will not draft next round: the target may decode its next token ahead
     # (deployments/workers/decode_ahead.py)
     ahead: bool = False
+    # drafts from the target's own drafter (engine/proposers/target_side.py): verify up to this many of those it
+    # holds for the row, and make as many for its next round (0: none)
+    target_k: int = 0
 
     def wire(self) -> tuple:
-        return (self.seq.wire(), self.draft, self.proposal, self.ahead)
+        return (self.seq.wire(), self.draft, self.proposal, self.ahead, self.target_k)
 
     @staticmethod
     def from_wire(wire: tuple) -> "VerifyCall":
-        seq, draft, proposal, ahead = wire
-        return VerifyCall(SeqDelta(*seq), draft, proposal, ahead)
+        seq, draft, proposal, ahead, target_k = wire
+        return VerifyCall(SeqDelta(*seq), draft, proposal, ahead, target_k)
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,8 @@ class VerifyResult:
     # (engine/models/static/prefix_cache.py)
     cached_tokens: dict[int, int] = field(default_factory=dict)
     ahead_rows: int = 0  # rows answered from a step decoded ahead (deployments/workers/decode_ahead.py)
+    # by call index, rows with a target_k: the target drafter's drafts they verified (empty: none held for them)
+    target_drafts: dict[int, list[int]] = field(default_factory=dict)
 
     def wire(self) -> tuple:
         rows = [None if v is None else
@@ -178,17 +183,17 @@ class VerifyResult:
                 for v in self.verdicts]
         return (rows, self.seconds, None if self.draft is None else self.draft.wire(),
                 {b: run.wire() for b, run in self.prompt_logprobs.items()}, failures_to_wire(self.failed),
-                self.cached_tokens, self.ahead_rows)
+                self.cached_tokens, self.ahead_rows, self.target_drafts)
 
     @staticmethod
     def from_wire(wire: tuple) -> "VerifyResult":
-        rows, seconds, draft, prompt, failed, cached, ahead = wire
+        rows, seconds, draft, prompt, failed, cached, ahead, target_drafts = wire
         verdicts = [None if row is None else
                     Verdict(row[0], row[1], None if row[2] is None else [TokenLogprob(*lp) for lp in row[2]])
                     for row in rows]
         return VerifyResult(verdicts, seconds, None if draft is None else DraftResult.from_wire(draft),
                             {b: PromptLogprobs.from_wire(run) for b, run in prompt.items()},
-                            failures_from_wire(failed), cached, ahead)
+                            failures_from_wire(failed), cached, ahead, target_drafts)
 
 
 @dataclass(frozen=True)

@@ -101,13 +101,14 @@ def set_thread_niceness(niceness: int | None) -> int:
     return os.getpriority(os.PRIO_PROCESS, tid)
 
 
-def warm_up(runner: Runner, max_k: int, what: str) -> None:
-    """Capture the static runner's CUDA graphs now, or compile its step shapes (inductor, or its on-disk cache),
-    logging progress, so the first requests do not wait for either."""
+def warm_up(runner: Runner, max_k: int, what: str, drafter=None) -> None:
+    """Capture the static runner's CUDA graphs now (an early-exit drafter's steps too), or compile its step shapes
+    (inductor, or its on-disk cache), logging progress, so the first requests do not wait for either."""
     if not getattr(runner, "compiled", False):
         return
     start = time.monotonic()
-    shapes = runner.warm_up(max_k, progress=lambda message: log.info("%s runner: %s", what, message))
+    shapes = runner.warm_up(max_k, progress=lambda message: log.info("%s runner: %s", what, message),
+                            exit_layers=getattr(drafter, "num_layers", None))
     log.info("%s runner: %d step shapes ready in %.1f s", what, shapes, time.monotonic() - start)
 
 

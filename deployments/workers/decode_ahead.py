@@ -94,7 +94,7 @@ class DecodeAhead:
             if row is None:
                 continue
             # a sequence's settings are fixed for its life (sent once); a call that re-sends them starts it afresh
-            if (not call.draft and call.seq.settings is None and call.seq.start == row.start
+            if (not call.draft and not call.target_k and call.seq.settings is None and call.seq.start == row.start
                     and tuple(call.seq.tokens) == row.tokens):
                 served[b] = row
             else:
@@ -125,4 +125,5 @@ def merged(calls: int, served: dict[int, AheadRow], rest: list[int], computed: V
     return VerifyResult(verdicts, seconds + computed.seconds,
                         prompt_logprobs={rest[i]: run for i, run in computed.prompt_logprobs.items()},
                         failed={rest[i]: f for i, f in computed.failed.items()},
-                        cached_tokens={rest[i]: n for i, n in computed.cached_tokens.items()}, ahead_rows=len(served))
+                        cached_tokens={rest[i]: n for i, n in computed.cached_tokens.items()}, ahead_rows=len(served),
+                        target_drafts={rest[i]: d for i, d in computed.target_drafts.items()})

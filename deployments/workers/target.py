@@ -31,7 +31,7 @@ from deployments.workers.decode_ahead import DecodeAhead, merged, next_calls
 from deployments.workers.grammars import grammar_failure, prepare_grammars
 from engine.calibration.measure import measure_target_costs
 from engine.calibration.store import cached_costs, costs_key
-from engine.factory import EngineConfig, build_target, make_runner
+from engine.factory import EngineConfig, build_target, build_target_drafter, make_runner
 from engine.models.loading import eos_token_ids, load_tokenizer, resolve
 from engine.models.runner import Runner, resolve_dtype
 from engine.models.shard_loading import load_shard, rank_device
@@ -58,6 +58,7 @@ class TargetWorkerCore(ModelWorker):
         self.costs: dict | None = None
         self.grammars: SequenceGrammars | None = None  # rank 0: structured outputs' matchers (made at load)
         self.verifier: TargetVerifier | None = None  # the verify step over the runner (engine/spec/verify.py)
+        self.drafter = None  # a draft source inside the target (engine/proposers/target_side.py), or None
         if world == 1:
             with startup_errors("target"), cpu_startup_turn(config):
                 self.on_model_thread(self.load)
@@ -87,9 +88,14 @@ class TargetWorkerCore(ModelWorker):
             self.runner, tokenizer = build_target(self.config)
             self.full_parameters = num_parameters(self.runner.model)
             self._start_grammars(tokenizer)
-            warm_up(self.runner, self.config.num_speculative_tokens, "target")
-            self.verifier = TargetVerifier(self.runner, self.grammars, self._known)
+            # a draft source inside the target (draft: self | medusa:DIR): drafts from each verify pass
+            self.drafter = build_target_drafter(self.config, self.runner, tokenizer)
+            warm_up(self.runner, self.config.num_speculative_tokens, "target", self.drafter)
+            self.verifier = TargetVerifier(self.runner, self.grammars, self._known, drafter=self.drafter)
             return
+        if self.config.draft_method.in_target:  # refused by the config too (deployments/config.py)
+            raise ValueError(f"model.draft: {self.config.draft!r} drafts inside the target, which needs "
+                             f"tensor_parallel_size 1")
         # a shard runs on the static runner (its heads' fused weights and KV cache, collectives inside the step:
         # engine/models/static/tp.py) where the family is covered and runner is auto/static; on transformers' otherwise.
         # Every rank builds the same runner at the same time (the static one agrees on its slot count).
@@ -121,13 +127,15 @@ class TargetWorkerCore(ModelWorker):
         before any router calls)."""
         # with several ranks only rank 0 takes the node's turn: the others must not block its collectives
         with startup_errors("target"), cpu_startup_turn(self.config) if self.rank == 0 else contextlib.nullcontext():
-            measure = lambda: self.on_model_thread(measure_target_costs, self.runner, max_k)  # noqa: E731
+            measure = lambda: self.on_model_thread(  # noqa: E731
+                lambda: measure_target_costs(self.runner, max_k, drafter=self.drafter))
             if self.world > 1:  # every rank must run the measurement's collectives: none may read a cache alone
                 self.costs = measure()
             else:
                 key = self.on_model_thread(lambda: costs_key(  # torch's thread count as the model thread sees it
                     "target", resolve(self.config.target).directory, self.config.target_dtype, self.runner,
-                    max_k=max_k, prefill_chunk=self.config.prefill_chunk))
+                    max_k=max_k, prefill_chunk=self.config.prefill_chunk,
+                    drafter=None if self.drafter is None else f"{self.config.draft} ({self.drafter.name})"))
                 self.costs = cached_costs(self.config.cost_cache, key, measure)
         return self.costs
 
@@ -198,14 +206,15 @@ class TargetWorkerCore(ModelWorker):
     def _compute(self, calls: list[VerifyCall]) -> VerifyResult | None:
         """The calls through the one verify step (engine/spec/verify.py); rank 0's answer, None on the others."""
         start = time.perf_counter()
-        outcome = self.verifier.verify([VerifyRow(call.seq, call.draft, proposal_from_wire(call.proposal))
-                                        for call in calls])
+        outcome = self.verifier.verify([VerifyRow(call.seq, call.draft, proposal_from_wire(call.proposal),
+                                                  call.target_k) for call in calls])
         self._counted(len(calls))
         if outcome is None:
             return None
         failed = {b: grammar_failure("target", calls[b].seq.seq_id, exc) for b, exc in outcome.failed.items()}
         return VerifyResult(outcome.verdicts, time.perf_counter() - start, failed=failed,
-                            prompt_logprobs=outcome.prompt_logprobs, cached_tokens=outcome.cached_tokens)
+                            prompt_logprobs=outcome.prompt_logprobs, cached_tokens=outcome.cached_tokens,
+                            target_drafts=outcome.drafts)
 
     def release(self, seq_ids: list[str]) -> None:
         """Rank 0 passes the release on to the other ranks, in order with the verifies."""
@@ -219,6 +228,8 @@ class TargetWorkerCore(ModelWorker):
     def stats(self) -> dict:
         return {"rank": self.rank, **super().stats(), "parameters": num_parameters(self.runner.model),
                 "full_parameters": self.full_parameters, "decode_ahead": self.ahead.stats.as_dict(),
+                "drafter": None if self.drafter is None else {"name": self.drafter.name,
+                                                              **self.verifier.held.stats()},
                 "grammar": None if self.grammars is None else self.grammars.compiler.stats.as_dict()}
 
     def ping(self) -> float:

@@ -127,11 +127,50 @@ def measure_draft_step(runner: ModelRunner, batch_sizes: Sequence[int] | None = 
     return [row[0] for row in measure_forward(runner, sizes, [1], reps)]
 
 
-def measure_target_costs(runner: ModelRunner, max_k: int, reps: int = 3) -> dict:
+def measure_target_costs(runner: ModelRunner, max_k: int, reps: int = 3, drafter=None) -> dict:
     """A target's side of a cost profile (what a Target replica reports with its leases), at the batch sizes its
-    KV cache holds."""
+    KV cache holds; with a drafter inside the target, its draft costs too ("drafter": `measure_drafter_costs`)."""
     sizes = measurable_batch_sizes(runner)
-    return {"batch_sizes": sizes, "verify_seconds": measure_verify(runner, max_k, sizes, reps)}
+    costs = {"batch_sizes": sizes, "verify_seconds": measure_verify(runner, max_k, sizes, reps)}
+    if drafter is not None and max_k > 0:
+        costs["drafter"] = measure_drafter_costs(runner, drafter, max_k, sizes, reps)
+    return costs
+
+
+def measure_drafter_costs(runner, drafter, max_k: int, batch_sizes: Sequence[int] | None = None, reps: int = 3,
+                          context: int = CONTEXT) -> dict:
+    """A drafter inside the target (engine/proposers/target_side.py), measured as a Draft replica's steps are: at each
+    batch size, seconds per draft token of its `max_k` drafts for every row right after a one-token pass of theirs
+    (its hidden states at hand). A round's draft cost is then K times that (engine/spec/policy.CostProfile.draft):
+    exact for an early exit's K steps, an average over K for heads that draft K tokens in one pass. Reported inside
+    the target's costs (`measure_target_costs`), as "drafter"."""
+    from engine.proposers.target_side import DraftFrom
+
+    sizes = measurable_batch_sizes(runner) if batch_sizes is None else batch_sizes
+    context = max(min(context, runner.max_model_len - max_k - 3), 1)
+    ids = [f"calibrate-{i}" for i in range(max(sizes))]
+    vocab = min(runner.vocab_size, 1000)
+    prompts = [[(7 * i + 3 * t) % (vocab - 1) + 1 for t in range(context)] for i in range(len(ids))]
+    try:
+        for seq_id, prompt in zip(ids, prompts):
+            runner.add(seq_id)
+            runner.forward([seq_id], [runner.sync(seq_id, prompt)], [1])
+        steps = []
+        for batch in sizes:
+            best = float("inf")
+            for _ in range(reps + 1):  # the first repetition warms up this shape
+                for s, prompt in zip(ids[:batch], prompts):
+                    runner.sync(s, prompt + [0])  # roll the cache back to exactly the context
+                runner.forward(ids[:batch], [[5]] * batch, [1] * batch)
+                rows = [DraftFrom(s, b, 0, context + 2, 9, max_k) for b, s in enumerate(ids[:batch])]
+                start = time.perf_counter()
+                drafter.draft(runner, rows, getattr(runner, "last_hidden", None))
+                best = min(best, time.perf_counter() - start)
+            steps.append(best / max_k)
+        return {"batch_sizes": list(sizes), "draft_step_seconds": steps, "name": drafter.name}
+    finally:
+        for seq_id in ids:
+            runner.release(seq_id)
 
 
 def measure_draft_costs(runner: ModelRunner, reps: int = 3) -> dict:

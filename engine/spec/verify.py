@@ -8,10 +8,11 @@ followed by the drafts, runs one batched forward, masks each row by its grammar,
 with engine/spec/accept.verify_rows (Leviathan et al. 2022, arXiv 2211.17192, Algorithm 1, batched). A row whose
 grammar fails here is answered as a failure by index; the others go on.
 
-The seam for drafts made inside the target (self-speculative layers, Medusa or EAGLE heads): a `TargetDrafter`
-given to the verifier is called right after the accept step with the rows, their verdicts and the verify pass's
-logits, where the target's state for the next round is at hand, and its drafts for the next round come back in the
-outcome (`VerifyOutcome.next_drafts`), so such a round is one call.
+Drafts made inside the target (engine/proposers/target_side.py: the target's first layers, Medusa heads): a row
+whose `target_k` is set verifies up to that many of the drafts the target's drafter made for it at the end of its
+last call (`HeldDrafts`; none if they were made after other tokens), and after the accept step the drafter makes
+its next round's, from this pass's state (its hidden states, or its KV cache), before the answer goes back: a round
+is one call.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
+from engine.proposers.target_side import DraftFrom, HeldDrafts, TargetDrafter
 from engine.request.delta import KnownSequences, SeqDelta
 from engine.request.grammar import GrammarError, SequenceGrammars
 from engine.request.prompt_logprobs import PromptLogprobs, score_tokens, verify_feed
@@ -37,6 +38,9 @@ class VerifyRow:
     delta: SeqDelta
     drafts: Sequence[int] = ()  # K_b draft tokens (empty: plain decoding)
     proposal: CompactProposal | None = None  # unseeded sampled model drafts: the compact proposal they came from
+    # drafts from the target's own drafter: verify up to this many of those it holds for the row, and make as many
+    # for its next round (0: none)
+    target_k: int = 0
 
 
 @dataclass
@@ -47,15 +51,7 @@ class VerifyOutcome:
     failed: dict[int, GrammarError] = field(default_factory=dict)  # rows whose grammar failed here
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # rows that scored prompt tokens
     cached_tokens: dict[int, int] = field(default_factory=dict)  # feed tokens read from the prefix cache
-    next_drafts: list[list[int]] | None = None  # a TargetDrafter's drafts for each row's next round
-
-
-class TargetDrafter(Protocol):
-    """A draft source that runs inside the target: it drafts each row's next round from the verify pass it follows."""
-
-    def draft(self, rows: Sequence[VerifyRow], verdicts: Sequence[Verdict | None],
-              logits: torch.Tensor) -> list[list[int]]:  # logits [B, K+1, V]
-        ...
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # rows with target_k: the held drafts they verified
 
 
 class TargetVerifier:
@@ -67,16 +63,24 @@ class TargetVerifier:
         self.grammars = grammars  # structured outputs' matchers (None: this side has no grammar compiler)
         self.known = KnownSequences() if known is None else known
         self.samples = samples  # False on tensor-parallel ranks other than 0: they only compute
-        self.drafter = drafter
+        self.drafter = drafter  # a draft source inside the target (engine/proposers/target_side.py), or None
+        self.held = HeldDrafts()
+        if drafter is not None and getattr(drafter, "needs_hidden", False):
+            runner.keep_hidden()
 
     def verify(self, rows: Sequence[VerifyRow]) -> VerifyOutcome | None:
         """Score every row's drafts in one forward and sample its verdict; None where this side does not sample."""
         runner = self.runner
+        rows = list(rows)
         seq_ids, feeds, widths, positions = [], [], [], []
         prompt: dict[int, PromptLogprobs | None] = {}
+        own: dict[int, list[int]] = {}  # rows verifying the target drafter's drafts
         for b, row in enumerate(rows):
             delta = row.delta
             known = self.known.apply(delta)
+            if row.target_k and self.drafter is not None:
+                own[b] = self.held.take(delta.seq_id, known, row.target_k)
+                row = rows[b] = VerifyRow(delta, own[b], None, row.target_k)
             if not runner.has(delta.seq_id):
                 runner.add(delta.seq_id)
             seq_ids.append(delta.seq_id)
@@ -91,7 +95,7 @@ class TargetVerifier:
         cached = dict(getattr(runner, "last_prefix_hits", {}))  # row -> tokens read from the prefix cache
         if not self.samples:
             return None
-        outcome = VerifyOutcome([None] * len(rows), cached_tokens=cached)
+        outcome = VerifyOutcome([None] * len(rows), cached_tokens=cached, drafts=own)
         for b, run in prompt.items():  # a prompt chunk's last logits score the next chunk's first token
             delta = rows[b].delta
             if delta.prompt_next is not None:
@@ -119,9 +123,29 @@ class TargetVerifier:
                     seq_id = rows[b].delta.seq_id
                     with contextlib.suppress(GrammarError):  # remembered: the row's next call fails
                         self.grammars.matcher(seq_id, self.known.tokens[seq_id] + verdict.tokens)
-        if self.drafter is not None:
-            outcome.next_drafts = self.drafter.draft(rows, outcome.verdicts, logits)
+        if own:
+            self._draft_next(rows, outcome)
         return outcome
+
+    def _draft_next(self, rows: list[VerifyRow], outcome: VerifyOutcome) -> None:
+        """The target drafter's drafts for the next round of every row that wants them, kept until its next call:
+        each from the position that predicted the row's last token, its cache rolled back to the committed tokens
+        first (the rejected drafts' keys and values go)."""
+        starts = []
+        for b, row in enumerate(rows):
+            verdict = outcome.verdicts[b]
+            if not row.target_k or verdict is None:
+                continue
+            seq_id = row.delta.seq_id
+            committed = self.known.tokens[seq_id] + verdict.tokens
+            k = min(row.target_k, self.runner.max_model_len - len(committed))
+            if k > 0:
+                self.runner.sync(seq_id, committed)
+                starts.append(DraftFrom(seq_id, b, verdict.num_accepted, len(committed), committed[-1], k))
+        if starts:
+            drafted = self.drafter.draft(self.runner, starts, getattr(self.runner, "last_hidden", None))
+            for start, drafts in zip(starts, drafted):
+                self.held.keep(start.seq_id, start.committed, start.last, drafts)
 
     def _grammar_masks(self, row: VerifyRow) -> torch.Tensor | None:  # [K+1, V] bool, or None: no grammar
         """The row's grammar masks at each verify position (engine/request/grammar.py): its matcher, made from the
@@ -141,6 +165,7 @@ class TargetVerifier:
     def release(self, seq_id: str) -> None:
         """Forget a sequence: its known tokens, its grammar, its caches."""
         self.known.pop(seq_id)
+        self.held.forget(seq_id)
         if self.grammars is not None:
             self.grammars.release(seq_id)
         self.runner.release(seq_id)

@@ -1,6 +1,7 @@
 """deployments/config.py: one default, serve_config.yaml's, and a section given in a config keeps its role's
 defaults for the fields it leaves out."""
 
+import pytest
 import yaml
 
 from deployments.config import ROLE_DEFAULTS, SpecServeConfig
@@ -29,6 +30,16 @@ def test_a_partial_section_keeps_its_role_s_defaults():
     assert cfg.router.max_queued_requests == 3 and cfg.router.num_cpus == ROLE_DEFAULTS["router"]["num_cpus"]
     assert cfg.target.max_replicas == 4 and cfg.target.niceness == 0 and cfg.target.target_ongoing_requests == 8
     assert cfg.draft == SpecServeConfig().draft
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"tp_size": 2}, "tp_size 1"), ({"runner": {"kind": "transformers"}}, "runner.kind"),
+    ({"model": {"draft": "self:0"}}, "layer count")])
+def test_a_drafter_inside_the_target_that_cannot_run_is_refused_naming_the_field(overrides, message):
+    config = {"model": {"draft": "self"}, **overrides}
+    config["model"] = {"draft": "self", **overrides.get("model", {})}
+    with pytest.raises(ValueError, match=message):
+        SpecServeConfig.model_validate(config)
 
 
 def test_the_default_drafts_by_n_gram_lookup_in_the_router():

@@ -8,7 +8,9 @@ from engine.proposers.ngram import NgramProposer
 
 
 @pytest.mark.parametrize("draft, method", [("ngram", DraftMethod.NGRAM), ("none", DraftMethod.NONE),
-                                           ("smollm2", DraftMethod.MODEL), ("/models/draft.gguf", DraftMethod.MODEL)])
+                                           ("smollm2", DraftMethod.MODEL), ("/models/draft.gguf", DraftMethod.MODEL),
+                                           ("self", DraftMethod.SELF), ("self:4", DraftMethod.SELF),
+                                           ("medusa:/heads", DraftMethod.MEDUSA), ("selfie", DraftMethod.MODEL)])
 def test_a_config_s_draft_names_one_method(draft, method):
     assert DraftMethod.of(draft) is method and EngineConfig(draft=draft).draft_method is method
 
@@ -24,6 +26,39 @@ def test_the_serving_config_s_draft_source_is_decided_here():
     model = source("smollm2")
     assert model.local is None and model.remote and model.drafts
     assert not source("none").drafts and source("none").local is None
+    for inside in ("self", "self:2", "medusa:/heads"):
+        own = source(inside)
+        assert own.in_target and own.drafts and not own.remote and own.local is None
+
+
+@pytest.mark.parametrize("draft, message", [("self:0", "layer count"), ("self:x", "layer count"),
+                                            ("medusa:", "checkpoint directory")])
+def test_a_malformed_draft_is_refused_naming_the_field(draft, message):
+    from engine.factory import parse_draft
+
+    with pytest.raises(ValueError, match=f"model.draft.*{message}"):
+        parse_draft(draft)
+
+
+def test_a_drafter_inside_the_target_needs_the_static_runner_and_an_exit_inside_the_model():
+    from engine.factory import build_target_drafter
+    from engine.models.kv_budget import KVBudget
+    from engine.models.static.runner import StaticRunner
+    from engine.models.transformers_runner import ModelRunner
+    from engine.proposers.early_exit import EarlyExitDrafter
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model("llama", seed=0, layers=3)
+    static = StaticRunner(model, budget=KVBudget(max_num_seqs=2), compile="off")
+    assert build_target_drafter(EngineConfig(draft="ngram"), static) is None
+    drafter = build_target_drafter(EngineConfig(draft="self:2"), static)
+    assert isinstance(drafter, EarlyExitDrafter) and drafter.num_layers == 2
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        build_target_drafter(EngineConfig(draft="self:3"), static)
+    with pytest.raises(ValueError, match="static runner"):
+        build_target_drafter(EngineConfig(draft="self:1"), ModelRunner(model))
+    auto = build_target_drafter(EngineConfig(draft="self", num_speculative_tokens=2), static)
+    assert 1 <= auto.num_layers < 3 and static.num_live == 0, "L chosen by measurement, its slots freed"
 
 
 def test_nothing_outside_the_factory_branches_on_the_draft_method():
@@ -107,7 +142,7 @@ def test_the_in_process_engine_captures_graph_steps_and_leaves_other_runners_alo
 
     model = make_tiny_model("llama", seed=0)
     warmed = []
-    monkeypatch.setattr(StaticRunner, "warm_up", lambda self, k, progress=None: warmed.append((self, k)) or 0)
+    monkeypatch.setattr(StaticRunner, "warm_up", lambda self, k, progress=None, exit_layers=None: warmed.append((self, k)) or 0)
     graphs = StaticRunner(model, budget=KVBudget(gib=0.05, max_num_seqs=2), compile="graphs")
     eager = StaticRunner(model, budget=KVBudget(gib=0.05, max_num_seqs=2), compile="off")
     assert factory.capture_graphs(graphs, 3) and warmed == [(graphs, 3)]

@@ -108,16 +108,18 @@ class GraphSteps:
         self.model = model
         self.scratch_start = scratch_start  # a position past max_model_len: padding rows write there
         self.staging = Staging(max_rows, max_width, model.device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (rows, width, layers): layers None for a full step, L for an early exit's (engine/proposers/early_exit.py)
+        self.graphs: dict[tuple[int, int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.pool_bytes = 0  # device memory the captured graphs hold (their activations and outputs)
         self.replays = 0
         self.eager_steps = 0
         self.clock = StepClock(model.device)
 
-    def capture(self, shapes: Sequence[tuple[int, int]],
-                progress: Callable[[str], None] | None = None) -> None:
-        """Capture a graph per (rows, width), larger batches first (later, smaller graphs reuse the pool's blocks,
+    def capture(self, shapes: Sequence[tuple[int, int]], progress: Callable[[str], None] | None = None,
+                layers: int | None = None) -> None:
+        """Capture a graph per (rows, width) (of the first `layers` layers only: an early exit's steps), larger
+        batches first (later, smaller graphs reuse the pool's blocks,
         as vLLM orders its captures). Each shape is run once eagerly first, on padding rows only (Triton's kernels
         compile there, cuBLAS picks its algorithms), then captured."""
         device, began = self.model.device, time.perf_counter()
@@ -131,12 +133,12 @@ class GraphSteps:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side), torch.inference_mode():
-                self.model.forward_rows(tokens, index)
+                self.model.forward_rows(tokens, index, layers)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
-                out = self.model.forward_rows(tokens, index)
-            self.graphs[(rows, width)] = (graph, out)
+                out = self.model.forward_rows(tokens, index, layers)
+            self.graphs[(rows, width, layers)] = (graph, out)
             if progress is not None:
                 progress(f"captured {done}/{len(ordered)}: batch {rows} width {width}")
         torch.cuda.synchronize(device)
@@ -145,12 +147,14 @@ class GraphSteps:
                  self.pool_bytes / (1 << 20))
 
     def step(self, slots: Sequence[int], starts: Sequence[int], tokens: Sequence[Sequence[int]],
-             rows: int, width: int) -> torch.Tensor:  # [rows, width, V] float32 (a graph's output buffer)
-        """Fill the staging buffer and run the (rows, width) step: its graph's replay, or eagerly if not captured.
-        A replay's output is the graph's own buffer, valid until the next step: read it (index it) before then."""
+             rows: int, width: int, layers: int | None = None
+             ) -> torch.Tensor:  # [rows, width, V] float32 (a graph's output buffer)
+        """Fill the staging buffer and run the (rows, width) step (of the first `layers` layers: an early exit):
+        its graph's replay, or eagerly if not captured. A replay's output is the graph's own buffer, valid until
+        the next step: read it (index it) before then."""
         began = time.perf_counter()
         self.staging.fill(rows, width, slots, starts, tokens, self.scratch_start)
-        return self._run(rows, width, began)
+        return self._run(rows, width, began, layers)
 
     def step_fed(self, slots: Sequence[int], starts: Sequence[int],
                  tokens: torch.Tensor,  # [n] int64 on the device: each real row's one new token
@@ -162,11 +166,11 @@ class GraphSteps:
         self.staging.device_buffer[FIRST_TOKEN, : len(slots)].copy_(tokens)
         return self._run(rows, 1, began)
 
-    def _run(self, rows: int, width: int, began: float) -> torch.Tensor:
-        captured = self.graphs.get((rows, width))
+    def _run(self, rows: int, width: int, began: float, layers: int | None = None) -> torch.Tensor:
+        captured = self.graphs.get((rows, width, layers))
         if captured is None:
             self.eager_steps += 1
-            return self.model.forward_rows(*self.staging.views(rows, width))
+            return self.model.forward_rows(*self.staging.views(rows, width), layers)
         graph, out = captured
         events = self.clock.events()
         if events is not None:

@@ -98,7 +98,7 @@ def _fuse(modules: list[nn.Module], dtype: torch.dtype, with_bias: bool = True,
     return weight, scales, bias
 
 
-class _Projection(nn.Module):
+class Projection(nn.Module):
     """One fused projection; int8 weights (per-channel scales) are dequantized inside the product."""
 
     def __init__(self, modules: list[nn.Module], dtype: torch.dtype, with_bias: bool = True,
@@ -153,12 +153,12 @@ class _Layer(nn.Module):
                                        requires_grad=False)
         self.post_norm = nn.Parameter(layer.post_attention_layernorm.weight.detach().float() + norm_offset,
                                       requires_grad=False)
-        self.qkv = _Projection([attn.q_proj, attn.k_proj, attn.v_proj], dtype, weight_dtype=weight_dtype)
-        self.gate_up = _Projection([mlp.gate_proj, mlp.up_proj], dtype, weight_dtype=weight_dtype)
+        self.qkv = Projection([attn.q_proj, attn.k_proj, attn.v_proj], dtype, weight_dtype=weight_dtype)
+        self.gate_up = Projection([mlp.gate_proj, mlp.up_proj], dtype, weight_dtype=weight_dtype)
         # row-parallel (a shard): the product's partial sums are all-reduced, then the whole bias is added once
         self.o_bias, self.down_bias = row_parallel_bias(attn.o_proj, dtype), row_parallel_bias(mlp.down_proj, dtype)
-        self.o = _Projection([attn.o_proj], dtype, with_bias=self.o_bias is None, weight_dtype=weight_dtype)
-        self.down = _Projection([mlp.down_proj], dtype, with_bias=self.down_bias is None, weight_dtype=weight_dtype)
+        self.o = Projection([attn.o_proj], dtype, with_bias=self.o_bias is None, weight_dtype=weight_dtype)
+        self.down = Projection([mlp.down_proj], dtype, with_bias=self.down_bias is None, weight_dtype=weight_dtype)
 
 
 class StaticLlama(nn.Module):
@@ -197,7 +197,7 @@ class StaticLlama(nn.Module):
         self.layers = nn.ModuleList(_Layer(layer, dtype, norm_offset, weight_dtype) for layer in base.layers)
         self.final_norm = nn.Parameter(base.norm.weight.detach().float() + norm_offset, requires_grad=False)
         head = model.get_output_embeddings()
-        self.lm_head = _Projection([head], dtype, weight_dtype=weight_dtype)
+        self.lm_head = Projection([head], dtype, weight_dtype=weight_dtype)
         if getattr(head, "weight", None) is base.embed_tokens.weight and self.lm_head.scales is None:
             self.lm_head.weight = self.embed  # tied: one copy
         self.vocab_size = self.lm_head.out_features * world
@@ -237,26 +237,39 @@ class StaticLlama(nn.Module):
         first_slot: int,
         kv_len: int,  # keys read per row: >= max(starts) + W over the rows whose outputs are used
         last_only: bool = False,  # logits of the last position only (a prefill chunk)
+        num_layers: int | None = None,  # the first layers only, then the final norm and LM head (an early exit)
     ) -> torch.Tensor:  # [B, W or 1, V] float32
         positions = starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]  # [B, W]
         ops = LayerOps.for_step(self.layer_shape, self.cos, self.sin, positions, first_slot, kv_len)
-        return self._layers(tokens, ops, last_only)
+        return self._layers(tokens, ops, last_only, num_layers)
 
     def forward_rows(
         self,
         tokens: torch.Tensor,  # [B, W] int64
         rows: RowIndex,  # each row's slot, start and key limit, as device tensors
+        num_layers: int | None = None,  # the first layers only (an early exit: `forward`)
     ) -> torch.Tensor:  # [B, W, V] float32
         """A decode or verify step whose every index is a device tensor (what a CUDA graph replays): row b writes
         slot `rows.slots[b]` at positions `rows.starts[b]..+W-1` and attends over that slot's keys up to its own
         length (engine/models/static/attention.py), so one captured graph serves any rows, slots and context lengths."""
         positions = rows.starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]  # [B, W]
         ops = LayerOps(self.layer_shape, self.cos, self.sin, None, positions, 0, self.capacity, rows)
-        return self._layers(tokens, ops, last_only=False)
+        return self._layers(tokens, ops, last_only=False, num_layers=num_layers)
+
+    def keep_hidden(self, max_rows: int, max_width: int) -> None:
+        """From now on every full step of at most `max_rows` x `max_width` tokens leaves its final hidden states
+        (after the final norm: what the LM head reads) in `hidden_out`, for a draft source that reads them (Medusa
+        heads, engine/proposers/medusa.py). A buffer, not an output: a CUDA graph's capture copies into it too."""
+        self.register_buffer("hidden_out", torch.zeros(max_rows, max_width, self.final_norm.shape[0],
+                                                       dtype=self.dtype, device=self.device), persistent=False)
 
     def _layers(self, tokens: torch.Tensor,  # [B, W] int64
-                ops: LayerOps, last_only: bool) -> torch.Tensor:  # [B, W or 1, V] float32
+                ops: LayerOps, last_only: bool, num_layers: int | None = None
+                ) -> torch.Tensor:  # [B, W or 1, V] float32
+        """Every layer, or the first `num_layers` (an early exit: only their keys and values are written), then the
+        final norm and the LM head."""
         batch, width = tokens.shape
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
         hidden = F.embedding(tokens, self.embed) if self.shard is None else embed(tokens, self.embed, self.shard)
         hidden = hidden.to(self.dtype)  # [B, W, H]: bf16 weights beside fp32 activations are widened here
         if self.embed_scale is not None:
@@ -266,21 +279,25 @@ class StaticLlama(nn.Module):
         # engine/models/cpu/linear.linear)
         step = width <= STEP_MAX_WIDTH
         x = ops.norm(hidden, self.layers[0].input_norm)
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(layers):
             k_cache, v_cache = getattr(self, f"k_cache_{index}"), getattr(self, f"v_cache_{index}")
             q = ops.rope_to_cache(layer.qkv(x, step), k_cache, v_cache)  # [B, H, W, D]
             attn = ops.attention(q, k_cache, v_cache)
             attn = attn.transpose(1, 2).reshape(batch, width, -1)
             hidden, x = ops.add_norm(hidden, self._row_parallel(layer.o, layer.o_bias, attn, step), layer.post_norm)
             mlp = self._row_parallel(layer.down, layer.down_bias, ops.activation(layer.gate_up(x, step)), step)
-            next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
+            next_norm = layers[index + 1].input_norm if index + 1 < len(layers) else self.final_norm
             hidden, x = ops.add_norm(hidden, mlp, next_norm)
+        kept = getattr(self, "hidden_out", None)
+        if kept is not None and num_layers is None and not last_only and batch <= kept.shape[0] \
+                and width <= kept.shape[1]:
+            kept[:batch, :width].copy_(x)
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(x, step or last_only)
         return (logits if self.shard is None else gather_vocab(logits, self.shard)).float()
 
-    def _row_parallel(self, projection: _Projection, bias: torch.Tensor | None, x: torch.Tensor,
+    def _row_parallel(self, projection: Projection, bias: torch.Tensor | None, x: torch.Tensor,
                       step: bool) -> torch.Tensor:  # [B, W, in (/world)] -> [B, W, H]
         """o_proj / down_proj: whole, or a shard's partial product summed over the ranks (then its whole bias)."""
         out = projection(x, step)

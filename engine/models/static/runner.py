@@ -34,12 +34,24 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.models.kv_budget import KVBudget, plan_num_slots
-from engine.models.runner import ContextWindowError, SeqSlot, SlotTable, SlotTableAccess, config_context_window
+from engine.models.runner import (
+    ContextWindowError,
+    SeqSlot,
+    SlotTable,
+    SlotTableAccess,
+    config_context_window,
+)
 from engine.models.static.cuda_graphs import GraphSteps, estimate_graph_bytes
 from engine.models.static.forward import StaticLlama
 from engine.models.static.prefill_plan import prefill_heads, split_heads
 from engine.models.static.prefix_cache import runner_prefix_cache
-from engine.models.static.steps import bucket, buckets_up_to, compile_step, pick_logits, step_mode
+from engine.models.static.steps import (
+    bucket,
+    buckets_up_to,
+    compile_step,
+    pick_logits,
+    step_mode,
+)
 from engine.models.static.tp import agree_num_slots, shard_of
 
 MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks first
@@ -100,6 +112,8 @@ class StaticRunner(SlotTableAccess):
         self._seqs = SlotTable(self.max_model_len, num_slots, self.model.move_slot)
         self.prefix_cache = runner_prefix_cache(prefix_caching, self.model, self.compiled)
         self.last_prefix_hits: dict[int, int] = {}  # the last forward's rows that read a prefix from the cache: tokens
+        # with `keep_hidden`: the last forward's final hidden states where its logits were taken, [B, max(num_logits), H]
+        self.last_hidden: torch.Tensor | None = None
         self.forward_calls = 0
         self.forward_rows = 0
 
@@ -127,6 +141,11 @@ class StaticRunner(SlotTableAccess):
 
     def prefix_cache_stats(self) -> dict | None:
         return None if self.prefix_cache is None else self.prefix_cache.index.stats.as_dict()
+
+    def keep_hidden(self) -> None:
+        """Make every forward keep its final hidden states at the positions it returns logits for (`last_hidden`):
+        the input of a draft source that reads the target's last hidden state (Medusa heads)."""
+        self.model.keep_hidden(self.model.num_slots, MAX_WIDTH)
 
     @torch.inference_mode()
     def forward(self, seq_ids: Sequence[str], new_tokens: Sequence[Sequence[int]],
@@ -228,7 +247,15 @@ class StaticRunner(SlotTableAccess):
         logits = self._run(ids, starts, lo, self._kv_len(need), last_only=False)  # [rows, width, V]
         for state, toks in zip(states, tails):
             state.tokens.extend(int(t) for t in toks)
+        self._keep_hidden(rows, width, [s.slot - lo for s in states], tails, num_logits)
         return pick_logits(logits, [s.slot - lo for s in states], [len(t) for t in tails], num_logits)
+
+    def _keep_hidden(self, rows: int, width: int, picked: Sequence[int], tails: list[list[int]],
+                     num_logits: list[int]) -> None:
+        """`last_hidden` from the step just run, at the positions its logits are taken (with `keep_hidden`)."""
+        kept = getattr(self.model, "hidden_out", None)
+        if kept is not None:
+            self.last_hidden = pick_logits(kept[:rows, :width], picked, [len(t) for t in tails], num_logits)
 
     def _graph_step(self, states: list[SeqSlot], tails: list[list[int]],
                     num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]
@@ -239,6 +266,7 @@ class StaticRunner(SlotTableAccess):
         logits = self.graphs.step([s.slot for s in states], [len(s.tokens) for s in states], tails, rows, width)
         for state, toks in zip(states, tails):
             state.tokens.extend(toks)
+        self._keep_hidden(rows, width, range(len(states)), tails, num_logits)
         return pick_logits(logits, range(len(states)), [len(t) for t in tails], num_logits)
 
     def _kv_len(self, need: int) -> int:
@@ -256,7 +284,8 @@ class StaticRunner(SlotTableAccess):
         return (step or self._step)(ids, starts, first_slot, kv_len, last_only)
 
     # ---- start-up -------------------------------------------------------------------------------------------
-    def warm_up(self, max_k: int, progress: Callable[[str], None] | None = None) -> int:
+    def warm_up(self, max_k: int, progress: Callable[[str], None] | None = None,
+                exit_layers: int | None = None) -> int:
         """Capture (CUDA graphs) or compile (inductor, or load from its cache) every step shape the serving loop
         uses: each batch bucket at width 1 and K+1 (CUDA graphs: every width bucket up to K+1's, as rounds whose
         rows draft fewer tokens are narrower), and under inductor each prefill chunk bucket. Returns the number of
@@ -266,6 +295,8 @@ class StaticRunner(SlotTableAccess):
             shapes = [(rows, width) for width in self.width_buckets if width <= top for rows in self.batch_buckets]
             if self.device.type == "cuda":
                 self.graphs.capture(shapes, progress)
+                if exit_layers is not None:  # an early-exit drafter's steps (engine/proposers/early_exit.py)
+                    self.graphs.capture([(rows, 1) for rows in self.batch_buckets], progress, layers=exit_layers)
             return len(shapes)
         shapes = [(rows, width) for width in sorted({1, bucket(max_k + 1, self.width_buckets)})
                   for rows in self.batch_buckets]

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from engine import ModelRunner
+from engine.models.kv_budget import KVBudget
+from engine.models.static.runner import StaticRunner
 from engine.request.delta import SeqDelta, first_delta
 from engine.request.grammar import GrammarSpec
 from engine.request.sampling import SamplingParams
@@ -55,17 +57,51 @@ def test_a_side_that_does_not_sample_computes_and_answers_nothing(model):
     assert verifier.runner.has("a") and verifier.known.tokens["a"] == PROMPT
 
 
-def test_a_target_drafter_drafts_the_next_round_from_the_verify_pass(model):
-    """The seam for drafts made inside the target: called after the accept step with the rows, their verdicts and
-    the verify pass's logits; its drafts come back in the same outcome."""
-    seen = []
+class ScriptedDrafter:
+    """Drafts `script[i]` on its i-th call, recording what it was given."""
 
-    class ArgmaxDrafter:
-        def draft(self, rows, verdicts, logits):
-            seen.append((len(rows), [v.num_accepted for v in verdicts], tuple(logits.shape)))
-            return [[int(logits[b, v.num_accepted].argmax())] for b, v in enumerate(verdicts)]
+    name = "scripted"
+    needs_hidden = False
 
-    verifier = TargetVerifier(ModelRunner(model), None, drafter=ArgmaxDrafter())
-    outcome = verifier.verify([VerifyRow(first_delta("a", PROMPT), [4, 4])])
-    assert seen == [(1, [outcome.verdicts[0].num_accepted], (1, 3, model.config.vocab_size))]
-    assert outcome.next_drafts == [[outcome.verdicts[0].tokens[-1]]], "greedy: the bonus token is the logits' argmax"
+    def __init__(self, script):
+        self.script, self.seen = list(script), []
+
+    def draft(self, runner, rows, hidden):
+        self.seen.append([(r.seq_id, r.position, r.committed, r.last, r.k) for r in rows])
+        drafts = self.script.pop(0)
+        return [drafts[: r.k] for r in rows]
+
+
+def test_a_target_drafter_drafts_after_the_accept_step_and_its_drafts_are_verified_next_call(model):
+    """The seam for drafts made inside the target: the drafter runs after the accept step, from where the row's last
+    token was predicted; the row's next call verifies those drafts (made after exactly its committed tokens)."""
+    want = greedy_continuation(model, PROMPT, 8)
+    drafter = ScriptedDrafter([want[1:4], [want[5], (want[6] + 1) % 60, 0], [0, 0]])
+    runner = StaticRunner(model, budget=KVBudget(max_num_seqs=4), compile="off", prefill_chunk=16)
+    verifier = TargetVerifier(runner, None, drafter=drafter)
+    first = verifier.verify([VerifyRow(first_delta("a", PROMPT), target_k=3)])
+    assert first.drafts == {0: []} and first.verdicts[0].tokens == want[:1], "no drafts held yet: a plain round"
+    assert drafter.seen == [[("a", 0, len(PROMPT) + 1, want[0], 3)]]
+    assert runner.cached_tokens("a") == PROMPT, "rolled back to the committed tokens before drafting"
+    second = verifier.verify([VerifyRow(SeqDelta("a", len(PROMPT), want[:1]), target_k=3)])
+    assert second.drafts == {0: want[1:4]} and second.verdicts[0].tokens == want[:5][1:], "all three accepted"
+    assert drafter.seen[1] == [("a", 3, len(PROMPT) + 5, want[4], 3)]
+    third = verifier.verify([VerifyRow(SeqDelta("a", len(PROMPT) + 1, want[1:5]), target_k=2)])
+    assert third.drafts == {0: [want[5], (want[6] + 1) % 60]}, "cut to this round's K"
+    assert third.verdicts[0].tokens == want[5:7] and third.verdicts[0].num_accepted == 1
+    assert verifier.held.stats() == {"held": 1, "used": 2, "stale": 1}
+
+
+def test_held_drafts_made_after_other_tokens_are_not_verified(model):
+    """A stale guess (the router committed other tokens than the drafter assumed) costs a round without drafts."""
+    want = greedy_continuation(model, PROMPT, 4)
+    drafter = ScriptedDrafter([[7, 7, 7], [8, 8, 8]])
+    runner = StaticRunner(model, budget=KVBudget(max_num_seqs=4), compile="off", prefill_chunk=16)
+    verifier = TargetVerifier(runner, None, drafter=drafter)
+    verifier.verify([VerifyRow(first_delta("a", PROMPT), target_k=3)])
+    other = (want[0] + 1) % 60  # not the token the target sampled: the router committed something else
+    outcome = verifier.verify([VerifyRow(SeqDelta("a", len(PROMPT), [other]), target_k=3)])
+    assert outcome.drafts == {0: []} and outcome.verdicts[0].num_accepted == 0
+    assert verifier.held.stale == 2 and verifier.held.used == 0
+    verifier.release("a")
+    assert len(verifier.held) == 0, "a released sequence's drafts go with it"

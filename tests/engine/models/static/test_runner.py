@@ -389,10 +389,10 @@ def test_graph_steps_pad_rows_into_the_scratch_tail_and_make_no_host_sync():
     forward_rows = runner.model.forward_rows
     seen = []
 
-    def guarded(tokens, rows):
+    def guarded(tokens, rows, layers=None):
         seen.append((tokens.clone(), rows.slots.clone(), rows.starts.clone(), rows.limits.clone()))
         with forbid_host_sync(runner.device):
-            return forward_rows(tokens, rows)
+            return forward_rows(tokens, rows, layers)
 
     runner.model.forward_rows = guarded
     runner.forward(["c", "a", "b"], [[9, 10], [11], [12, 13, 14]], [2, 1, 3])  # 3 rows -> 4, width 3 -> 4
@@ -457,10 +457,10 @@ def test_captured_graph_steps_replay_the_buffers_they_were_captured_with(monkeyp
     runner = StaticRunner(model, budget=SLOTS, compile="graphs", prefill_chunk=16)
     forward = runner.model.forward_rows
 
-    def recording(tokens, rows):
-        out = forward(tokens, rows)
+    def recording(tokens, rows, layers=None):
+        out = forward(tokens, rows, layers)
         if _FakeGraph.capturing is not None:
-            _FakeGraph.capturing.args, _FakeGraph.capturing.out = (tokens, rows), out
+            _FakeGraph.capturing.args, _FakeGraph.capturing.out = (tokens, rows, layers), out
         return out
 
     @contextlib.contextmanager
@@ -487,7 +487,7 @@ def test_captured_graph_steps_replay_the_buffers_they_were_captured_with(monkeyp
         monkeypatch.setattr(torch.cuda, name, value)
     shapes = [(rows, width) for rows in runner.batch_buckets for width in (1, 2, 4)]
     runner.graphs.capture(shapes)
-    assert set(runner.graphs.graphs) == set(shapes)
+    assert set(runner.graphs.graphs) == {(rows, width, None) for rows, width in shapes}
     got = scripted(runner, ROUNDS)
     assert_same_logits(got, reference(model), atol=1e-4, rtol=1e-4)
     replayed = sum(g.replays for g, _ in runner.graphs.graphs.values())

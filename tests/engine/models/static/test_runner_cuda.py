@@ -31,7 +31,7 @@ def test_cuda_graphs_agree_with_eager_serve_growing_contexts_and_make_no_host_sy
     runner = StaticRunner(model, budget=SLOTS, compile="auto", prefill_chunk=32)
     assert runner.step_mode == "graphs"
     runner.warm_up(max_k=3)
-    assert set(runner.graphs.graphs) == {(rows, width) for rows in runner.batch_buckets for width in (1, 2, 4)}
+    assert set(runner.graphs.graphs) == {(rows, width, None) for rows in runner.batch_buckets for width in (1, 2, 4)}
     assert runner.graphs.pool_bytes > 0
     assert_same_logits([c.cpu() for c in scripted(runner, ROUNDS)], [e.cpu() for e in scripted(eager, ROUNDS)],
                        atol=1e-3, rtol=1e-3)

@@ -1,0 +1,87 @@
+"""Draft sources that run inside the target worker, on the state its verify pass just computed: the target's own
+first layers (engine/proposers/early_exit.py) and Medusa heads (engine/proposers/medusa.py).
+
+Such a source drafts a row's next round right after the accept step of this one (engine/spec/verify.TargetVerifier
+calls it with the rows that go on), and the target keeps the drafts (`HeldDrafts`) until the row's next call, which
+verifies them: a round is one call, and only tokens travel. A held draft is used only if the row's committed tokens
+are exactly those it was made after (the same count, the same last token); otherwise (the router committed fewer, the
+row moved to another replica, its K was 0 last round) the row verifies without drafts that round and drafts again
+from that pass: a stale guess costs one round without drafts, never a different output.
+
+Drafts are one-hot proposals (the source's argmax, like n-gram lookup's), so the accept step (engine/spec/accept.py)
+keeps the target's distribution at any temperature: greedy rows compare tokens, seeded rows follow the target's
+coupled sample, the others take the rejection rule with a one-hot draft distribution (accept with the target's
+probability of the draft token, else resample the target's distribution without it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftFrom:
+    """Where one row's next drafts start: its sequence after this round's verdict."""
+
+    seq_id: str
+    index: int  # the row's index in the verify pass (its hidden states and logits)
+    position: int  # the verify window's offset of the position that predicted `last` (the drafts accepted)
+    committed: int  # the row's committed tokens after the verdict; `last` is the last of them, not yet cached
+    last: int  # the verdict's last token (the recovered or bonus token)
+    k: int  # drafts to make (capped to the context window by the verifier)
+
+
+class TargetDrafter(Protocol):
+    """A draft source inside the target: drafts each row's next round from the verify pass it follows."""
+
+    name: str  # for /stats and logs: "self:L", "medusa"
+    needs_hidden: bool  # it reads the verify pass's final hidden states (the runner keeps them: keep_hidden)
+
+    def draft(self, runner, rows: Sequence[DraftFrom],
+              hidden: torch.Tensor | None) -> list[list[int]]:  # hidden [B, W, H]: the pass's final states
+        """Each row's drafts (at most rows[i].k tokens)."""
+
+
+@dataclass(frozen=True)
+class Held:
+    committed: int  # the committed tokens the drafts follow
+    last: int  # the last of them
+    drafts: list[int]
+
+
+class HeldDrafts:
+    """The drafts a target-side source made for each row's next round, kept until that round's call."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, Held] = {}
+        self.used = 0  # calls whose held drafts were verified
+        self.stale = 0  # calls that wanted drafts and found none matching (a round without drafts)
+
+    def keep(self, seq_id: str, committed: int, last: int, drafts: list[int]) -> None:
+        self._held[seq_id] = Held(committed, last, drafts)
+
+    def take(self, seq_id: str, known: Sequence[int], k: int) -> list[int]:
+        """Up to `k` drafts made after exactly the committed tokens `known`; none if they were made after others."""
+        held = self._held.pop(seq_id, None)
+        if held is None or held.committed != len(known) or not known or held.last != known[-1]:
+            self.stale += 1
+            return []
+        self.used += 1
+        return held.drafts[:k]
+
+    def forget(self, seq_id: str) -> None:
+        self._held.pop(seq_id, None)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def stats(self) -> dict:
+        return {"held": len(self._held), "used": self.used, "stale": self.stale}
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:  # logits [B, V] -> B token ids
+    return logits.argmax(dim=-1).tolist()

@@ -1,0 +1,92 @@
+"""Drafts made inside the target worker (`draft: self`, `medusa:DIR`) through the served round: one verify call a
+round, the router sending each row's K, on tiny models without a cluster (the real worker cores)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from deployments.router.router import Router
+from engine import SamplingParams
+from engine.proposers.medusa import MedusaConfig, MedusaHeads
+from tests.conftest import make_tiny_model
+from tests.deployments.conftest import LocalBroker, save_model_pair, tiny_config
+from tests.deployments.router.test_router import plain_reference
+from tests.deployments.router.test_speculation_policy import (
+    generate,
+    plain_seeded,
+    run_all,
+    text,
+)
+
+PROMPTS = [[5, 6, 7, 8], [9, 8, 7, 6, 5], [20, 21, 22, 20, 21], [30, 31, 32, 33, 34, 35]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def deep_dirs(tmp_path_factory):
+    """A four-layer target whose last two layers add nothing (an exit after two is the model) and a Medusa
+    checkpoint of random heads for it."""
+    root = tmp_path_factory.mktemp("deep")
+    target = make_tiny_model("llama", seed=0, layers=4)
+    with torch.no_grad():
+        for layer in target.model.layers[2:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    dirs = save_model_pair(root, target, make_tiny_model("llama", seed=1))
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(3, 1, 64, target.config.vocab_size))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    heads.save(root / "medusa")
+    return dirs, root / "medusa"
+
+
+def router_for(dirs, draft, **speculation):
+    config = tiny_config(dirs, model={"draft": draft}, speculation=speculation)
+    broker = LocalBroker(config)
+    return Router(config, broker), broker
+
+
+@pytest.mark.parametrize("draft", ["self:2", "self:1", "medusa"])
+def test_greedy_served_text_equals_plain_decoding_in_one_call_a_round(deep_dirs, draft):
+    dirs, medusa = deep_dirs
+    router, broker = router_for(dirs, f"medusa:{medusa}" if draft == "medusa" else draft)
+    assert "draft" not in broker.cores, "no Draft deployment: the target drafts for itself"
+    outs = run_all(router, PROMPTS, [GREEDY] * len(PROMPTS), k=3)
+    for prompt, tokens in zip(PROMPTS, outs):
+        assert text(router, tokens) == plain_reference(dirs, prompt, 24)
+    stats = router.scheduler.stats
+    held = broker.cores["target"].verifier.held
+    assert stats.spec.num_drafts > 0 and held.used > 0
+    assert broker.calls["target"] == stats.timings.rounds, "one call a round"
+    if draft == "self:2":
+        assert stats.spec.acceptance_rate == 1.0, "the exit is the whole model"
+    assert broker.cores["target"].stats()["drafter"]["name"] == ("medusa" if draft == "medusa" else draft)
+
+
+def test_a_seeded_request_gives_the_same_served_text_with_every_draft_source(deep_dirs):
+    dirs, medusa = deep_dirs
+    params = [SamplingParams(temperature=1.0, top_k=40, max_tokens=20, seed=50 + i, ignore_eos=True)
+              for i in range(4)]
+    reference = plain_seeded(dirs, PROMPTS, params)
+    for draft in ("self:1", f"medusa:{medusa}", "ngram", str(dirs[1]), "none"):
+        router, _ = router_for(dirs, draft)
+
+        async def batch(router=router):
+            return await asyncio.gather(*(generate(router, pr, p, k=3) for pr, p in zip(PROMPTS, params)))
+
+        assert asyncio.run(batch()) == reference, draft
+
+
+def test_the_drafters_measured_costs_plan_k(deep_dirs):
+    """The target measures its drafter at start beside its verify passes; the round plan reads both."""
+    dirs, _ = deep_dirs
+    router, broker = router_for(dirs, "self:2", adaptive=True)
+    costs = broker.cores["target"].costs
+    assert costs["drafter"]["name"] == "self:2" and all(t > 0 for t in costs["drafter"]["draft_step_seconds"])
+    [tokens] = run_all(router, [PROMPTS[0]], [GREEDY])
+    assert text(router, tokens) == plain_reference(dirs, PROMPTS[0], 24)
+    [(pair, shown)] = router.scheduler.cost_profiles().items()
+    assert pair.startswith("None / target-0") and all(t > 0 for t in shown["draft_step_ms"])

@@ -1,0 +1,110 @@
+"""engine/proposers/early_exit.py: self-speculative drafting from the target's first layers, inside the verify step."""
+
+import pytest
+import torch
+
+from engine import SamplingParams, SpeculativeEngine
+from engine.models.kv_budget import KVBudget
+from engine.models.static.runner import StaticRunner
+from engine.proposers.early_exit import (
+    EarlyExitDrafter,
+    choose_exit_layer,
+    exit_agreement,
+    target_text,
+)
+from tests.conftest import make_tiny_model, third_token_marginals, total_variation_bound
+
+PROMPTS = [[2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 20, 21, 22, 20, 21]]
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def passthrough_model(vocab: int | None = None, seed: int = 0):
+    """Four layers whose last two add nothing to the residual (their output projections are zero): an exit after
+    two layers is the whole model, as in the synthetic pair the GPU benchmarks use."""
+    model = make_tiny_model("llama", seed=seed, layers=4, **({"vocab": vocab} if vocab else {}))
+    with torch.no_grad():
+        for layer in model.model.layers[2:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return passthrough_model()
+
+
+def engine(model, tokenizer, layers, k=3):
+    runner = StaticRunner(model, budget=KVBudget(max_num_seqs=8), compile="off", prefill_chunk=16)
+    return SpeculativeEngine(runner, tokenizer, None, k, drafter=EarlyExitDrafter(layers) if layers else None)
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_greedy_output_equals_plain_decoding_and_an_exact_exit_is_always_accepted(model, tiny_tokenizer, layers):
+    spec_engine = engine(model, tiny_tokenizer, layers)
+    spec = spec_engine.generate(PROMPTS, GREEDY)
+    plain = engine(model, tiny_tokenizer, None).generate(PROMPTS, GREEDY)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    stats = spec_engine.stats
+    assert stats.num_drafts > 0
+    if layers >= 2:  # the last two layers add nothing: the exit is the model
+        assert stats.acceptance_rate == 1.0
+    else:
+        assert stats.acceptance_rate < 1.0, "a real early exit: some drafts rejected, and the output still exact"
+    assert spec_engine.target.num_live == 0 and len(spec_engine.verifier.held) == 0
+
+
+def test_the_draft_shares_the_targets_cache_nothing_is_prefilled_twice(model, tiny_tokenizer):
+    """Every full forward is a verify pass (one a round); the early exit's steps never record tokens as cached."""
+    spec_engine = engine(model, tiny_tokenizer, 2)
+    runner = spec_engine.target
+    rounds = 0
+
+    def counted(outputs):
+        nonlocal rounds
+        rounds += 1
+
+    spec_engine.generate(PROMPTS[:1], GREEDY, on_round=counted)
+    assert runner.forward_calls == rounds
+    assert rounds <= 1 + -(-(GREEDY.max_tokens - 1) // 4), "every round after the first emitted K + 1 tokens"
+
+
+def test_a_seeded_request_gives_the_same_text_with_the_early_exit_as_without(model, tiny_tokenizer):
+    params = [SamplingParams(temperature=1.0, top_k=40, max_tokens=20, seed=7 + i, ignore_eos=True) for i in range(3)]
+    plain = engine(model, tiny_tokenizer, None).generate(PROMPTS, params)
+    for layers in (1, 2):
+        spec = engine(model, tiny_tokenizer, layers).generate(PROMPTS, params)
+        assert [c.token_ids for c in spec] == [c.token_ids for c in plain], f"self:{layers}"
+
+
+def test_unseeded_sampling_keeps_the_targets_distribution(tiny_tokenizer):
+    """The 3rd token's marginal over many unseeded requests equals the target's exact one (one-hot drafts through
+    the rejection rule), with an exit that disagrees often."""
+    vocab = 8
+    target = make_tiny_model("llama", vocab=vocab, seed=3, layers=3)
+    exact, _ = third_token_marginals(target, target, [2, 3, 4], vocab)
+    n = 3000
+    spec = engine(target, tiny_tokenizer, 1, k=2)
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    outs = [o for _ in range(n // 8) for o in spec.generate([[2, 3, 4]] * 8, params)]
+    got = torch.bincount(torch.tensor([o.token_ids[2] for o in outs]), minlength=vocab).float() / n
+    assert 0.5 * (got - exact).abs().sum() < total_variation_bound(vocab, n)
+    assert 0.05 < spec.stats.acceptance_rate < 0.95, "both acceptances and rejections happened"
+
+
+def test_exit_agreement_measures_each_exit_against_the_whole_model(model):
+    runner = StaticRunner(model, budget=KVBudget(max_num_seqs=2), compile="off", prefill_chunk=16)
+    text = target_text(runner, PROMPTS[1], tokens=24)
+    assert len(text) == len(PROMPTS[1]) + 24 and runner.num_live == 0
+    agreement = exit_agreement(runner, text, [1, 2, 3], first=len(PROMPTS[1]) - 1)
+    assert agreement[2] == agreement[3] == 1.0 and agreement[1] < 1.0
+    assert runner.num_live == 0, "the measurement's slots are free again"
+
+
+def test_the_exit_with_the_most_tokens_per_second_is_chosen():
+    verify = [1.0, 1.1, 1.2, 1.3]  # seconds at K = 0..3
+    # a shallow exit that rarely agrees loses to a deeper one that agrees, then to a cheaper one as costs shift
+    assert choose_exit_layer({1: 0.1, 4: 0.9}, {1: 0.1, 4: 0.4}, verify, 3)[0] == 4
+    assert choose_exit_layer({1: 0.1, 4: 0.9}, {1: 0.1, 4: 5.0}, verify, 3)[0] == 1
+    layers, k = choose_exit_layer({2: 1.0}, {2: 0.01}, verify, 3)
+    assert (layers, k) == (2, 3), "perfect agreement at a small cost: the longest K"
