@@ -124,7 +124,11 @@ def test_the_sweep_closes_a_lease_whose_sequence_was_released_after_it_began(mon
         await abandoned.__anext__()
         await relet.__anext__()
         refused = [item async for item in replica._hold("c", [worker], "e")]
-        await asyncio.sleep(0.01)
+        # both leases granted 30 s ago (a margin no pause of a busy machine reaches: the sweep's bound on when a
+        # release happened is the worker's `ago` from the call's start); b's sequence was released 60 s before its
+        # grant, a's now
+        for lease in replica._open:
+            lease.started -= 30.0
         worker.released_at["a"] = time.monotonic()  # the router's direct release, at the request's end
         replica._sweep(worker)
         await replica._sweeping
