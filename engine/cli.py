@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     heads.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head")
     heads.add_argument("--shared-lm-head", action="store_true",
                        help="heads end in the target's LM head (one product for all heads; this project's format)")
+    heads.add_argument("--draft-vocab", type=int, default=0, help="draft from the N most frequent answer tokens only "
+                       "(the LM heads' rows of them: cheaper drafting; 0: the whole vocabulary)")
     heads.add_argument("--epochs", type=int, default=2)
     heads.add_argument("--batch-size", type=int, default=256)
     heads.add_argument("--lr", type=float, default=1e-3)
@@ -78,7 +80,7 @@ def train_heads(args) -> int:
     model = load_causal_lm(resolve(args.target), "float32")
     settings = TrainSettings(num_heads=args.num_heads, num_layers=args.num_layers,
                              shared_lm_head=args.shared_lm_head, epochs=args.epochs, batch_size=args.batch_size,
-                             lr=args.lr)
+                             lr=args.lr, draft_vocab=args.draft_vocab)
     report = train(model, answers, out, settings, base_model=args.target)
     print(json.dumps(report, indent=2))
     return 0

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from engine.models.static.forward import Projection
-from engine.proposers.target_side import DraftFrom, greedy_tokens
+from engine.proposers.target_side import DraftFrom
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
@@ -44,6 +44,13 @@ class MedusaConfig:
     hidden_size: int
     vocab_size: int
     shared_lm_head: bool = False  # heads end in the target's LM head (this project's extension)
+    # the token ids heads draft from (this project's extension, as EAGLE-3's draft vocabulary): the LM heads have
+    # these rows only; None: the whole vocabulary
+    draft_vocab: tuple[int, ...] | None = None
+
+    @property
+    def head_rows(self) -> int:
+        return self.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
 
 
 class ResBlock(nn.Module):
@@ -66,7 +73,7 @@ class MedusaHeads(nn.Module):
         self.config = config
         self.heads = nn.ModuleList(
             nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)],
-                          *([] if config.shared_lm_head else [nn.Linear(config.hidden_size, config.vocab_size,
+                          *([] if config.shared_lm_head else [nn.Linear(config.hidden_size, config.head_rows,
                                                                         bias=False)]))
             for _ in range(config.num_heads))
 
@@ -81,7 +88,8 @@ class MedusaHeads(nn.Module):
         return torch.stack(out, dim=1)
 
     def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., heads, V]: every head (`lm_head` the target's, for shared heads)."""
+        """hidden [..., H] -> logits [..., heads, V or the draft vocabulary's size]: every head (`lm_head` the
+        target's, for shared heads: its draft vocabulary's rows where there is one)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         states = self.states(flat, self.config.num_heads)  # [N, heads, H]
         if self.config.shared_lm_head:
@@ -101,6 +109,8 @@ class MedusaHeads(nn.Module):
                 "vocab_size": c.vocab_size, "base_model_name_or_path": base_model}
         if c.shared_lm_head:
             meta["shared_lm_head"] = True
+        if c.draft_vocab is not None:
+            meta["draft_vocab"] = list(c.draft_vocab)
         (directory / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
         save_file({name: t.detach().contiguous() for name, t in self.heads.state_dict().items()},
                   str(directory / WEIGHT_FILES[0]))
@@ -127,6 +137,13 @@ def load_medusa(directory: str | Path, hidden_size: int, vocab_size: int) -> Med
         state = torch.load(weights, map_location="cpu", weights_only=True)
     num_layers = meta["medusa_num_layers"]
     shared = bool(meta.get("shared_lm_head", False))
+    draft_vocab = meta.get("draft_vocab")
+    if draft_vocab is not None:
+        draft_vocab = tuple(int(t) for t in draft_vocab)
+        if not draft_vocab or max(draft_vocab) >= vocab_size or min(draft_vocab) < 0:
+            raise MedusaError(f"Medusa draft_vocab of {config_file} names tokens outside this target's vocabulary "
+                              f"(vocab_size {vocab_size})")
+    rows = vocab_size if draft_vocab is None else len(draft_vocab)
     first = state.get("0.0.linear.weight")
     if num_layers and first is not None and first.shape[1] != hidden_size:
         raise MedusaError(f"Medusa heads of hidden_size {first.shape[1]} cannot read this target's hidden states "
@@ -139,10 +156,14 @@ def load_medusa(directory: str | Path, hidden_size: int, vocab_size: int) -> Med
         if head.shape[1] != hidden_size:
             raise MedusaError(f"Medusa heads of hidden_size {head.shape[1]} cannot read this target's hidden states "
                               f"(hidden_size {hidden_size})")
-        if head.shape[0] != vocab_size:
+        if head.shape[0] != rows and draft_vocab is None:
             raise MedusaError(f"Medusa heads of vocab_size {head.shape[0]} do not match this target's vocabulary "
                               f"(vocab_size {vocab_size})")
-    heads = MedusaHeads(MedusaConfig(meta["medusa_num_heads"], num_layers, hidden_size, vocab_size, shared))
+        if head.shape[0] != rows:
+            raise MedusaError(f"Medusa heads of {head.shape[0]} output rows do not match their draft_vocab of "
+                              f"{rows} tokens")
+    heads = MedusaHeads(MedusaConfig(meta["medusa_num_heads"], num_layers, hidden_size, vocab_size, shared,
+                                     draft_vocab))
     missing, unexpected = heads.heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if missing or unexpected:
         raise MedusaError(f"Medusa checkpoint {weights}: missing {sorted(missing)[:4]}, unexpected "
@@ -166,7 +187,12 @@ class MedusaDrafter:
                        range(min(config.num_layers, 1))]  # layer 0 of every head: one product
         self.later = [[Projection([head[j].linear], dtype) for j in range(1, config.num_layers)]
                       for head in heads.heads]
+        self.vocab_ids = None if config.draft_vocab is None else torch.tensor(config.draft_vocab)
         self.lm_head = model.lm_head if config.shared_lm_head else None
+        if config.shared_lm_head and self.vocab_ids is not None:  # the target's LM head, its draft vocabulary's rows
+            rows = nn.Linear(config.hidden_size, len(config.draft_vocab), bias=False)
+            rows.weight = nn.Parameter(model.lm_head.rows(self.vocab_ids.to(model.device)), requires_grad=False)
+            self.lm_head = Projection([rows], dtype, weight_dtype=weight_dtype)
         self.own_heads = None if config.shared_lm_head else [
             Projection([head[config.num_layers]], dtype, weight_dtype=weight_dtype) for head in heads.heads]
         self.dtype = dtype
@@ -184,7 +210,10 @@ class MedusaDrafter:
             logits = self.lm_head(states, True)  # [N, k, V]
         else:
             logits = torch.stack([self.own_heads[i](states[:, i], True) for i in range(k)], dim=1)
-        tokens = greedy_tokens(logits.reshape(-1, logits.shape[-1]))
+        picked = logits.reshape(-1, logits.shape[-1]).argmax(dim=-1)
+        if self.vocab_ids is not None:  # draft vocabulary -> the target's token ids
+            picked = self.vocab_ids.to(picked.device)[picked]
+        tokens = picked.tolist()
         return [tokens[n * k: n * k + min(row.k, k)] for n, row in enumerate(rows)]
 
     def _states(self, h: torch.Tensor, k: int) -> torch.Tensor:  # [N, H] -> [N, k, H]

@@ -7,7 +7,8 @@ the target's own answers, the data that matches what the server will verify.
 3. `train`: head i on the state at position t predicts the token at t + 2 + i (the target's LM head predicts t + 1),
    over answer positions only; loss the sum over heads of cross-entropy weighted 0.8^i (Medusa's decay); ResBlocks
    zero-initialised, each head's own LM head initialised from the target's (Medusa's), or the target's LM head shared
-   and frozen (`shared_lm_head`). AdamW; a checkpoint of heads, optimizer and position every `save_every` steps
+   and frozen (`shared_lm_head`); with `draft_vocab` N, heads draft from the answers' N most frequent tokens only (the
+   LM heads' rows of them: cheaper to train and to draft from; the rest are never proposed). AdamW; a checkpoint of heads, optimizer and position every `save_every` steps
    (OUT/train_state.pt), which a restart resumes from.
 4. The heads in the checkpoint format engine/proposers/medusa.py loads (config.json + medusa_lm_head.safetensors),
    and OUT/training.json: the data's size, the time taken and each head's top-1 accuracy on held-out answers.
@@ -42,6 +43,7 @@ class TrainSettings:
     held_out: float = 0.1  # fraction of the answers kept out of training, to measure accuracy on
     save_every: int = 50  # steps between resumable checkpoints
     seed: int = 0
+    draft_vocab: int = 0  # heads draft from the answers' most frequent tokens only (0: the whole vocabulary)
 
 
 @dataclass
@@ -54,7 +56,7 @@ class Answers:
         return sum(len(s) - p for s, p in zip(self.sequences, self.prompt_lens))
 
 
-def regenerate(engine, prompts: Sequence[list[int]], max_tokens: int, path: Path, batch: int = 8) -> Answers:
+def regenerate(engine, prompts: Sequence[list[int]], max_tokens: int, path: Path, batch: int = 16) -> Answers:
     """The target's greedy answers to `prompts` (token ids), from `path` when an earlier run wrote them."""
     if path.is_file():
         data = torch.load(path, weights_only=True)
@@ -86,7 +88,7 @@ def training_examples(model, answers: Answers, indices: Sequence[int], num_heads
                       ) -> tuple[torch.Tensor, torch.Tensor]:  # states [P, H], targets [P, heads] (-100: none)
     """Each answer position t's state and the tokens at t + 2 + i for every head i (-100 past the end)."""
     states, targets = [], []
-    for n in indices:
+    for n in tqdm(indices, desc="target hidden states", unit="answer"):
         seq, start = answers.sequences[n], answers.prompt_lens[n]
         if len(seq) - start < 2:
             continue
@@ -123,15 +125,43 @@ def head_accuracy(heads: MedusaHeads, lm_head, states: torch.Tensor, targets: to
     return (right / counted.clamp(min=1)).tolist()
 
 
-def new_heads(model, settings: TrainSettings) -> MedusaHeads:
+def draft_vocabulary(answers: Answers, indices: Sequence[int], size: int) -> tuple[int, ...]:
+    """The `size` most frequent answer tokens of the given answers, ascending by id."""
+    counts: dict[int, int] = {}
+    for n in indices:
+        for token in answers.sequences[n][answers.prompt_lens[n]:]:
+            counts[token] = counts.get(token, 0) + 1
+    return tuple(sorted(sorted(counts, key=lambda t: -counts[t])[:size]))
+
+
+def restricted_lm_head(model, vocab: tuple[int, ...] | None) -> torch.nn.Module:
+    """The target's LM head, or its rows of a draft vocabulary (frozen)."""
+    head = model.get_output_embeddings()
+    if vocab is None:
+        return head
+    rows = torch.nn.Linear(head.weight.shape[1], len(vocab), bias=False)
+    rows.weight = torch.nn.Parameter(head.weight.detach()[list(vocab)].clone(), requires_grad=False)
+    return rows
+
+
+def new_heads(model, settings: TrainSettings, vocab: tuple[int, ...] | None = None) -> MedusaHeads:
     config = model.config
     heads = MedusaHeads(MedusaConfig(settings.num_heads, settings.num_layers, config.hidden_size,
-                                     model.get_output_embeddings().weight.shape[0], settings.shared_lm_head))
+                                     model.get_output_embeddings().weight.shape[0], settings.shared_lm_head, vocab))
     if not settings.shared_lm_head:  # each head's LM head starts as the target's (Medusa's initialisation)
         with torch.no_grad():
             for head in heads.heads:
-                head[-1].weight.copy_(model.get_output_embeddings().weight.float())
+                head[-1].weight.copy_(restricted_lm_head(model, vocab).weight.float())
     return heads
+
+
+def to_draft_vocab(targets: torch.Tensor, vocab: tuple[int, ...] | None, size: int) -> torch.Tensor:
+    """Target token ids -> indices in the draft vocabulary (-100: outside it, or none)."""
+    if vocab is None:
+        return targets
+    index = torch.full((size + 1,), -100, dtype=torch.long)
+    index[list(vocab)] = torch.arange(len(vocab))
+    return index[torch.where(targets >= 0, targets, size)]
 
 
 def train(model, answers: Answers, out: Path, settings: TrainSettings = TrainSettings(), base_model: str | None = None,
@@ -146,9 +176,12 @@ def train(model, answers: Answers, out: Path, settings: TrainSettings = TrainSet
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    lm_head = model.get_output_embeddings()  # the model is loaded in float32 for training
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    vocab = draft_vocabulary(answers, kept, settings.draft_vocab) if settings.draft_vocab else None
+    lm_head = restricted_lm_head(model, vocab)  # the model is loaded in float32 for training
     states, targets = training_examples(model, answers, kept, settings.num_heads)
-    heads = new_heads(model, settings)
+    targets = to_draft_vocab(targets, vocab, vocab_size)
+    heads = new_heads(model, settings, vocab)
     optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=settings.lr)
     steps_per_epoch = -(-len(states) // settings.batch_size)
     total = settings.epochs * steps_per_epoch
@@ -184,7 +217,8 @@ def train(model, answers: Answers, out: Path, settings: TrainSettings = TrainSet
               "settings": asdict(settings), "seconds": round(time.perf_counter() - began, 1)}
     if held:
         held_states, held_targets = training_examples(model, answers, held, settings.num_heads)
-        report["held_out_accuracy"] = [round(a, 4) for a in head_accuracy(heads, lm_head, held_states,
-                                                                          held_targets)]
+        exact = to_draft_vocab(held_targets, vocab, vocab_size)  # a token outside the draft vocabulary: a miss
+        exact[(held_targets >= 0) & (exact < 0)] = vocab_size + 1
+        report["held_out_accuracy"] = [round(a, 4) for a in head_accuracy(heads, lm_head, held_states, exact)]
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -104,6 +104,12 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [ceil(out/1
     return padded.view(vectors, BF16_LANES, pairs, 2).transpose(1, 2).contiguous()
 
 
+def unpack_bf16(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:  # -> [out, in] bf16
+    """The [out, in] weight `pack_bf16` packed."""
+    vectors, pairs = packed.shape[0], packed.shape[1]
+    return packed.transpose(1, 2).reshape(vectors * BF16_LANES, pairs * 2)[:out_features, :in_features]
+
+
 def _split_gemv(
     x: torch.Tensor,  # [..., in], one row
     weight: torch.Tensor,  # [out, in]

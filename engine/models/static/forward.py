@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.cpu import extension as cpu_extension
-from engine.models.cpu.linear import kernel_takes, linear, pack_bf16, small_gemm_for
+from engine.models.cpu.linear import kernel_takes, linear, pack_bf16, small_gemm_for, unpack_bf16
 from engine.models.quantize import Int8WeightOnlyLinear
 from engine.models.static.attention import RowIndex
 from engine.models.static.layer_ops import LayerOps, LayerShape
@@ -105,7 +105,7 @@ class Projection(nn.Module):
                  weight_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         weight, scales, bias = _fuse(modules, dtype, with_bias, weight_dtype)
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         # a bf16 weight beside fp32 activations on a CPU with AVX512_BF16: packed once for bf16_gemm, which then
         # computes every product of it (steps and prompt chunks); the [out, in] copy is not kept
         self.packed = None
@@ -122,6 +122,14 @@ class Projection(nn.Module):
         self.kernel_scales = None
         if scales is not None and weight.device.type == "cpu":
             self.kernel_scales = nn.Parameter(scales.to(torch.bfloat16), requires_grad=False)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:  # ids [N] -> [N, in], the weight's dtype (int8: dequantized)
+        """Some output rows of the weight as a dense matrix (a draft vocabulary's rows of the LM head)."""
+        if self.packed is not None:
+            return unpack_bf16(self.packed, self.out_features, self.in_features)[ids]
+        if self.scales is not None:
+            return self.weight[ids].to(self.scales.dtype) * self.scales[ids, None]
+        return self.weight[ids]
 
     def forward(self, x: torch.Tensor, step: bool | None = None) -> torch.Tensor:  # [..., in] -> [..., out]
         """`step`: a decode/verify step (True) or a prompt chunk (False); which CPU kernel runs (cpu/linear.py)."""

@@ -116,3 +116,34 @@ def test_heads_that_do_not_fit_the_target_are_refused_naming_the_field(tmp_path)
         load_medusa(tmp_path / "m", 32, 100)
     with pytest.raises(MedusaError, match="config.json"):
         load_medusa(tmp_path / "missing", HIDDEN, 100)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_heads_with_a_draft_vocabulary_draft_its_tokens_mapped_to_the_targets(model, tiny_tokenizer, tmp_path,
+                                                                               shared):
+    """A draft vocabulary (the LM heads' rows of some tokens only): drafts are the argmax over those rows, mapped back
+    to the target's ids, read through the static runner's packed or dense LM head; greedy output stays plain's."""
+    runner = runner_of(model)
+    vocab = tuple(range(3, 60, 2))
+    heads = MedusaHeads(MedusaConfig(2, 1, HIDDEN, runner.vocab_size, shared, vocab))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    heads.save(tmp_path / "m")
+    loaded = load_medusa(tmp_path / "m", HIDDEN, runner.vocab_size)
+    assert loaded.config.draft_vocab == vocab
+    rows = torch.nn.Linear(HIDDEN, len(vocab), bias=False)
+    rows.weight = torch.nn.Parameter(model.get_output_embeddings().weight[list(vocab)])
+    hidden = torch.randn(1, 1, HIDDEN)
+    want = torch.tensor(vocab)[loaded(hidden, rows).argmax(-1)][0, 0].tolist()
+    drafter = MedusaDrafter(loaded, runner.model)
+    assert drafter.draft(runner, [DraftFrom("x", 0, 0, 10, 5, 2)], hidden) == [want]
+    spec = SpeculativeEngine(runner, tiny_tokenizer, None, 2, drafter=drafter)
+    plain = SpeculativeEngine(runner_of(model), tiny_tokenizer, None, 2)
+    assert [c.token_ids for c in spec.generate(PROMPTS, GREEDY)] == \
+        [c.token_ids for c in plain.generate(PROMPTS, GREEDY)]
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**json.loads((tmp_path / "m" / "config.json").read_text()),
+                                                             "draft_vocab": [1, 2, 999]}))
+    with pytest.raises(MedusaError, match="vocab_size"):
+        load_medusa(tmp_path / "m", HIDDEN, runner.vocab_size)

@@ -70,6 +70,19 @@ def test_trained_heads_accept_far_more_than_untrained_ones(model, tiny_tokenizer
     assert json.loads((tmp_path / "heads" / "training.json").read_text())["held_out_accuracy"] == held
 
 
+def test_heads_trained_on_a_draft_vocabulary_draft_only_its_tokens(model, tiny_tokenizer, answers, tmp_path):
+    settings = TrainSettings(num_heads=2, epochs=6, batch_size=64, lr=3e-3, shared_lm_head=True, draft_vocab=16)
+    report = train(model, answers, tmp_path / "heads", settings)
+    heads = load_medusa(tmp_path / "heads", 64, model.config.vocab_size)
+    vocab = heads.config.draft_vocab
+    assert len(vocab) == 16 and report["held_out_accuracy"][0] > 0.5
+    counts = torch.bincount(torch.tensor([t for s, p in zip(answers.sequences, answers.prompt_lens) for t in s[p:]]),
+                            minlength=64)
+    assert set(vocab) == set(counts.argsort(descending=True)[:16].tolist()) or min(counts[list(vocab)]) >= \
+        sorted(counts.tolist(), reverse=True)[15], "the answers' most frequent tokens"
+    assert acceptance(model, tiny_tokenizer, heads) > 0.3
+
+
 def test_training_resumes_from_its_checkpoint(model, answers, tmp_path, monkeypatch):
     settings = TrainSettings(num_heads=2, epochs=1, batch_size=64, save_every=5)
     train(model, answers, tmp_path / "heads", settings)
