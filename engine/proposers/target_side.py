@@ -59,7 +59,9 @@ class HeldDrafts:
     def __init__(self) -> None:
         self._held: dict[str, Held] = {}
         self.used = 0  # calls whose held drafts were verified
-        self.stale = 0  # calls that wanted drafts and found none matching (a round without drafts)
+        # calls that wanted drafts and found none made after their committed tokens (a request's first round, a guess
+        # the router did not commit, a K that was 0 last round): rounds without drafts
+        self.missed = 0
 
     def keep(self, seq_id: str, committed: int, last: int, drafts: list[int]) -> None:
         self._held[seq_id] = Held(committed, last, drafts)
@@ -68,7 +70,7 @@ class HeldDrafts:
         """Up to `k` drafts made after exactly the committed tokens `known`; none if they were made after others."""
         held = self._held.pop(seq_id, None)
         if held is None or held.committed != len(known) or not known or held.last != known[-1]:
-            self.stale += 1
+            self.missed += 1
             return []
         self.used += 1
         return held.drafts[:k]
@@ -80,7 +82,7 @@ class HeldDrafts:
         return len(self._held)
 
     def stats(self) -> dict:
-        return {"held": len(self._held), "used": self.used, "stale": self.stale}
+        return {"held": len(self._held), "used": self.used, "missed": self.missed}
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:  # logits [B, V] -> B token ids

@@ -89,7 +89,7 @@ def test_a_target_drafter_drafts_after_the_accept_step_and_its_drafts_are_verifi
     third = verifier.verify([VerifyRow(SeqDelta("a", len(PROMPT) + 1, want[1:5]), target_k=2)])
     assert third.drafts == {0: [want[5], (want[6] + 1) % 60]}, "cut to this round's K"
     assert third.verdicts[0].tokens == want[5:7] and third.verdicts[0].num_accepted == 1
-    assert verifier.held.stats() == {"held": 1, "used": 2, "stale": 1}
+    assert verifier.held.stats() == {"held": 1, "used": 2, "missed": 1}
 
 
 def test_held_drafts_made_after_other_tokens_are_not_verified(model):
@@ -102,6 +102,6 @@ def test_held_drafts_made_after_other_tokens_are_not_verified(model):
     other = (want[0] + 1) % 60  # not the token the target sampled: the router committed something else
     outcome = verifier.verify([VerifyRow(SeqDelta("a", len(PROMPT), [other]), target_k=3)])
     assert outcome.drafts == {0: []} and outcome.verdicts[0].num_accepted == 0
-    assert verifier.held.stale == 2 and verifier.held.used == 0
+    assert verifier.held.missed == 2 and verifier.held.used == 0
     verifier.release("a")
     assert len(verifier.held) == 0, "a released sequence's drafts go with it"
