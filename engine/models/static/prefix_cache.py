@@ -145,16 +145,23 @@ class SlotPrefixCache:
         return next((s for s in range(max(above + 1, live), self.num_slots) if s not in taken), None)
 
     def vacate(self, slot: int, live: int) -> None:
-        """A new live sequence needs `slot`: its entry moves to an empty slot, or is dropped."""
+        """A new live sequence needs `slot`: its entry moves to an empty slot, else into the least recently used
+        entry's (which is dropped), unless it is that entry itself: then it is dropped. (Dropping it whenever no slot
+        was empty lost the most recent entry, the one the next request is likeliest to share, whenever the cache
+        was full: at one stream every request's predecessor.)"""
         tokens = self.index.tokens_at(slot)
         if tokens is None:
             return
         empty = self._empty_slot(slot, live)
         if empty is None:
-            self.index.drop(slot)
-        else:
-            self._move(slot, empty, len(tokens))
-            self.index.moved(slot, empty)
+            victim = self.index.least_recently_used()
+            if victim is None or victim == slot:
+                self.index.drop(slot)
+                return
+            self.index.drop(victim)
+            empty = victim
+        self._move(slot, empty, len(tokens))
+        self.index.moved(slot, empty)
 
     def keep(self, state: SeqSlot, live: int) -> None:
         """Before `state`'s slot is released (`live` sequences, it included): copy its keys and values into a free

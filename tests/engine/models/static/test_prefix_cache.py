@@ -181,6 +181,23 @@ def test_entries_never_take_a_slot_a_live_sequence_needs():
     assert len(runner.prefix_cache) == 0  # all four slots live
 
 
+def test_a_full_cache_keeps_the_latest_entry_and_gives_up_the_least_recently_used():
+    """One stream through a full cache: the new sequence's slot holds its predecessor's entry, which moves into the
+    least recently used entry's slot (that one goes), so a request sharing its predecessor's prompt still hits."""
+    runner, plain = bf16_runner(slots=3), bf16_runner(slots=3, prefix_caching="off")
+    unrelated = [prompts(1, seed=10 + i, shared=40)[0] for i in range(3)]  # each its own 40-token start
+    for i, feed in enumerate(unrelated):
+        greedy(runner, [f"u{i}"], [feed])
+    assert len(runner.prefix_cache) == 3, "every slot holds an entry"
+    follow = unrelated[-1][:30] + [7, 8, 9]  # shares its predecessor's first 30 tokens
+    before = runner.prefix_cache_stats()["hit_tokens"]
+    got, want = greedy(runner, ["next"], [follow]), greedy(plain, ["next"], [follow])
+    assert runner.prefix_cache_stats()["hit_tokens"] - before == 30
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+    starts = [(runner.prefix_cache.index.tokens_at(s) or ())[:40] for s in range(3)]
+    assert tuple(unrelated[0][:40]) not in starts and tuple(unrelated[2][:40]) in starts, "the oldest made room"
+
+
 def test_on_refuses_a_forward_whose_hits_would_not_be_exact():
     model = make_tiny_model("llama", seed=0)  # fp32 weights: prompt chunks take MKL, steps the kernel
     with pytest.raises(ValueError, match="layout-invariant"):
