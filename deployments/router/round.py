@@ -191,10 +191,14 @@ class GroupRound:
             drafts.tokens[b] = held
         t2 = time.perf_counter()
         # a step decoded ahead ran in another round's batch; a target that drafts for itself spent part of the call
-        # drafting the next round (its profile's draft cost, not a verify's)
-        verify_seen = [] if verified.ahead_rows or (self.in_target and any(ks)) else [
+        # drafting the next round: that part is a draft observation, the rest the verify's
+        verify_seen = [] if verified.ahead_rows else [
             CostObservation(self.group_draft(rows), target, "verify", calls, max(len(d) for d in drafts.tokens),
-                            verified.seconds)]
+                            verified.seconds - verified.target_draft_seconds)]
+        drafting = [b for b, k in enumerate(ks) if k > 0]
+        if self.in_target and drafting and verified.target_draft_seconds > 0:
+            verify_seen.append(CostObservation(None, target, "draft", [calls[b] for b in drafting],
+                                               max(ks), verified.target_draft_seconds))
         for seen in drafts.costs + verify_seen:
             self.costs.observe(seen)
         outputs, accepted = self._accept(rows, drafts, verified)

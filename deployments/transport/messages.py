@@ -176,6 +176,7 @@ class VerifyResult:
     ahead_rows: int = 0  # rows answered from a step decoded ahead (deployments/workers/decode_ahead.py)
     # by call index, rows with a target_k: the target drafter's drafts they verified (empty: none held for them)
     target_drafts: dict[int, list[int]] = field(default_factory=dict)
+    target_draft_seconds: float = 0.0  # of `seconds`, the target drafter's (the next round's drafts)
 
     def wire(self) -> tuple:
         rows = [None if v is None else
@@ -183,17 +184,17 @@ class VerifyResult:
                 for v in self.verdicts]
         return (rows, self.seconds, None if self.draft is None else self.draft.wire(),
                 {b: run.wire() for b, run in self.prompt_logprobs.items()}, failures_to_wire(self.failed),
-                self.cached_tokens, self.ahead_rows, self.target_drafts)
+                self.cached_tokens, self.ahead_rows, self.target_drafts, self.target_draft_seconds)
 
     @staticmethod
     def from_wire(wire: tuple) -> "VerifyResult":
-        rows, seconds, draft, prompt, failed, cached, ahead, target_drafts = wire
+        rows, seconds, draft, prompt, failed, cached, ahead, target_drafts, target_draft_seconds = wire
         verdicts = [None if row is None else
                     Verdict(row[0], row[1], None if row[2] is None else [TokenLogprob(*lp) for lp in row[2]])
                     for row in rows]
         return VerifyResult(verdicts, seconds, None if draft is None else DraftResult.from_wire(draft),
                             {b: PromptLogprobs.from_wire(run) for b, run in prompt.items()},
-                            failures_from_wire(failed), cached, ahead, target_drafts)
+                            failures_from_wire(failed), cached, ahead, target_drafts, target_draft_seconds)
 
 
 @dataclass(frozen=True)

@@ -126,4 +126,5 @@ def merged(calls: int, served: dict[int, AheadRow], rest: list[int], computed: V
                         prompt_logprobs={rest[i]: run for i, run in computed.prompt_logprobs.items()},
                         failed={rest[i]: f for i, f in computed.failed.items()},
                         cached_tokens={rest[i]: n for i, n in computed.cached_tokens.items()}, ahead_rows=len(served),
-                        target_drafts={rest[i]: d for i, d in computed.target_drafts.items()})
+                        target_drafts={rest[i]: d for i, d in computed.target_drafts.items()},
+                        target_draft_seconds=computed.target_draft_seconds)

@@ -214,7 +214,7 @@ class TargetWorkerCore(ModelWorker):
         failed = {b: grammar_failure("target", calls[b].seq.seq_id, exc) for b, exc in outcome.failed.items()}
         return VerifyResult(outcome.verdicts, time.perf_counter() - start, failed=failed,
                             prompt_logprobs=outcome.prompt_logprobs, cached_tokens=outcome.cached_tokens,
-                            target_drafts=outcome.drafts)
+                            target_drafts=outcome.drafts, target_draft_seconds=outcome.draft_seconds)
 
     def release(self, seq_ids: list[str]) -> None:
         """Rank 0 passes the release on to the other ranks, in order with the verifies."""

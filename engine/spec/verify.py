@@ -18,6 +18,7 @@ is one call.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ class VerifyOutcome:
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # rows that scored prompt tokens
     cached_tokens: dict[int, int] = field(default_factory=dict)  # feed tokens read from the prefix cache
     drafts: dict[int, list[int]] = field(default_factory=dict)  # rows with target_k: the held drafts they verified
+    draft_seconds: float = 0.0  # the target drafter's time making the next round's drafts (inside this step)
 
 
 class TargetVerifier:
@@ -143,7 +145,9 @@ class TargetVerifier:
                 self.runner.sync(seq_id, committed)
                 starts.append(DraftFrom(seq_id, b, verdict.num_accepted, len(committed), committed[-1], k))
         if starts:
+            began = time.perf_counter()
             drafted = self.drafter.draft(self.runner, starts, getattr(self.runner, "last_hidden", None))
+            outcome.draft_seconds = time.perf_counter() - began
             for start, drafts in zip(starts, drafted):
                 self.held.keep(start.seq_id, start.committed, start.last, drafts)
 

@@ -90,3 +90,18 @@ def test_the_drafters_measured_costs_plan_k(deep_dirs):
     assert text(router, tokens) == plain_reference(dirs, PROMPTS[0], 24)
     [(pair, shown)] = router.scheduler.cost_profiles().items()
     assert pair.startswith("None / target-0") and all(t > 0 for t in shown["draft_step_ms"])
+
+
+def test_rounds_that_draft_inside_the_target_correct_the_drafters_cost_apart_from_the_verify(deep_dirs):
+    """The target times its drafting apart: a round's call feeds the verify correction with the rest of its time and
+    the draft correction with the drafting (requests pinned to K = 3, so every round after the first drafts)."""
+    dirs, _ = deep_dirs
+    router, _ = router_for(dirs, "self:2", adaptive=True)
+
+    async def pinned():
+        return await generate(router, PROMPTS[0], GREEDY, k=3, adaptive=False)
+
+    assert text(router, asyncio.run(pinned())) == plain_reference(dirs, PROMPTS[0], 24)
+    [shown] = router.scheduler.cost_profiles().values()
+    observed = shown["observed_over_profile"]
+    assert observed["draft"] != 1.0 and observed["verify_wide"] != 1.0, observed

@@ -81,7 +81,7 @@ def test_a_target_drafter_drafts_after_the_accept_step_and_its_drafts_are_verifi
     verifier = TargetVerifier(runner, None, drafter=drafter)
     first = verifier.verify([VerifyRow(first_delta("a", PROMPT), target_k=3)])
     assert first.drafts == {0: []} and first.verdicts[0].tokens == want[:1], "no drafts held yet: a plain round"
-    assert drafter.seen == [[("a", 0, len(PROMPT) + 1, want[0], 3)]]
+    assert drafter.seen == [[("a", 0, len(PROMPT) + 1, want[0], 3)]] and first.draft_seconds > 0, "timed apart"
     assert runner.cached_tokens("a") == PROMPT, "rolled back to the committed tokens before drafting"
     second = verifier.verify([VerifyRow(SeqDelta("a", len(PROMPT), want[:1]), target_k=3)])
     assert second.drafts == {0: want[1:4]} and second.verdicts[0].tokens == want[:5][1:], "all three accepted"
