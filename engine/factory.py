@@ -49,7 +49,7 @@ class DraftMethod(str, enum.Enum):
 
     @property
     def in_target(self) -> bool:
-        """Drafts made inside the target worker, from its verify pass (engine/proposers/target_side.py)."""
+        """Drafts made inside the target worker, from its verify pass (engine/spec/target_drafts.py)."""
         return self in (DraftMethod.SELF, DraftMethod.MEDUSA)
 
 

@@ -21,7 +21,7 @@ from engine.models.loading import tokenizer_eos_ids
 from engine.models.transformers_runner import ModelRunner
 from engine.proposers.base import Proposer, draft_rows
 from engine.proposers.draft_model import DraftModelProposer
-from engine.proposers.target_side import TargetDrafter
+from engine.spec.target_drafts import TargetDrafter
 from engine.request.delta import seq_delta
 from engine.request.grammar import GrammarCompiler, GrammarError, SequenceGrammars
 from engine.request.sampling import SamplingParams
@@ -53,7 +53,7 @@ class SpeculativeEngine:
         self.target = target
         self.tokenizer = tokenizer
         self.proposer = proposer
-        self.drafter = drafter  # drafts made inside the target (engine/proposers/target_side.py), or None
+        self.drafter = drafter  # drafts made inside the target (engine/spec/target_drafts.py), or None
         if proposer is not None and drafter is not None:
             raise ValueError("one draft source: a proposer or a drafter inside the target")
         self.num_speculative_tokens = num_speculative_tokens

@@ -84,7 +84,7 @@ class VerifyCall:
     # the row will not draft next round: the target may decode its next token ahead
     # (deployments/workers/decode_ahead.py)
     ahead: bool = False
-    # drafts from the target's own drafter (engine/proposers/target_side.py): verify up to this many of those it
+    # drafts from the target's own drafter (engine/spec/target_drafts.py): verify up to this many of those it
     # holds for the row, and make as many for its next round (0: none)
     target_k: int = 0
 

@@ -58,7 +58,7 @@ class TargetWorkerCore(ModelWorker):
         self.costs: dict | None = None
         self.grammars: SequenceGrammars | None = None  # rank 0: structured outputs' matchers (made at load)
         self.verifier: TargetVerifier | None = None  # the verify step over the runner (engine/spec/verify.py)
-        self.drafter = None  # a draft source inside the target (engine/proposers/target_side.py), or None
+        self.drafter = None  # a draft source inside the target (engine/spec/target_drafts.py), or None
         if world == 1:
             with startup_errors("target"), cpu_startup_turn(config):
                 self.on_model_thread(self.load)

@@ -139,12 +139,12 @@ def measure_target_costs(runner: ModelRunner, max_k: int, reps: int = 3, drafter
 
 def measure_drafter_costs(runner, drafter, max_k: int, batch_sizes: Sequence[int] | None = None, reps: int = 3,
                           context: int = CONTEXT) -> dict:
-    """A drafter inside the target (engine/proposers/target_side.py), measured as a Draft replica's steps are: at each
+    """A drafter inside the target (engine/spec/target_drafts.py), measured as a Draft replica's steps are: at each
     batch size, seconds per draft token of its `max_k` drafts for every row right after a one-token pass of theirs
     (its hidden states at hand). A round's draft cost is then K times that (engine/spec/policy.CostProfile.draft):
     exact for an early exit's K steps, an average over K for heads that draft K tokens in one pass. Reported inside
     the target's costs (`measure_target_costs`), as "drafter"."""
-    from engine.proposers.target_side import DraftFrom
+    from engine.spec.target_drafts import DraftFrom
 
     sizes = measurable_batch_sizes(runner) if batch_sizes is None else batch_sizes
     context = max(min(context, runner.max_model_len - max_k - 3), 1)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.models.static.early_exit import early_exit_step
-from engine.proposers.target_side import DraftFrom, greedy_tokens
+from engine.spec.target_drafts import DraftFrom, greedy_tokens
 from engine.spec.policy import expected_tokens
 
 

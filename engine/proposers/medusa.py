@@ -1,5 +1,5 @@
 """Medusa heads (Cai et al. 2024, arXiv 2401.10774; the seeds' extra prediction heads) as a draft source inside the
-target (engine/proposers/target_side.py).
+target (engine/spec/target_drafts.py).
 
 Head i is `medusa_num_layers` ResBlocks (x + SiLU(W x + b), W zero-initialised) then a Linear H -> vocabulary, all on
 the target's last hidden state (after its final norm): where the target's LM head predicts the token after position
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from engine.models.static.forward import Projection
-from engine.proposers.target_side import DraftFrom
+from engine.spec.target_drafts import DraftFrom
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 

@@ -8,7 +8,7 @@ followed by the drafts, runs one batched forward, masks each row by its grammar,
 with engine/spec/accept.verify_rows (Leviathan et al. 2022, arXiv 2211.17192, Algorithm 1, batched). A row whose
 grammar fails here is answered as a failure by index; the others go on.
 
-Drafts made inside the target (engine/proposers/target_side.py: the target's first layers, Medusa heads): a row
+Drafts made inside the target (engine/spec/target_drafts.py: the target's first layers, Medusa heads): a row
 whose `target_k` is set verifies up to that many of the drafts the target's drafter made for it at the end of its
 last call (`HeldDrafts`; none if they were made after other tokens), and after the accept step the drafter makes
 its next round's, from this pass's state (its hidden states, or its KV cache), before the answer goes back: a round
@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.proposers.target_side import DraftFrom, HeldDrafts, TargetDrafter
 from engine.request.delta import KnownSequences, SeqDelta
 from engine.request.grammar import GrammarError, SequenceGrammars
 from engine.request.prompt_logprobs import PromptLogprobs, score_tokens, verify_feed
 from engine.spec.accept import RowVerify, Verdict, verify_rows
 from engine.spec.proposal import CompactProposal
+from engine.spec.target_drafts import DraftFrom, HeldDrafts, TargetDrafter
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class TargetVerifier:
         self.grammars = grammars  # structured outputs' matchers (None: this side has no grammar compiler)
         self.known = KnownSequences() if known is None else known
         self.samples = samples  # False on tensor-parallel ranks other than 0: they only compute
-        self.drafter = drafter  # a draft source inside the target (engine/proposers/target_side.py), or None
+        self.drafter = drafter  # a draft source inside the target (engine/spec/target_drafts.py), or None
         self.held = HeldDrafts()
         if drafter is not None and getattr(drafter, "needs_hidden", False):
             runner.keep_hidden()

@@ -64,6 +64,7 @@ def regenerate(engine, prompts: Sequence[list[int]], max_tokens: int, path: Path
             return Answers(data["sequences"], data["prompt_lens"])
     from engine.request.sampling import SamplingParams
 
+    batch = min(batch, engine.target.capacity or batch)  # never more sequences than the KV cache holds
     sequences = []
     with tqdm(total=len(prompts), desc="regenerating answers", unit="prompt") as bar:
         for start in range(0, len(prompts), batch):

@@ -15,7 +15,7 @@ from engine.proposers.medusa import (
     MedusaHeads,
     load_medusa,
 )
-from engine.proposers.target_side import DraftFrom
+from engine.spec.target_drafts import DraftFrom
 from tests.conftest import make_tiny_model
 
 PROMPTS = [[2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 20, 21, 22, 20, 21]]

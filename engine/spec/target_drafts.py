@@ -1,5 +1,5 @@
-"""Draft sources that run inside the target worker, on the state its verify pass just computed: the target's own
-first layers (engine/proposers/early_exit.py) and Medusa heads (engine/proposers/medusa.py).
+"""The seam for draft sources that run inside the target worker, on the state its verify pass just computed (the
+sources themselves live in engine/proposers/: the target's own first layers, early_exit.py; Medusa heads, medusa.py).
 
 Such a source drafts a row's next round right after the accept step of this one (engine/spec/verify.TargetVerifier
 calls it with the rows that go on), and the target keeps the drafts (`HeldDrafts`) until the row's next call, which
