@@ -12,8 +12,9 @@ beyond the largest (engine/spec/policy.py, `cost_at`).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -58,14 +59,9 @@ def measure_forward(runner: ModelRunner, batch_sizes: Sequence[int], widths: Seq
         raise KVCacheFull(f"cannot measure a batch of {max(batch_sizes)} sequences with {free} free KV-cache "
                           f"slot(s): measure the sizes engine.calibration.measure.measurable_batch_sizes gives")
     context = max(min(context, runner.max_model_len - max(widths)), 1)
-    ids = [f"calibrate-{i}" for i in range(max(batch_sizes))]
     vocab = min(runner.vocab_size, 1000)
-    prompts = [[(7 * i + 3 * t) % (vocab - 1) + 1 for t in range(context)] for i in range(len(ids))]
     extra = [(11 * t) % (vocab - 1) + 1 for t in range(max(widths))]
-    try:
-        for seq_id, prompt in zip(ids, prompts):
-            runner.add(seq_id)
-            runner.forward([seq_id], [runner.sync(seq_id, prompt)], [1])
+    with synthetic_sequences(runner, max(batch_sizes), context) as (ids, prompts):
         table = []
         for batch in batch_sizes:
             row = []
@@ -80,6 +76,19 @@ def measure_forward(runner: ModelRunner, batch_sizes: Sequence[int], widths: Seq
                 row.append(best)
             table.append(row)
         return table
+
+
+@contextlib.contextmanager
+def synthetic_sequences(runner, count: int, context: int) -> Iterator[tuple[list[str], list[list[int]]]]:
+    """`count` live sequences of `context` synthetic tokens each, prefilled (ids, prompts); released after."""
+    ids = [f"calibrate-{i}" for i in range(count)]
+    vocab = min(runner.vocab_size, 1000)
+    prompts = [[(7 * i + 3 * t) % (vocab - 1) + 1 for t in range(context)] for i in range(count)]
+    try:
+        for seq_id, prompt in zip(ids, prompts):
+            runner.add(seq_id)
+            runner.forward([seq_id], [runner.sync(seq_id, prompt)], [1])
+        yield ids, prompts
     finally:
         for seq_id in ids:
             runner.release(seq_id)
@@ -148,13 +157,7 @@ def measure_drafter_costs(runner, drafter, max_k: int, batch_sizes: Sequence[int
 
     sizes = measurable_batch_sizes(runner) if batch_sizes is None else batch_sizes
     context = max(min(context, runner.max_model_len - max_k - 3), 1)
-    ids = [f"calibrate-{i}" for i in range(max(sizes))]
-    vocab = min(runner.vocab_size, 1000)
-    prompts = [[(7 * i + 3 * t) % (vocab - 1) + 1 for t in range(context)] for i in range(len(ids))]
-    try:
-        for seq_id, prompt in zip(ids, prompts):
-            runner.add(seq_id)
-            runner.forward([seq_id], [runner.sync(seq_id, prompt)], [1])
+    with synthetic_sequences(runner, max(sizes), context) as (ids, prompts):
         steps = []
         for batch in sizes:
             best = float("inf")
@@ -168,9 +171,6 @@ def measure_drafter_costs(runner, drafter, max_k: int, batch_sizes: Sequence[int
                 best = min(best, time.perf_counter() - start)
             steps.append(best / max_k)
         return {"batch_sizes": list(sizes), "draft_step_seconds": steps, "name": drafter.name}
-    finally:
-        for seq_id in ids:
-            runner.release(seq_id)
 
 
 def measure_draft_costs(runner: ModelRunner, reps: int = 3) -> dict:
