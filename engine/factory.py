@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 class DraftMethod(str, enum.Enum):
     """How a deployment drafts: the one vocabulary for it, parsed once from the config's `draft` (a model source,
-    "ngram", "none", "self", "self:L" or "medusa:DIR": `EngineConfig.draft_method`). A new kind of proposer is a
+    "ngram", "none", "self", "self:L", "medusa:DIR" or "eagle3:DIR": `EngineConfig.draft_method`). A new kind of proposer is a
     member here, a branch in `build_proposer` (or `build_target_drafter`) and `draft_source`, and its module in
     engine/proposers/."""
 
@@ -36,36 +36,39 @@ class DraftMethod(str, enum.Enum):
     NONE = "none"  # no drafts: plain decoding
     SELF = "self"  # the target's first layers (engine/proposers/early_exit.py), inside the target worker
     MEDUSA = "medusa"  # Medusa heads (engine/proposers/medusa.py), inside the target worker
+    EAGLE3 = "eagle3"  # an EAGLE-3 head (engine/proposers/eagle3.py), inside the target worker
 
     @classmethod
     def of(cls, draft: str) -> "DraftMethod":
-        """The method a config's `draft` names: "ngram", "none", "self[:L]", "medusa:DIR", anything else a draft
-        model's source."""
+        """The method a config's `draft` names: "ngram", "none", "self[:L]", "medusa:DIR", "eagle3:DIR", anything
+        else a draft model's source."""
         if draft == "self" or draft.startswith("self:"):
             return cls.SELF
         if draft.startswith("medusa:"):
             return cls.MEDUSA
+        if draft.startswith("eagle3:"):
+            return cls.EAGLE3
         return {cls.NGRAM.value: cls.NGRAM, cls.NONE.value: cls.NONE}.get(draft, cls.MODEL)
 
     @property
     def in_target(self) -> bool:
         """Drafts made inside the target worker, from its verify pass (engine/spec/target_drafts.py)."""
-        return self in (DraftMethod.SELF, DraftMethod.MEDUSA)
+        return self in (DraftMethod.SELF, DraftMethod.MEDUSA, DraftMethod.EAGLE3)
 
 
 def parse_draft(draft: str) -> tuple[DraftMethod, str | None]:
     """(method, argument): "self:4" -> (SELF, "4"), "self" -> (SELF, None: L chosen at start), "medusa:DIR" ->
-    (MEDUSA, DIR); a ValueError naming `model.draft` for a malformed one."""
+    (MEDUSA, DIR), "eagle3:DIR" -> (EAGLE3, DIR); a ValueError naming `model.draft` for a malformed one."""
     method = DraftMethod.of(draft)
     if method is DraftMethod.SELF:
         arg = draft.partition(":")[2] or None
         if arg is not None and (not arg.isdigit() or int(arg) < 1):
             raise ValueError(f"model.draft: 'self:L' takes a layer count L >= 1, got {draft!r}")
         return method, arg
-    if method is DraftMethod.MEDUSA:
+    if method in (DraftMethod.MEDUSA, DraftMethod.EAGLE3):
         arg = draft.partition(":")[2]
         if not arg:
-            raise ValueError("model.draft: 'medusa:DIR' names the heads' checkpoint directory")
+            raise ValueError(f"model.draft: '{method.value}:DIR' names the heads' checkpoint directory")
         return method, arg
     return method, None
 
@@ -221,7 +224,8 @@ def draft_source(config: EngineConfig) -> DraftSource:
 
 
 def build_target_drafter(config: EngineConfig, runner: Runner, tokenizer=None):
-    """The draft source inside the target for the config's `self` or `medusa:DIR` (None for other methods): it runs
+    """The draft source inside the target for the config's `self`, `medusa:DIR` or `eagle3:DIR` (None for other
+    methods): it runs
     on the static runner only (its KV cache and hidden states), and on one rank (tensor_parallel_size 1)."""
     method, arg = parse_draft(config.draft)
     if not method.in_target:
@@ -234,6 +238,12 @@ def build_target_drafter(config: EngineConfig, runner: Runner, tokenizer=None):
 
         heads = load_medusa(arg, runner.model.final_norm.shape[0], runner.vocab_size)
         return MedusaDrafter(heads, runner.model)
+    if method is DraftMethod.EAGLE3:
+        from engine.proposers.eagle3 import Eagle3Drafter
+        from engine.proposers.eagle3_checkpoint import load_eagle3
+
+        head = load_eagle3(arg, runner.model.final_norm.shape[0], runner.vocab_size, len(runner.model.layers))
+        return Eagle3Drafter(head, runner)
     from engine.proposers.early_exit import EarlyExitDrafter, auto_exit_layer
 
     total = len(runner.model.layers)

@@ -54,6 +54,7 @@ def config_context_window(config) -> int:
 class SeqSlot:
     slot: int
     tokens: list[int]  # token ids whose keys/values are in the cache, in order
+    seq_id: str = ""
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
@@ -113,7 +114,7 @@ class SlotTable:
         if self.capacity is not None and len(self._seqs) >= self.capacity:
             raise KVCacheFull(f"all {self.capacity} KV-cache slots are taken")
         slot = len(self._seqs)
-        self._seqs[seq_id] = SeqSlot(slot=slot, tokens=[])
+        self._seqs[seq_id] = SeqSlot(slot=slot, tokens=[], seq_id=seq_id)
         return slot
 
     def release(self, seq_id: str) -> None:

@@ -10,7 +10,8 @@ from engine.proposers.ngram import NgramProposer
 @pytest.mark.parametrize("draft, method", [("ngram", DraftMethod.NGRAM), ("none", DraftMethod.NONE),
                                            ("smollm2", DraftMethod.MODEL), ("/models/draft.gguf", DraftMethod.MODEL),
                                            ("self", DraftMethod.SELF), ("self:4", DraftMethod.SELF),
-                                           ("medusa:/heads", DraftMethod.MEDUSA), ("selfie", DraftMethod.MODEL)])
+                                           ("medusa:/heads", DraftMethod.MEDUSA), ("eagle3:/head", DraftMethod.EAGLE3),
+                                           ("selfie", DraftMethod.MODEL)])
 def test_a_config_s_draft_names_one_method(draft, method):
     assert DraftMethod.of(draft) is method and EngineConfig(draft=draft).draft_method is method
 
@@ -26,13 +27,14 @@ def test_the_serving_config_s_draft_source_is_decided_here():
     model = source("smollm2")
     assert model.local is None and model.remote and model.drafts
     assert not source("none").drafts and source("none").local is None
-    for inside in ("self", "self:2", "medusa:/heads"):
+    for inside in ("self", "self:2", "medusa:/heads", "eagle3:/head"):
         own = source(inside)
         assert own.in_target and own.drafts and not own.remote and own.local is None
 
 
 @pytest.mark.parametrize("draft, message", [("self:0", "layer count"), ("self:x", "layer count"),
-                                            ("medusa:", "checkpoint directory")])
+                                            ("medusa:", "checkpoint directory"),
+                                            ("eagle3:", "checkpoint directory")])
 def test_a_malformed_draft_is_refused_naming_the_field(draft, message):
     from engine.factory import parse_draft
 
@@ -147,3 +149,23 @@ def test_the_in_process_engine_captures_graph_steps_and_leaves_other_runners_alo
     eager = StaticRunner(model, budget=KVBudget(gib=0.05, max_num_seqs=2), compile="off")
     assert factory.capture_graphs(graphs, 3) and warmed == [(graphs, 3)]
     assert not factory.capture_graphs(eager, 3) and not factory.capture_graphs(None, 3) and len(warmed) == 1
+
+
+def test_an_eagle3_draft_loads_its_head_inside_the_target(tmp_path):
+    from engine.factory import build_target_drafter
+    from engine.models.kv_budget import KVBudget
+    from engine.models.static.runner import StaticRunner
+    from engine.proposers.eagle3 import Eagle3Drafter
+    from engine.proposers.eagle3_checkpoint import Eagle3Error, save_speculators
+    from tests.conftest import make_tiny_model
+    from tests.engine.proposers.test_eagle3 import LAYERS, random_head
+
+    model = make_tiny_model("llama", seed=0, layers=LAYERS)
+    save_speculators(random_head(model), tmp_path / "head")
+    static = StaticRunner(model, budget=KVBudget(max_num_seqs=2), compile="off")
+    drafter = build_target_drafter(EngineConfig(draft=f"eagle3:{tmp_path / 'head'}"), static)
+    assert isinstance(drafter, Eagle3Drafter) and static.model.aux_layers == (2, 4, 5)
+    shallow = StaticRunner(make_tiny_model("llama", seed=0, layers=4), budget=KVBudget(max_num_seqs=2),
+                           compile="off")
+    with pytest.raises(Eagle3Error, match="num_hidden_layers"):
+        build_target_drafter(EngineConfig(draft=f"eagle3:{tmp_path / 'head'}"), shallow)

@@ -22,6 +22,7 @@ engine/models/static/tp.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -271,6 +272,26 @@ class StaticLlama(nn.Module):
         self.register_buffer("hidden_out", torch.zeros(max_rows, max_width, self.final_norm.shape[0],
                                                        dtype=self.dtype, device=self.device), persistent=False)
 
+    def keep_aux(self, layers: Sequence[int], max_rows: int, max_width: int) -> None:
+        """From now on every full forward leaves the states entering `layers` (the residual stream before each one's
+        input norm; `len(self.layers)`: the last layer's output, before the final norm), concatenated in that order,
+        at every position it computes: `aux_last` [B, W, len(layers) * H] (any forward; a prompt chunk's too), and
+        for steps of at most `max_rows` x `max_width` tokens in the `aux_out` buffer, which a CUDA graph's capture
+        copies into (an EAGLE-3 head reads them: engine/proposers/eagle3.py)."""
+        if any(not 0 <= i <= len(self.layers) for i in layers):
+            raise ValueError(f"aux layers {list(layers)} outside the target's {len(self.layers)} layers")
+        self.aux_layers = tuple(layers)
+        width = len(layers) * self.final_norm.shape[0]
+        self.register_buffer("aux_out", torch.zeros(max_rows, max_width, width, dtype=self.dtype, device=self.device),
+                             persistent=False)
+
+    def add_slot_cache(self, name: str, cache: torch.Tensor) -> None:  # [slots, X, capacity, Y]
+        """Another per-slot, per-position cache (a draft head's keys or values) that moves with the sequences' slots
+        (`move_slot`: compaction on release, the prefix cache's copies)."""
+        assert cache.shape[0] == self.num_slots and cache.shape[2] == self.capacity
+        self.register_buffer(name, cache, persistent=False)
+        self.slot_caches = (*getattr(self, "slot_caches", ()), name)
+
     def _layers(self, tokens: torch.Tensor,  # [B, W] int64
                 ops: LayerOps, last_only: bool, num_layers: int | None = None
                 ) -> torch.Tensor:  # [B, W or 1, V] float32
@@ -286,8 +307,12 @@ class StaticLlama(nn.Module):
         # the same in any batch; fp32 prompt chunks (compute-bound) take MKL (bf16 ones stay on the kernel too:
         # engine/models/cpu/linear.linear)
         step = width <= STEP_MAX_WIDTH
+        aux_layers = getattr(self, "aux_layers", ()) if num_layers is None else ()
+        aux = {}
         x = ops.norm(hidden, self.layers[0].input_norm)
         for index, layer in enumerate(layers):
+            if index in aux_layers:
+                aux[index] = hidden.clone()  # add_norm may update the residual stream in place
             k_cache, v_cache = getattr(self, f"k_cache_{index}"), getattr(self, f"v_cache_{index}")
             q = ops.rope_to_cache(layer.qkv(x, step), k_cache, v_cache)  # [B, H, W, D]
             attn = ops.attention(q, k_cache, v_cache)
@@ -296,6 +321,11 @@ class StaticLlama(nn.Module):
             mlp = self._row_parallel(layer.down, layer.down_bias, ops.activation(layer.gate_up(x, step)), step)
             next_norm = layers[index + 1].input_norm if index + 1 < len(layers) else self.final_norm
             hidden, x = ops.add_norm(hidden, mlp, next_norm)
+        if aux_layers:
+            aux[len(layers)] = hidden
+            self.aux_last = torch.cat([aux[i] for i in aux_layers], dim=-1)  # [B, W, len(aux_layers) * H]
+            if batch <= self.aux_out.shape[0] and width <= self.aux_out.shape[1]:
+                self.aux_out[:batch, :width].copy_(self.aux_last)
         kept = getattr(self, "hidden_out", None)
         if kept is not None and num_layers is None and not last_only and batch <= kept.shape[0] \
                 and width <= kept.shape[1]:
@@ -317,7 +347,6 @@ class StaticLlama(nn.Module):
     @torch.no_grad()
     def move_slot(self, src: int, dst: int, length: int, start: int = 0) -> None:
         """Copy positions [start, length) of slot `src`'s keys and values into slot `dst`."""
-        for k_cache, v_cache in zip(self.k_cache, self.v_cache):
-            k_cache[dst, :, start:length] = k_cache[src, :, start:length]
-            v_cache[dst, :, start:length] = v_cache[src, :, start:length]
+        for cache in self.k_cache + self.v_cache + [getattr(self, n) for n in getattr(self, "slot_caches", ())]:
+            cache[dst, :, start:length] = cache[src, :, start:length]
 

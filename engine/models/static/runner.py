@@ -43,6 +43,7 @@ from engine.models.runner import (
 )
 from engine.models.static.cuda_graphs import GraphSteps, estimate_graph_bytes
 from engine.models.static.forward import StaticLlama
+from engine.models.static.pass_states import PassStates
 from engine.models.static.prefill_plan import prefill_heads, split_heads
 from engine.models.static.prefix_cache import runner_prefix_cache
 from engine.models.static.steps import (
@@ -112,8 +113,8 @@ class StaticRunner(SlotTableAccess):
         self._seqs = SlotTable(self.max_model_len, num_slots, self.model.move_slot)
         self.prefix_cache = runner_prefix_cache(prefix_caching, self.model, self.compiled)
         self.last_prefix_hits: dict[int, int] = {}  # the last forward's rows that read a prefix from the cache: tokens
-        # with `keep_hidden`: the last forward's final hidden states where its logits were taken, [B, max(num_logits), H]
-        self.last_hidden: torch.Tensor | None = None
+        # what the forwards leave for a draft source inside the target (keep_hidden, keep_aux)
+        self.pass_states = PassStates(self.model, self.model.num_slots, MAX_WIDTH)
         self.forward_calls = 0
         self.forward_rows = 0
 
@@ -133,6 +134,7 @@ class StaticRunner(SlotTableAccess):
         if self.prefix_cache is not None and seq_id in self._seqs:
             self.prefix_cache.keep(self._seqs[seq_id], len(self._seqs))
         self._seqs.release(seq_id)
+        self.pass_states.forget(seq_id)
 
     def graph_stats(self) -> dict | None:
         """The CUDA graphs' counters and step times (engine/models/static/cuda_graphs.py); None where steps are not
@@ -145,7 +147,11 @@ class StaticRunner(SlotTableAccess):
     def keep_hidden(self) -> None:
         """Make every forward keep its final hidden states at the positions it returns logits for (`last_hidden`):
         the input of a draft source that reads the target's last hidden state (Medusa heads)."""
-        self.model.keep_hidden(self.model.num_slots, MAX_WIDTH)
+        self.pass_states.keep_hidden()
+
+    @property
+    def last_hidden(self) -> torch.Tensor | None:  # [B, max(num_logits), H]: the last step's, with keep_hidden
+        return self.pass_states.last_hidden
 
     @torch.inference_mode()
     def forward(self, seq_ids: Sequence[str], new_tokens: Sequence[Sequence[int]],
@@ -211,6 +217,7 @@ class StaticRunner(SlotTableAccess):
             raise ContextWindowError(f"sequence would reach {start + len(tokens)} tokens > {self.max_model_len}")
         logits = self._run(torch.tensor([tokens]), torch.tensor([start]), state.slot,
                            self._kv_len(start + len(tokens)), last_only=False, step=self.model.forward)
+        self.pass_states.after_chunk([seq_id], [start], [len(tokens)])
         state.tokens.extend(tokens)
         return logits[0]
 
@@ -225,6 +232,7 @@ class StaticRunner(SlotTableAccess):
         starts = torch.tensor([len(state.tokens) for state in states])
         kv_len = self._kv_len(max(len(state.tokens) for state in states) + width)
         self._run(ids, starts, states[0].slot, kv_len, last_only=True, step=self._prefill)
+        self.pass_states.after_chunk([s.seq_id for s in states], starts.tolist(), [len(c) for c in chunks])
         for state, chunk in zip(states, chunks):
             state.tokens.extend(chunk)
 
@@ -245,17 +253,11 @@ class StaticRunner(SlotTableAccess):
             starts[r] = len(state.tokens)
             need = max(need, len(state.tokens) + width)
         logits = self._run(ids, starts, lo, self._kv_len(need), last_only=False)  # [rows, width, V]
+        self.pass_states.after_step([s.seq_id for s in states], [len(s.tokens) for s in states],
+                                    [s.slot - lo for s in states], tails, num_logits, width, graph=False)
         for state, toks in zip(states, tails):
             state.tokens.extend(int(t) for t in toks)
-        self._keep_hidden(rows, width, [s.slot - lo for s in states], tails, num_logits)
         return pick_logits(logits, [s.slot - lo for s in states], [len(t) for t in tails], num_logits)
-
-    def _keep_hidden(self, rows: int, width: int, picked: Sequence[int], tails: list[list[int]],
-                     num_logits: list[int]) -> None:
-        """`last_hidden` from the step just run, at the positions its logits are taken (with `keep_hidden`)."""
-        kept = getattr(self.model, "hidden_out", None)
-        if kept is not None:
-            self.last_hidden = pick_logits(kept[:rows, :width], picked, [len(t) for t in tails], num_logits)
 
     def _graph_step(self, states: list[SeqSlot], tails: list[list[int]],
                     num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]
@@ -264,9 +266,10 @@ class StaticRunner(SlotTableAccess):
         width = bucket(max(len(t) for t in tails), self.width_buckets)
         rows = bucket(len(states), self.batch_buckets)
         logits = self.graphs.step([s.slot for s in states], [len(s.tokens) for s in states], tails, rows, width)
+        self.pass_states.after_step([s.seq_id for s in states], [len(s.tokens) for s in states],
+                                    range(len(states)), tails, num_logits, width, graph=True)
         for state, toks in zip(states, tails):
             state.tokens.extend(toks)
-        self._keep_hidden(rows, width, range(len(states)), tails, num_logits)
         return pick_logits(logits, range(len(states)), [len(t) for t in tails], num_logits)
 
     def _kv_len(self, need: int) -> int:

@@ -1,13 +1,16 @@
-"""Drafts made inside the target worker (`draft: self`, `medusa:DIR`) through the served round: one verify call a
+"""Drafts made inside the target worker (`draft: self`, `medusa:DIR`, `eagle3:DIR`) through the served round: one verify call a
 round, the router sending each row's K, on tiny models without a cluster (the real worker cores)."""
 
 import asyncio
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from deployments.router.router import Router
 from engine import SamplingParams
+from engine.proposers.eagle3_checkpoint import save_speculators
+from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head
 from engine.proposers.medusa import MedusaConfig, MedusaHeads
 from tests.conftest import make_tiny_model
 from tests.deployments.conftest import LocalBroker, save_model_pair, tiny_config
@@ -25,8 +28,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def deep_dirs(tmp_path_factory):
-    """A four-layer target whose last two layers add nothing (an exit after two is the model) and a Medusa
-    checkpoint of random heads for it."""
+    """A four-layer target whose last two layers add nothing (an exit after two is the model), a Medusa checkpoint
+    of random heads and an EAGLE-3 head (speculators' format, random weights) for it."""
     root = tmp_path_factory.mktemp("deep")
     target = make_tiny_model("llama", seed=0, layers=4)
     with torch.no_grad():
@@ -40,7 +43,14 @@ def deep_dirs(tmp_path_factory):
         for p in heads.parameters():
             p.normal_(0, 0.3)
     heads.save(root / "medusa")
-    return dirs, root / "medusa"
+    layer = LlamaConfig(vocab_size=target.config.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2)
+    head = Eagle3Head(Eagle3Config(layer, target.config.vocab_size, (1, 2, 3), 64))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    save_speculators(head, root / "eagle3")
+    return dirs, root / "medusa", root / "eagle3"
 
 
 def router_for(dirs, draft, **speculation):
@@ -49,10 +59,10 @@ def router_for(dirs, draft, **speculation):
     return Router(config, broker), broker
 
 
-@pytest.mark.parametrize("draft", ["self:2", "self:1", "medusa"])
+@pytest.mark.parametrize("draft", ["self:2", "self:1", "medusa", "eagle3"])
 def test_greedy_served_text_equals_plain_decoding_in_one_call_a_round(deep_dirs, draft):
-    dirs, medusa = deep_dirs
-    router, broker = router_for(dirs, f"medusa:{medusa}" if draft == "medusa" else draft)
+    dirs, medusa, eagle3 = deep_dirs
+    router, broker = router_for(dirs, {"medusa": f"medusa:{medusa}", "eagle3": f"eagle3:{eagle3}"}.get(draft, draft))
     assert "draft" not in broker.cores, "no Draft deployment: the target drafts for itself"
     outs = run_all(router, PROMPTS, [GREEDY] * len(PROMPTS), k=3)
     for prompt, tokens in zip(PROMPTS, outs):
@@ -63,15 +73,15 @@ def test_greedy_served_text_equals_plain_decoding_in_one_call_a_round(deep_dirs,
     assert broker.calls["target"] == stats.timings.rounds, "one call a round"
     if draft == "self:2":
         assert stats.spec.acceptance_rate == 1.0, "the exit is the whole model"
-    assert broker.cores["target"].stats()["drafter"]["name"] == ("medusa" if draft == "medusa" else draft)
+    assert broker.cores["target"].stats()["drafter"]["name"] == draft
 
 
 def test_a_seeded_request_gives_the_same_served_text_with_every_draft_source(deep_dirs):
-    dirs, medusa = deep_dirs
+    dirs, medusa, eagle3 = deep_dirs
     params = [SamplingParams(temperature=1.0, top_k=40, max_tokens=20, seed=50 + i, ignore_eos=True)
               for i in range(4)]
     reference = plain_seeded(dirs, PROMPTS, params)
-    for draft in ("self:1", f"medusa:{medusa}", "ngram", str(dirs[1]), "none"):
+    for draft in ("self:1", f"medusa:{medusa}", f"eagle3:{eagle3}", "ngram", str(dirs[1]), "none"):
         router, _ = router_for(dirs, draft)
 
         async def batch(router=router):
@@ -82,7 +92,7 @@ def test_a_seeded_request_gives_the_same_served_text_with_every_draft_source(dee
 
 def test_the_drafters_measured_costs_plan_k(deep_dirs):
     """The target measures its drafter at start beside its verify passes; the round plan reads both."""
-    dirs, _ = deep_dirs
+    dirs = deep_dirs[0]
     router, broker = router_for(dirs, "self:2", adaptive=True)
     costs = broker.cores["target"].costs
     assert costs["drafter"]["name"] == "self:2" and all(t > 0 for t in costs["drafter"]["draft_step_seconds"])
@@ -95,7 +105,7 @@ def test_the_drafters_measured_costs_plan_k(deep_dirs):
 def test_rounds_that_draft_inside_the_target_correct_the_drafters_cost_apart_from_the_verify(deep_dirs):
     """The target times its drafting apart: a round's call feeds the verify correction with the rest of its time and
     the draft correction with the drafting (requests pinned to K = 3, so every round after the first drafts)."""
-    dirs, _ = deep_dirs
+    dirs = deep_dirs[0]
     router, _ = router_for(dirs, "self:2", adaptive=True)
 
     async def pinned():

@@ -1,0 +1,165 @@
+"""EAGLE-3 heads (Li et al. 2025, arXiv 2503.01840) as a draft source inside the target
+(engine/spec/target_drafts.py): the head of engine/proposers/eagle3_head.py run over the static runner's state.
+
+The target's forwards keep the states entering the head's three layers at every position they compute, prompt
+chunks included (engine/models/static/pass_states.py). After a round's accept step the drafter first catches the
+head's own KV cache up: for each position p the target computed since the row's last draft (the accepted window, or
+the whole prompt on a request's first round) it runs the head on (fused state of p, token at p + 1), writing the
+head's keys and values at p; its output at the last of them (the position that predicted the round's last token)
+gives the first draft. Each further draft is one step on (its previous output state, the previous draft), one
+position on. So a round is K head steps, and the head's cache always holds every committed position (positions the
+target read from its prefix cache keep the head's entries the cached sequence left: moved with the target's slots,
+engine/models/static/forward.add_slot_cache). Drafts are the head's argmax mapped to the target's ids (`d2t`), one-hot
+proposals: our accept rule keeps the target's distribution at any temperature, and tokens outside the draft
+vocabulary are simply never proposed.
+
+The head's products run on the static runner's kernels in its dtypes (engine/models/static/forward.Projection);
+norms, rotary and attention in ATen. On CUDA the head's steps run eagerly (not captured as graphs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.static.forward import Projection
+from engine.models.static.rope import apply_rope, rope_tables
+from engine.proposers.eagle3_head import Eagle3Head, attend
+from engine.spec.target_drafts import DraftFrom
+
+ALONE_WIDTH = 16  # a row catching up over more positions than this (a prompt) runs alone, not padded beside others
+
+
+class Eagle3Drafter:
+    """TargetDrafter: an EAGLE-3 head over the static runner's aux states, with its own per-slot KV cache."""
+
+    def __init__(self, head: Eagle3Head, runner) -> None:  # runner: a StaticRunner
+        model = runner.model
+        config = head.config
+        self.config, self.head = config, head.eval()
+        self.name = "eagle3"
+        self.needs_hidden = False  # it reads the aux states (pass_states.keep_aux), not the final ones
+        runner.pass_states.keep_aux(config.aux_layers)
+        self.dtype, self.device = model.dtype, model.device
+        weights = model.weight_dtype if model.weight_dtype.is_floating_point else model.dtype
+        layer = head.layer
+        attn = layer.self_attn
+
+        def product(*modules):
+            return Projection(list(modules), self.dtype, weight_dtype=weights).to(self.device)
+
+        self.fc = product(head.fc)
+        self.qkv = product(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o = product(attn.o_proj)
+        self.gate_up = product(layer.mlp.gate_proj, layer.mlp.up_proj)
+        self.down = product(layer.mlp.down_proj)
+        self.lm_head = product(head.lm_head)
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        own = getattr(head, "embed_tokens", None)
+        self.embed = own.weight.detach().to(self.device) if own is not None else model.embed
+        self.d2t = None if head.d2t is None else head.d2t.to(self.device)
+        head.to(self.device)  # its norms run as they are (fp32 weights, the activations' dtype out)
+        cos, sin = rope_tables(head.rotary, model.capacity, self.device)
+        self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)  # [capacity, D]
+        shape = (model.num_slots, self.num_kv_heads, model.capacity, self.head_dim)
+        model.add_slot_cache("eagle3_k", torch.zeros(shape, dtype=self.dtype, device=self.device))
+        model.add_slot_cache("eagle3_v", torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.k_cache, self.v_cache = model.eagle3_k, model.eagle3_v
+        self.steps = 0  # head steps run (catch-ups and drafts)
+
+    @torch.inference_mode()
+    def draft(self, runner, rows: Sequence[DraftFrom], hidden: torch.Tensor | None) -> list[list[int]]:
+        catch_up = [self._catch_up_inputs(runner, row) for row in rows]
+        # a row without the target's state where its last token was predicted (only a step fed from the device
+        # keeps none) drafts nothing this round
+        ready = [b for b, inputs in enumerate(catch_up) if inputs is not None]
+        drafted = self._draft([rows[b] for b in ready], [catch_up[b] for b in ready], runner) if ready else []
+        drafts: list[list[int]] = [[] for _ in rows]
+        for b, d in zip(ready, drafted):
+            drafts[b] = d
+        return drafts
+
+    def _draft(self, rows: Sequence[DraftFrom], catch_up: list, runner) -> list[list[int]]:
+        slots = [runner._seqs[row.seq_id].slot for row in rows]
+        state = torch.empty(len(rows), self.config.hidden_size, dtype=self.dtype, device=self.device)
+        short = [b for b, (positions, _, _) in enumerate(catch_up) if len(positions) <= ALONE_WIDTH]
+        groups = [short] if short else []
+        groups += [[b] for b in range(len(rows)) if b not in short]
+        for group in groups:  # the head over every position the target computed since each row's last draft
+            out = self._step([slots[b] for b in group], [catch_up[b][0] for b in group],
+                             [catch_up[b][1] for b in group], [catch_up[b][2] for b in group], fused=True)
+            state[group] = torch.stack([out[i, len(catch_up[b][0]) - 1] for i, b in enumerate(group)])
+        drafts: list[list[int]] = [[] for _ in rows]
+        for step in range(max(row.k for row in rows)):
+            token = self._pick(state)
+            for b, t in enumerate(token):
+                if step < rows[b].k:
+                    drafts[b].append(t)
+            active = [b for b, row in enumerate(rows) if row.k > step + 1]
+            if not active:
+                break
+            carried = self.head.carried(state[active]).to(self.dtype)
+            out = self._step([slots[b] for b in active], [[rows[b].committed - 1 + step] for b in active],
+                             [[drafts[b][-1]] for b in active], [carried[i:i + 1] for i in range(len(active))],
+                             fused=False)
+            state[active] = out[:, 0]
+        return drafts
+
+    def _catch_up_inputs(self, runner, row: DraftFrom) -> tuple[list[int], list[int], torch.Tensor] | None:
+        """The positions p the target computed since the row's last draft (at most its committed tokens but the
+        last), the token at each p + 1, and the aux states at each p [n, A]; None without a state at the last."""
+        end = row.committed - 1  # the last committed token is not cached: its position has no state yet
+        runs = runner.pass_states.take_aux(row.seq_id, end)
+        if not runs or runs[-1][0] + len(runs[-1][1]) != end:
+            return None
+        known = runner._seqs[row.seq_id].tokens  # the committed tokens but the last
+        positions = [p for start, states in runs for p in range(start, start + len(states))]
+        tokens = [known[p + 1] if p + 1 < end else row.last for p in positions]
+        return positions, tokens, torch.cat([states for _, states in runs]).to(self.dtype)
+
+    def _pick(self, state: torch.Tensor) -> list[int]:  # [N, H] -> N target token ids
+        logits = self.lm_head(self.head.logits_input(state).to(self.dtype), True)
+        picked = logits.argmax(dim=-1)
+        return (picked if self.d2t is None else picked + self.d2t[picked]).tolist()
+
+    def _step(self, slots: list[int], positions: list[list[int]], tokens: list[list[int]],
+              hidden: list[torch.Tensor], fused: bool) -> torch.Tensor:  # -> [R, W, H], the layer's output
+        """The head's layer over rows (slot, positions, tokens at them, their states [n, A] if `fused` else [n, H]),
+        padded to the longest: writes each real position's keys and values into the row's slot, then attends over
+        the row's keys up to each query's position."""
+        self.steps += 1
+        rows, width = len(slots), max(len(p) for p in positions)
+        device, layer = self.device, self.head.layer
+        pos = torch.zeros(rows, width, dtype=torch.long)
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        real = torch.zeros(rows, width, dtype=torch.bool)
+        for r, (p, t) in enumerate(zip(positions, tokens)):
+            pos[r, :len(p)], ids[r, :len(t)], real[r, :len(p)] = torch.tensor(p), torch.tensor(t), True
+        pos, ids, real = pos.to(device), ids.to(device), real.to(device)
+        states = torch.zeros(rows, width, hidden[0].shape[-1], dtype=self.dtype, device=device)
+        for r, h in enumerate(hidden):
+            states[r, :len(h)] = h
+        if fused:
+            states = self.fc(states, True)
+        embeds = F.embedding(ids, self.embed).to(self.dtype)
+        x, residual = layer.attention_input(embeds, states)
+        qkv = self.qkv(x.to(self.dtype), True)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [R, 1, W, D]
+        q = apply_rope(q.view(rows, width, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(rows, width, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(rows, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        slot = torch.tensor(slots, device=device)
+        r_idx, w_idx = real.nonzero(as_tuple=True)
+        self.k_cache[slot[r_idx], :, pos[r_idx, w_idx]] = k[r_idx, :, w_idx]
+        self.v_cache[slot[r_idx], :, pos[r_idx, w_idx]] = v[r_idx, :, w_idx]
+        kv_len = int(max(max(p) for p in positions)) + 1
+        keys, values = self.k_cache[slot, :, :kv_len], self.v_cache[slot, :, :kv_len]  # [R, KVH, L, D]
+        mask = torch.arange(kv_len, device=device)[None, None, None, :] <= pos[:, None, :, None]  # [R, 1, W, L]
+        attn = attend(q, keys, values, mask).transpose(1, 2).reshape(rows, width, -1)
+        hidden = residual + self.o(attn, True)
+        gate, up = self.gate_up(layer.post_attention_layernorm(hidden).to(self.dtype), True).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate) * up, True)
