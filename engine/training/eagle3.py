@@ -1,0 +1,207 @@
+"""Training an EAGLE-3 head on a frozen target (Li et al. 2025, arXiv 2503.01840): `specserve train-heads --method
+eagle3`, our own loop on plain torch (the speculators and SpecForge trainers want a GPU, datasets of saved hidden
+states and their own pinned transformers; the model is the same: engine/proposers/eagle3_head.py, tested equal to
+speculators' Eagle3DraftModel).
+
+1. The target's greedy answers to the prompts, as served (engine/training/medusa.regenerate, kept in OUT/data.pt).
+2. The frozen target's states entering the head's three layers at every position of each prompt + answer
+   (`aux_states`, float32, in memory: 3 x hidden_size floats a token).
+3. Training-time test (Sec. 3.3): `ttt_steps` unrolled steps over whole sequences, step j on the head's own step
+   j - 1 states, predicting the token 2 + j places after each position; cross-entropy against the target's own
+   (greedy) answer tokens, over answer positions only, steps weighted `step_decay ** j`. The LM head is the target's
+   rows of the draft vocabulary (the answers' most frequent tokens; `d2t` maps them back), frozen, as speculators
+   trains; the target's embeddings are read, not trained or saved. AdamW; OUT/train_state.pt every `save_every`
+   steps, which a restart resumes from.
+4. The head in speculators' format (engine/proposers/eagle3_checkpoint.save_speculators: `vllm serve OUT` reads it
+   too), and OUT/training.json: data size, time, and on held-out answers each step's top-1 accuracy and the mean
+   accepted length of a K-token greedy chain (1 + the expected run of correct drafts: with every earlier draft right,
+   the teacher-forced inputs are the chain's own).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import LlamaConfig
+
+from engine.proposers.eagle3_checkpoint import save_speculators
+from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head, default_aux_layers
+from engine.training.medusa import Answers, draft_vocabulary, to_draft_vocab
+
+
+@dataclass(frozen=True)
+class Eagle3Settings:
+    ttt_steps: int = 3
+    step_decay: float = 0.8
+    draft_vocab: int = 8192  # the answers' most frequent tokens (0: the whole vocabulary)
+    epochs: int = 4
+    batch_size: int = 4  # sequences per step
+    lr: float = 1e-3
+    held_out: float = 0.1
+    save_every: int = 50
+    seed: int = 0
+    max_len: int = 512  # positions of a sequence trained on (its first)
+
+
+@torch.inference_mode()
+def aux_states(model, sequence: list[int], layers: tuple[int, ...]) -> torch.Tensor:  # [N, len(layers) * H] fp32
+    """The frozen target's states entering `layers` at every position (transformers' hidden_states[i])."""
+    out = model(torch.tensor([sequence], device=model.device), output_hidden_states=True)
+    return torch.cat([out.hidden_states[i][0] for i in layers], dim=-1).float().cpu()
+
+
+def new_head(model, vocab: tuple[int, ...] | None) -> Eagle3Head:
+    """A head of the target's shape (one Llama layer of its width, heads and rope), its LM head the target's rows of
+    the draft vocabulary."""
+    c = model.config
+    layer = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                        num_hidden_layers=1, num_attention_heads=c.num_attention_heads,
+                        num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps,
+                        max_position_embeddings=c.max_position_embeddings,
+                        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                        rope_parameters=getattr(c, "rope_parameters", None))
+    size = c.vocab_size if vocab is None else len(vocab)
+    head = Eagle3Head(Eagle3Config(layer, size, default_aux_layers(c.num_hidden_layers), c.hidden_size))
+    rows = model.get_output_embeddings().weight.detach()
+    with torch.no_grad():
+        head.lm_head.weight.copy_(rows if vocab is None else rows[list(vocab)])
+        if vocab is not None:
+            head.set_draft_vocab(torch.tensor(vocab))
+    head.lm_head.weight.requires_grad_(False)
+    return head
+
+
+def step_losses(head: Eagle3Head, embed, aux: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
+                steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per TTT step, (logits [B, T, V'], labels [B, T]): aux [B, T, A] of positions 0..T-1, tokens [B, T + steps +
+    1] of positions 0..T+steps (padding past each sequence's end), labels [B, T + steps + 1] in the draft
+    vocabulary (-100: no loss there)."""
+    t = aux.shape[1]
+    with torch.no_grad():
+        embeds = embed(tokens[:, 1:]).float()
+    logits = head(aux, embeds, steps)
+    return [(logits[j], labels[:, 2 + j: 2 + j + t]) for j in range(steps)]
+
+
+def batch_of(data: list[tuple[torch.Tensor, list[int], int]], steps: int, vocab, vocab_size: int):
+    """Sequences padded to the longest: aux [B, T, A], tokens and labels [B, T + steps + 1] (labels -100 on prompts
+    and padding)."""
+    t = max(len(a) for a, _, _ in data)
+    aux = torch.zeros(len(data), t, data[0][0].shape[1])
+    tokens = torch.zeros(len(data), t + steps + 1, dtype=torch.long)
+    labels = torch.full((len(data), t + steps + 1), -100, dtype=torch.long)
+    for b, (states, seq, prompt_len) in enumerate(data):
+        n = len(states)
+        aux[b, :n] = states
+        tokens[b, :n] = torch.tensor(seq[:n])
+        labels[b, prompt_len:n] = to_draft_vocab(torch.tensor(seq[prompt_len:n]), vocab, vocab_size)
+    return aux, tokens, labels
+
+
+def loss_of(pairs, decay: float) -> torch.Tensor:
+    weights = [decay ** j for j in range(len(pairs))]
+    return sum(w * F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lb.reshape(-1), ignore_index=-100)
+               for w, (lg, lb) in zip(weights, pairs)) / sum(weights)
+
+
+@torch.no_grad()
+def held_out_report(head, embed, data, settings: Eagle3Settings, vocab, vocab_size: int, k: int = 4) -> dict:
+    """Each step's top-1 accuracy and the mean accepted length of a k-draft greedy chain over held-out answers."""
+    steps = max(settings.ttt_steps, k)
+    right, counted, runs, rounds = torch.zeros(steps), torch.zeros(steps), 0.0, 0
+    for item in data:
+        aux, tokens, labels = batch_of([item], steps, vocab, vocab_size)
+        pairs = step_losses(head, embed, aux, tokens, labels, steps)
+        correct = torch.stack([(lg.argmax(-1) == lb) for lg, lb in pairs])[:, 0]  # [steps, T]
+        valid = torch.stack([lb != -100 for _, lb in pairs])[:, 0]
+        right += (correct & valid).sum(1).float()
+        counted += valid.sum(1).float()
+        usable = valid[:k].all(0)  # positions with k answer tokens after them
+        chain = correct[:k].long().cumprod(0).sum(0)  # drafts accepted before the first miss
+        runs += chain[usable].sum().item()
+        rounds += int(usable.sum())
+    return {"step_accuracy": [round(a, 4) for a in (right / counted.clamp(min=1)).tolist()],
+            f"mean_accepted_length_k{k}": round(1 + runs / max(rounds, 1), 3)}
+
+
+def train(model, answers: Answers, out: Path, settings: Eagle3Settings = Eagle3Settings(),
+          base_model: str | None = None) -> dict:
+    """Train a head on `answers` (resuming from OUT/train_state.pt), save it in OUT; the report."""
+    began = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    order = list(range(len(answers.sequences)))
+    random.Random(settings.seed).shuffle(order)
+    cut = max(1, int(len(order) * settings.held_out)) if len(order) > 1 else 0
+    held, kept = order[:cut], order[cut:]
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    vocab = draft_vocabulary(answers, kept, settings.draft_vocab) if settings.draft_vocab else None
+    torch.manual_seed(settings.seed)
+    head = new_head(model, vocab)
+    layers = head.config.aux_layers
+    if max(layers) >= model.config.num_hidden_layers:
+        raise ValueError(f"aux layers {layers}: training reads transformers' hidden_states below the last layer")
+
+    def states(indices):
+        return [(aux_states(model, answers.sequences[n][:settings.max_len], layers), answers.sequences[n],
+                 answers.prompt_lens[n]) for n in tqdm(indices, desc="target states", unit="answer")
+                if len(answers.sequences[n]) - answers.prompt_lens[n] >= 2 and
+                answers.prompt_lens[n] < settings.max_len]
+
+    train_data = states(kept)
+    embed = model.get_input_embeddings()
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=settings.lr)
+    steps_per_epoch = -(-len(train_data) // settings.batch_size)
+    total = settings.epochs * steps_per_epoch
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(
+        0.1, 1 - s / max(total, 1)))
+    step = 0
+    state_file = out / "train_state.pt"
+    if state_file.is_file():
+        saved = torch.load(state_file, weights_only=False)
+        if saved["settings"] == asdict(settings) and saved["examples"] == len(train_data):
+            head.load_state_dict(saved["head"])
+            optimizer.load_state_dict(saved["optimizer"])
+            schedule.load_state_dict(saved["schedule"])
+            step = saved["step"]
+    gen = torch.Generator().manual_seed(settings.seed)
+    permutations = [torch.randperm(len(train_data), generator=gen).tolist() for _ in range(settings.epochs)]
+    head.train()
+    with tqdm(total=total, initial=step, desc="training the EAGLE-3 head", unit="step") as bar:
+        while step < total:
+            epoch, offset = divmod(step, steps_per_epoch)
+            picked = permutations[epoch][offset * settings.batch_size:(offset + 1) * settings.batch_size]
+            aux, tokens, labels = batch_of([train_data[i] for i in picked], settings.ttt_steps, vocab, vocab_size)
+            loss = loss_of(step_losses(head, embed, aux, tokens, labels, settings.ttt_steps), settings.step_decay)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            step += 1
+            bar.update()
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            if step % settings.save_every == 0 or step == total:
+                torch.save({"settings": asdict(settings), "examples": len(train_data), "step": step,
+                            "head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                            "schedule": schedule.state_dict()}, state_file)
+    head.eval()
+    architectures = tuple(getattr(model.config, "architectures", None) or ("LlamaForCausalLM",))
+    save_speculators(head, out, verifier=base_model, verifier_architectures=architectures,
+                     speculative_tokens=settings.ttt_steps)
+    report = {"method": "eagle3", "prompts": len(answers.sequences), "answer_tokens": answers.answer_tokens,
+              "train_sequences": len(train_data), "held_out_prompts": len(held), "steps": total,
+              "settings": asdict(settings), "seconds": round(time.perf_counter() - began, 1)}
+    if held:
+        report["held_out"] = held_out_report(head, embed, states(held), settings, vocab, vocab_size)
+    (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
