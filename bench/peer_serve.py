@@ -12,6 +12,7 @@ completion, measured at every concurrency, then stopped with everything it start
 - vllm-ngram    the same with `--speculative-config` n-gram K=4 (prompt_lookup 2..4)
 - ours-self     (asked for by --servers) `model.draft: self`: the target's first layers draft, L chosen at start
 - ours-medusa   (asked for by --servers, with --medusa DIR) `model.draft: medusa:DIR`: Medusa heads in the target
+- ours-eagle3   (asked for by --servers, with --eagle3 DIR) `model.draft: eagle3:DIR`: an EAGLE-3 head in the target
 Our configs get the HF directory that our loader makes (`engine.models.loading.resolve`) as `model.target`, the port
 (--port), and any `--ours-set KEY=VALUE` overrides (keys relative to the application's args); our servers start with
 the Ray Serve settings `make run` uses (deployments/ray_env.py: HAProxy, direct ingress), or in Ray Serve's default
@@ -72,9 +73,9 @@ from deployments.ray_env import SERVE_ENV, reap_orphaned_haproxy
 SERVERS = ("ours-plain", "ours-default", "vllm-plain", "vllm-ngram")
 # not in the default run: drafts made inside the target (ours-medusa needs --medusa DIR, heads `specserve
 # train-heads` wrote)
-EXTRA_SERVERS = ("ours-self", "ours-medusa")
+EXTRA_SERVERS = ("ours-self", "ours-medusa", "ours-eagle3")
 OURS_VARIANTS = {"ours-plain": {"model.draft": "none"}, "ours-default": {}, "ours-self": {"model.draft": "self"},
-                 "ours-medusa": {}}
+                 "ours-medusa": {}, "ours-eagle3": {}}
 VLLM_SPECULATIVE = {"vllm-plain": None, "vllm-ngram": NGRAM_CONFIG}
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                  "fp16": "float16", "float16": "float16"}
@@ -343,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS + EXTRA_SERVERS)
     ap.add_argument("--medusa", default=None, help="ours-medusa's heads: model.draft medusa:DIR")
+    ap.add_argument("--eagle3", default=None, help="ours-eagle3's head: model.draft eagle3:DIR")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
     ap.add_argument("--num-prompts", type=int, default=None, help="per concurrency (default: max(12, 2 x C))")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -425,6 +427,10 @@ def main(argv: list[str] | None = None) -> None:
                     if not args.medusa:
                         raise SystemExit("ours-medusa needs --medusa DIR")
                     variant["model.draft"] = f"medusa:{Path(args.medusa).resolve()}"
+                if name == "ours-eagle3":
+                    if not args.eagle3:
+                        raise SystemExit("ours-eagle3 needs --eagle3 DIR")
+                    variant["model.draft"] = f"eagle3:{Path(args.eagle3).resolve()}"
                 cfg = derive_ours_config(base, {**common, **variant}, args.port)
                 SpecServeConfig.model_validate(cfg["applications"][0]["args"])  # fail here, not in a replica
                 cfg_path = runs_dir / f"{name}.yaml"

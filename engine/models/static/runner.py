@@ -54,6 +54,7 @@ from engine.models.static.steps import (
     step_mode,
 )
 from engine.models.static.tp import agree_num_slots, shard_of
+from engine.models.static.warm_up import warm_up
 
 MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks first
 PENDING = -1  # a token fed from the device whose value the host has not read yet (`forward_fed`)
@@ -289,18 +290,9 @@ class StaticRunner(SlotTableAccess):
     # ---- start-up -------------------------------------------------------------------------------------------
     def warm_up(self, max_k: int, progress: Callable[[str], None] | None = None,
                 exit_layers: int | None = None) -> int:
-        """Capture (CUDA graphs) or compile (inductor, or load from its cache) every step shape the serving loop
-        uses: each batch bucket at width 1 and K+1 (CUDA graphs: every width bucket up to K+1's, as rounds whose
-        rows draft fewer tokens are narrower), and under inductor each prefill chunk bucket. Returns the number of
-        shapes."""
-        if self.graphs is not None:
-            top = bucket(max_k + 1, self.width_buckets)
-            shapes = [(rows, width) for width in self.width_buckets if width <= top for rows in self.batch_buckets]
-            if self.device.type == "cuda":
-                self.graphs.capture(shapes, progress)
-                if exit_layers is not None:  # an early-exit drafter's steps (engine/proposers/early_exit.py)
-                    self.graphs.capture([(rows, 1) for rows in self.batch_buckets], progress, layers=exit_layers)
-            return len(shapes)
+        """Capture or compile every step shape the serving loop uses (engine/models/static/warm_up.py); the number
+        of shapes."""
+        return warm_up(self, max_k, progress, exit_layers)
         shapes = [(rows, width) for width in sorted({1, bucket(max_k + 1, self.width_buckets)})
                   for rows in self.batch_buckets]
         if self._prefill is self._step:
