@@ -13,6 +13,7 @@ completion, measured at every concurrency, then stopped with everything it start
 - ours-self     (asked for by --servers) `model.draft: self`: the target's first layers draft, L chosen at start
 - ours-medusa   (asked for by --servers, with --medusa DIR) `model.draft: medusa:DIR`: Medusa heads in the target
 - ours-eagle3   (asked for by --servers, with --eagle3 DIR) `model.draft: eagle3:DIR`: an EAGLE-3 head in the target
+- vllm-eagle3   (asked for by --servers, with --eagle3 DIR) vLLM with the same head (speculators' format), K=3
 Our configs get the HF directory that our loader makes (`engine.models.loading.resolve`) as `model.target`, the port
 (--port), and any `--ours-set KEY=VALUE` overrides (keys relative to the application's args); our servers start with
 the Ray Serve settings `make run` uses (deployments/ray_env.py: HAProxy, direct ingress), or in Ray Serve's default
@@ -73,10 +74,10 @@ from deployments.ray_env import SERVE_ENV, reap_orphaned_haproxy
 SERVERS = ("ours-plain", "ours-default", "vllm-plain", "vllm-ngram")
 # not in the default run: drafts made inside the target (ours-medusa needs --medusa DIR, heads `specserve
 # train-heads` wrote)
-EXTRA_SERVERS = ("ours-self", "ours-medusa", "ours-eagle3")
+EXTRA_SERVERS = ("ours-self", "ours-medusa", "ours-eagle3", "vllm-eagle3")
 OURS_VARIANTS = {"ours-plain": {"model.draft": "none"}, "ours-default": {}, "ours-self": {"model.draft": "self"},
                  "ours-medusa": {}, "ours-eagle3": {}}
-VLLM_SPECULATIVE = {"vllm-plain": None, "vllm-ngram": NGRAM_CONFIG}
+VLLM_SPECULATIVE = {"vllm-plain": None, "vllm-ngram": NGRAM_CONFIG, "vllm-eagle3": None}
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                  "fp16": "float16", "float16": "float16"}
 # (label, numerator server, denominator servers (best of), concurrency, metric, op, threshold)
@@ -444,11 +445,17 @@ def main(argv: list[str] | None = None) -> None:
                 info = {"kind": "ours", "config": cfg["applications"][0]["args"],
                         "source": args.ours_root or "installed", "ray_serve_env": ray_env}
             else:
-                cmd = vllm_serve_argv(model_dir, dtype, served, args.port, max_model_len, VLLM_SPECULATIVE[name],
+                speculative = VLLM_SPECULATIVE[name]
+                if name == "vllm-eagle3":
+                    if not args.eagle3:
+                        raise SystemExit("vllm-eagle3 needs --eagle3 DIR")
+                    speculative = {"method": "eagle3", "model": str(Path(args.eagle3).resolve()),
+                                   "num_speculative_tokens": 3}
+                cmd = vllm_serve_argv(model_dir, dtype, served, args.port, max_model_len, speculative,
                                       args.vllm_arg)
                 server = ManagedServer(name, cmd, base_url, served, runs_dir / f"{name}.log",
                                        env=vllm_env(args.kv_cache_gib))
-                info = {"kind": "vllm", "speculative_config": VLLM_SPECULATIVE[name]}
+                info = {"kind": "vllm", "speculative_config": speculative}
             info["command"] = cmd
             report["servers"][name] = info
             if not port_free(args.port):

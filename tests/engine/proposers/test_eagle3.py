@@ -43,8 +43,8 @@ def random_head(target, draft_vocab=None, seed=0, **flags):
     return head.eval()
 
 
-def runner_of(model, chunk=8):
-    return StaticRunner(model, budget=KVBudget(max_num_seqs=8), compile="off", prefill_chunk=chunk)
+def runner_of(model, chunk=8, compile="off"):
+    return StaticRunner(model, budget=KVBudget(max_num_seqs=8), compile=compile, prefill_chunk=chunk)
 
 
 def aux_states(model, tokens, layers):  # [1, T, len(layers) * H]: the states entering those layers
@@ -107,11 +107,12 @@ def test_the_head_equals_the_speculators_package_eagle3_model(model, flags):
         assert torch.allclose(ours[step][:, :t - step], seen[step][:, :t - step], atol=2e-4), step
 
 
-@pytest.mark.parametrize("draft_vocab", [None, tuple(range(1, 64, 2))])
-def test_the_served_drafter_drafts_the_heads_own_chain(model, draft_vocab):
-    """Eagle3Drafter (the target's aux states kept by its forwards, prompt chunks included; the head's own KV cache
-    caught up over the prompt; K steps on its own states) drafts the head's reference chain."""
-    runner = runner_of(model, chunk=6)
+@pytest.mark.parametrize("draft_vocab, compile", [(None, "off"), (tuple(range(1, 64, 2)), "off"), (None, "graphs")])
+def test_the_served_drafter_drafts_the_heads_own_chain(model, draft_vocab, compile):
+    """Eagle3Drafter (the target's aux states kept by its forwards, prompt chunks included, and by the graph step's
+    buffer on the CUDA-graph path, run eagerly here; the head's own KV cache caught up over the prompt; K steps on
+    its own states) drafts the head's reference chain."""
+    runner = runner_of(model, chunk=6, compile=compile)
     head = random_head(model, draft_vocab, seed=3)
     drafter = Eagle3Drafter(head, runner)
     rows, want = [], []
