@@ -3,7 +3,7 @@ eagle3`, our own loop on plain torch (the speculators and SpecForge trainers wan
 states and their own pinned transformers; the model is the same: engine/proposers/eagle3_head.py, tested equal to
 speculators' Eagle3DraftModel).
 
-1. The target's greedy answers to the prompts, as served (engine/training/medusa.regenerate, kept in OUT/data.pt).
+1. The target's greedy answers to the prompts, as served (engine/training/answers.regenerate, kept in OUT/data.pt).
 2. The frozen target's states entering the head's three layers at every position of each prompt + answer
    (`aux_states`, float32, in memory: 3 x hidden_size floats a token).
 3. Training-time test (Sec. 3.3): `ttt_steps` unrolled steps over whole sequences, step j on the head's own step
@@ -21,7 +21,6 @@ speculators' Eagle3DraftModel).
 from __future__ import annotations
 
 import json
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +32,13 @@ from transformers import LlamaConfig
 
 from engine.proposers.eagle3_checkpoint import save_speculators
 from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head, default_aux_layers
-from engine.training.medusa import Answers, draft_vocabulary, to_draft_vocab
+from engine.training.answers import (
+    Answers,
+    draft_vocabulary,
+    freeze,
+    split_answers,
+    to_draft_vocab,
+)
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,7 @@ class Eagle3Settings:
 @torch.inference_mode()
 def aux_states(model, sequence: list[int], layers: tuple[int, ...]) -> torch.Tensor:  # [N, len(layers) * H] fp32
     """The frozen target's states entering `layers` at every position (transformers' hidden_states[i])."""
-    out = model(torch.tensor([sequence], device=model.device), output_hidden_states=True)
+    out = model.base_model(torch.tensor([sequence], device=model.device), output_hidden_states=True)  # no LM head
     return torch.cat([out.hidden_states[i][0] for i in layers], dim=-1).float().cpu()
 
 
@@ -136,13 +141,8 @@ def train(model, answers: Answers, out: Path, settings: Eagle3Settings = Eagle3S
     """Train a head on `answers` (resuming from OUT/train_state.pt), save it in OUT; the report."""
     began = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    order = list(range(len(answers.sequences)))
-    random.Random(settings.seed).shuffle(order)
-    cut = max(1, int(len(order) * settings.held_out)) if len(order) > 1 else 0
-    held, kept = order[:cut], order[cut:]
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    held, kept = split_answers(len(answers.sequences), settings.held_out, settings.seed)
+    freeze(model)
     vocab_size = model.get_output_embeddings().weight.shape[0]
     vocab = draft_vocabulary(answers, kept, settings.draft_vocab) if settings.draft_vocab else None
     torch.manual_seed(settings.seed)

@@ -17,7 +17,6 @@ the target's own answers, the data that matches what the server will verify.
 from __future__ import annotations
 
 import json
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -28,6 +27,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.proposers.medusa import MedusaConfig, MedusaHeads
+from engine.training.answers import (
+    Answers,
+    draft_vocabulary,
+    freeze,
+    regenerate,
+    split_answers,
+    to_draft_vocab,
+)
+
+__all__ = ["Answers", "TrainSettings", "regenerate", "train"]  # regenerate: the answers both trainers read
 
 DECAY = 0.8  # Medusa's per-head loss weight decay
 
@@ -44,38 +53,6 @@ class TrainSettings:
     save_every: int = 50  # steps between resumable checkpoints
     seed: int = 0
     draft_vocab: int = 0  # heads draft from the answers' most frequent tokens only (0: the whole vocabulary)
-
-
-@dataclass
-class Answers:
-    sequences: list[list[int]]  # prompt + the target's answer, token ids
-    prompt_lens: list[int]
-
-    @property
-    def answer_tokens(self) -> int:
-        return sum(len(s) - p for s, p in zip(self.sequences, self.prompt_lens))
-
-
-def regenerate(engine, prompts: Sequence[list[int]], max_tokens: int, path: Path, batch: int = 16) -> Answers:
-    """The target's greedy answers to `prompts` (token ids), from `path` when an earlier run wrote them."""
-    if path.is_file():
-        data = torch.load(path, weights_only=True)
-        if data["prompts"] == [list(p) for p in prompts] and data["max_tokens"] == max_tokens:
-            return Answers(data["sequences"], data["prompt_lens"])
-    from engine.request.sampling import SamplingParams
-
-    batch = min(batch, engine.target.capacity or batch)  # never more sequences than the KV cache holds
-    sequences = []
-    with tqdm(total=len(prompts), desc="regenerating answers", unit="prompt") as bar:
-        for start in range(0, len(prompts), batch):
-            chunk = [list(p) for p in prompts[start:start + batch]]
-            for prompt, done in zip(chunk, engine.generate(chunk, SamplingParams(max_tokens=max_tokens), k=0)):
-                sequences.append(prompt + done.token_ids)
-            bar.update(len(chunk))
-    answers = Answers(sequences, [len(p) for p in prompts])
-    torch.save({"prompts": [list(p) for p in prompts], "max_tokens": max_tokens, "sequences": sequences,
-                "prompt_lens": answers.prompt_lens}, path)
-    return answers
 
 
 @torch.inference_mode()
@@ -126,15 +103,6 @@ def head_accuracy(heads: MedusaHeads, lm_head, states: torch.Tensor, targets: to
     return (right / counted.clamp(min=1)).tolist()
 
 
-def draft_vocabulary(answers: Answers, indices: Sequence[int], size: int) -> tuple[int, ...]:
-    """The `size` most frequent answer tokens of the given answers, ascending by id."""
-    counts: dict[int, int] = {}
-    for n in indices:
-        for token in answers.sequences[n][answers.prompt_lens[n]:]:
-            counts[token] = counts.get(token, 0) + 1
-    return tuple(sorted(sorted(counts, key=lambda t: -counts[t])[:size]))
-
-
 def restricted_lm_head(model, vocab: tuple[int, ...] | None) -> torch.nn.Module:
     """The target's LM head, or its rows of a draft vocabulary (frozen)."""
     head = model.get_output_embeddings()
@@ -156,27 +124,13 @@ def new_heads(model, settings: TrainSettings, vocab: tuple[int, ...] | None = No
     return heads
 
 
-def to_draft_vocab(targets: torch.Tensor, vocab: tuple[int, ...] | None, size: int) -> torch.Tensor:
-    """Target token ids -> indices in the draft vocabulary (-100: outside it, or none)."""
-    if vocab is None:
-        return targets
-    index = torch.full((size + 1,), -100, dtype=torch.long)
-    index[list(vocab)] = torch.arange(len(vocab))
-    return index[torch.where(targets >= 0, targets, size)]
-
-
 def train(model, answers: Answers, out: Path, settings: TrainSettings = TrainSettings(), base_model: str | None = None,
           progress: Callable | None = None) -> dict:
     """Train heads on `answers` (resuming from OUT/train_state.pt when it exists), save them in OUT; the report."""
     began = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    order = list(range(len(answers.sequences)))
-    random.Random(settings.seed).shuffle(order)
-    cut = max(1, int(len(order) * settings.held_out)) if len(order) > 1 else 0
-    held, kept = order[:cut], order[cut:]
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    held, kept = split_answers(len(answers.sequences), settings.held_out, settings.seed)
+    freeze(model)
     vocab_size = model.get_output_embeddings().weight.shape[0]
     vocab = draft_vocabulary(answers, kept, settings.draft_vocab) if settings.draft_vocab else None
     lm_head = restricted_lm_head(model, vocab)  # the model is loaded in float32 for training

@@ -293,20 +293,4 @@ class StaticRunner(SlotTableAccess):
         """Capture or compile every step shape the serving loop uses (engine/models/static/warm_up.py); the number
         of shapes."""
         return warm_up(self, max_k, progress, exit_layers)
-        shapes = [(rows, width) for width in sorted({1, bucket(max_k + 1, self.width_buckets)})
-                  for rows in self.batch_buckets]
-        if self._prefill is self._step:
-            shapes += [(1, -chunk) for chunk in self.chunk_buckets]
-        with torch.inference_mode():
-            for done, (rows, width) in enumerate(shapes, 1):
-                if width < 0:
-                    ids, last_only = torch.zeros(1, -width, dtype=torch.long), True
-                else:
-                    ids, last_only = torch.zeros(rows, width, dtype=torch.long), False
-                starts = torch.full((ids.shape[0],), self.max_model_len, dtype=torch.long)
-                # CUDA: the smallest key-length bucket here; longer ones are captured when first reached
-                self._run(ids, starts, 0, self._kv_len(ids.shape[1]), last_only)
-                if progress is not None:
-                    progress(f"compiled {done}/{len(shapes)}: batch {ids.shape[0]} width {ids.shape[1]}")
-        return len(shapes)
 

@@ -23,3 +23,19 @@ def warm_up(runner, max_k: int, progress: Callable[[str], None] | None = None, e
             if exit_layers is not None:  # an early-exit drafter's steps (engine/proposers/early_exit.py)
                 runner.graphs.capture([(rows, 1) for rows in runner.batch_buckets], progress, layers=exit_layers)
         return len(shapes)
+    shapes = [(rows, width) for width in sorted({1, bucket(max_k + 1, runner.width_buckets)})
+              for rows in runner.batch_buckets]
+    if runner._prefill is runner._step:
+        shapes += [(1, -chunk) for chunk in runner.chunk_buckets]
+    with torch.inference_mode():
+        for done, (rows, width) in enumerate(shapes, 1):
+            if width < 0:
+                ids, last_only = torch.zeros(1, -width, dtype=torch.long), True
+            else:
+                ids, last_only = torch.zeros(rows, width, dtype=torch.long), False
+            starts = torch.full((ids.shape[0],), runner.max_model_len, dtype=torch.long)
+            # CUDA: the smallest key-length bucket here; longer ones are captured when first reached
+            runner._run(ids, starts, 0, runner._kv_len(ids.shape[1]), last_only)
+            if progress is not None:
+                progress(f"compiled {done}/{len(shapes)}: batch {ids.shape[0]} width {ids.shape[1]}")
+    return len(shapes)

@@ -11,7 +11,11 @@ from engine import SamplingParams, SpeculativeEngine
 from engine.models.kv_budget import KVBudget
 from engine.models.static.runner import StaticRunner
 from engine.proposers.eagle3 import Eagle3Drafter
-from engine.proposers.eagle3_checkpoint import Eagle3Error, load_eagle3, save_speculators
+from engine.proposers.eagle3_checkpoint import (
+    Eagle3Error,
+    load_eagle3,
+    save_speculators,
+)
 from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head, default_aux_layers
 from engine.spec.target_drafts import DraftFrom
 from tests.conftest import make_tiny_model

@@ -12,8 +12,8 @@ from engine.models.static.runner import StaticRunner
 from engine.proposers.eagle3 import Eagle3Drafter
 from engine.proposers.eagle3_checkpoint import load_eagle3
 from engine.training import eagle3 as training
+from engine.training.answers import regenerate
 from engine.training.eagle3 import Eagle3Settings, new_head, train
-from engine.training.medusa import regenerate
 from tests.conftest import make_tiny_model
 from tests.deployments.conftest import save_model_pair
 from tests.engine.training.test_medusa_training import prompts

@@ -494,3 +494,12 @@ def test_captured_graph_steps_replay_the_buffers_they_were_captured_with(monkeyp
     assert replayed == runner.graphs.replays > 0 and runner.graphs.stats()["captured"] == len(shapes)
     # the widths captured cover decode and verify rounds; a prompt's wider tail ran eagerly, never captured
     assert runner.graphs.eager_steps > 0 and runner.graphs.replays + runner.graphs.eager_steps == len(ROUNDS)
+
+
+def test_warm_up_runs_every_cpu_step_shape_the_serving_loop_uses():
+    runner = StaticRunner(make_tiny_model("llama", seed=0), budget=SLOTS, compile="off", prefill_chunk=16)
+    calls = []
+    run = runner._run
+    runner._run = lambda ids, *args, **kwargs: calls.append(tuple(ids.shape)) or run(ids, *args, **kwargs)
+    assert runner.warm_up(max_k=3) == len(calls) == 2 * len(runner.batch_buckets) + len(runner.chunk_buckets)
+    assert {(rows, 4) for rows in runner.batch_buckets} <= set(calls)  # every batch at width K + 1
