@@ -92,7 +92,8 @@ def train_heads(args) -> int:
         settings = eagle3.Eagle3Settings(
             ttt_steps=args.ttt_steps, epochs=args.epochs or 4, batch_size=args.batch_size or 4, lr=args.lr,
             draft_vocab=8192 if args.draft_vocab is None else args.draft_vocab)
-        report = eagle3.train(model, answers, out, settings, base_model=args.target)
+        # the verifier `vllm serve OUT` loads: the target's HF directory (an alias or GGUF file's converted copy)
+        report = eagle3.train(model, answers, out, settings, base_model=str(resolve(args.target).directory))
         print(json.dumps(report, indent=2))
         return 0
     settings = TrainSettings(num_heads=args.num_heads, num_layers=args.num_layers,

@@ -100,7 +100,7 @@ def test_the_cli_trains_a_head_the_server_loads(tmp_path):
                  "--out", str(out), "--prompts", str(prompt_file), "--max-tokens", "12", "--epochs", "1",
                  "--draft-vocab", "30"]) == 0
     meta = json.loads((out / "config.json").read_text())
-    assert meta["speculators_model_type"] == "eagle3" and meta["speculators_config"]["verifier"]["name_or_path"] == \
-        str(target)
+    assert meta["speculators_model_type"] == "eagle3"
+    assert meta["speculators_config"]["verifier"]["name_or_path"] == str(target)  # what `vllm serve OUT` loads
     assert 0 < load_eagle3(out, 64, 64, LAYERS).config.draft_vocab_size <= 30  # the answers hold fewer tokens
     assert json.loads((out / "training.json").read_text())["prompts"] == 12
