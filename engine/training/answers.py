@@ -53,6 +53,15 @@ def split_answers(count: int, held_out: float, seed: int) -> tuple[list[int], li
     return order[:cut], order[cut:]
 
 
+def training_split(model, answers: Answers, held_out: float, seed: int, draft_vocab: int
+                   ) -> tuple[list[int], list[int], tuple[int, ...] | None]:
+    """The target frozen (`freeze`), the answers split (held-out, training indices), and the draft vocabulary of the
+    training answers' `draft_vocab` most frequent tokens (None: 0, the whole vocabulary)."""
+    freeze(model)
+    held, kept = split_answers(len(answers.sequences), held_out, seed)
+    return held, kept, draft_vocabulary(answers, kept, draft_vocab) if draft_vocab else None
+
+
 def freeze(model) -> None:
     """The target as the trainers read it: eval mode, no gradients."""
     model.eval()

@@ -32,13 +32,7 @@ from transformers import LlamaConfig
 
 from engine.proposers.eagle3_checkpoint import save_speculators
 from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head, default_aux_layers
-from engine.training.answers import (
-    Answers,
-    draft_vocabulary,
-    freeze,
-    split_answers,
-    to_draft_vocab,
-)
+from engine.training.answers import Answers, to_draft_vocab, training_split
 
 
 @dataclass(frozen=True)
@@ -141,10 +135,8 @@ def train(model, answers: Answers, out: Path, settings: Eagle3Settings = Eagle3S
     """Train a head on `answers` (resuming from OUT/train_state.pt), save it in OUT; the report."""
     began = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    held, kept = split_answers(len(answers.sequences), settings.held_out, settings.seed)
-    freeze(model)
+    held, kept, vocab = training_split(model, answers, settings.held_out, settings.seed, settings.draft_vocab)
     vocab_size = model.get_output_embeddings().weight.shape[0]
-    vocab = draft_vocabulary(answers, kept, settings.draft_vocab) if settings.draft_vocab else None
     torch.manual_seed(settings.seed)
     head = new_head(model, vocab)
     layers = head.config.aux_layers

@@ -27,14 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.proposers.medusa import MedusaConfig, MedusaHeads
-from engine.training.answers import (
-    Answers,
-    draft_vocabulary,
-    freeze,
-    regenerate,
-    split_answers,
-    to_draft_vocab,
-)
+from engine.training.answers import Answers, regenerate, to_draft_vocab, training_split
 
 __all__ = ["Answers", "TrainSettings", "regenerate", "train"]  # regenerate: the answers both trainers read
 
@@ -129,10 +122,8 @@ def train(model, answers: Answers, out: Path, settings: TrainSettings = TrainSet
     """Train heads on `answers` (resuming from OUT/train_state.pt when it exists), save them in OUT; the report."""
     began = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    held, kept = split_answers(len(answers.sequences), settings.held_out, settings.seed)
-    freeze(model)
+    held, kept, vocab = training_split(model, answers, settings.held_out, settings.seed, settings.draft_vocab)
     vocab_size = model.get_output_embeddings().weight.shape[0]
-    vocab = draft_vocabulary(answers, kept, settings.draft_vocab) if settings.draft_vocab else None
     lm_head = restricted_lm_head(model, vocab)  # the model is loaded in float32 for training
     states, targets = training_examples(model, answers, kept, settings.num_heads)
     targets = to_draft_vocab(targets, vocab, vocab_size)

@@ -16,24 +16,15 @@ from engine.training.answers import regenerate
 from engine.training.eagle3 import Eagle3Settings, new_head, train
 from tests.conftest import make_tiny_model
 from tests.deployments.conftest import save_model_pair
-from tests.engine.training.test_medusa_training import prompts
+from tests.engine.training.test_medusa_training import bigram_model, prompts
 
 LAYERS = 8
 SETTINGS = Eagle3Settings(ttt_steps=3, draft_vocab=0, epochs=8, batch_size=4, lr=3e-3, save_every=10)
 
 
-def bigram_model(seed=5):
-    """A target whose attention adds nothing: its greedy text is a chain a head can learn from few examples."""
-    model = make_tiny_model("llama", seed=seed, layers=LAYERS)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    return model
-
-
 @pytest.fixture(scope="module")
 def model():
-    return bigram_model()
+    return bigram_model(layers=LAYERS)  # attention adds nothing: a chain a head learns from few examples
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +82,7 @@ def test_training_resumes_from_its_checkpoint(model, answers, tmp_path, monkeypa
 def test_the_cli_trains_a_head_the_server_loads(tmp_path):
     from engine.cli import main
 
-    target, _ = save_model_pair(tmp_path, bigram_model(), make_tiny_model("llama", seed=6))
+    target, _ = save_model_pair(tmp_path, bigram_model(layers=LAYERS), make_tiny_model("llama", seed=6))
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": f"w{3 + i} w{9 + i} w{5 + 2 * i}"}) + "\n"
                                    for i in range(12)))

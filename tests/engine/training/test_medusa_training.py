@@ -27,11 +27,11 @@ def prompts(n=40, offset=0):
     return [[2 + (7 * i + offset) % 50, 2 + (11 * i + offset) % 50, 2 + (13 * i + offset) % 50] for i in range(n)]
 
 
-def bigram_model(seed=5):
+def bigram_model(seed=5, layers=2):
     """A tiny target whose attention adds nothing (output projections zero): its next token is a function of the
     current one, so its greedy text is a chain the heads can learn exactly (a random model's text has no pattern
     that few examples could teach)."""
-    model = make_tiny_model("llama", seed=seed)
+    model = make_tiny_model("llama", seed=seed, layers=layers)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
