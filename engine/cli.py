@@ -67,7 +67,8 @@ def train_heads(args) -> int:
     from pathlib import Path
 
     from engine.models.loading import load_causal_lm, resolve
-    from engine.training.medusa import TrainSettings, regenerate, train
+    from engine.training.answers import regenerate
+    from engine.training.medusa import TrainSettings, train
     from engine.training.prompts import encode_prompt as encode_messages
     from engine.training.prompts import training_prompts
 

@@ -1,7 +1,7 @@
 """Training Medusa-1 heads on a frozen target (Cai et al. 2024, arXiv 2401.10774, Sec. 2.2.1): self-distillation on
 the target's own answers, the data that matches what the server will verify.
 
-1. `regenerate`: every prompt through the chat template, answered greedily by the target itself (the in-process
+1. `regenerate` (engine/training/answers.py): every prompt through the chat template, answered greedily by the target itself (the in-process
    engine, plain decoding), kept in OUT/data.pt so a restart does not answer again.
 2. `final_states`: the frozen target's last hidden states (after its final norm) over each prompt + answer.
 3. `train`: head i on the state at position t predicts the token at t + 2 + i (the target's LM head predicts t + 1),
@@ -27,9 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.proposers.medusa import MedusaConfig, MedusaHeads
-from engine.training.answers import Answers, regenerate, to_draft_vocab, training_split
-
-__all__ = ["Answers", "TrainSettings", "regenerate", "train"]  # regenerate: the answers both trainers read
+from engine.training.answers import Answers, to_draft_vocab, training_split
 
 DECAY = 0.8  # Medusa's per-head loss weight decay
 

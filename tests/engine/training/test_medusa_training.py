@@ -10,11 +10,11 @@ from engine.models.kv_budget import KVBudget
 from engine.models.static.runner import StaticRunner
 from engine.proposers.medusa import MedusaDrafter, load_medusa
 from engine.training import medusa as training
+from engine.training.answers import regenerate
 from engine.training.medusa import (
     TrainSettings,
     head_accuracy,
     new_heads,
-    regenerate,
     train,
 )
 from tests.conftest import make_tiny_model
