@@ -27,6 +27,7 @@ class PassStates:
         # with `keep_hidden`: the last forward's final hidden states where its logits were taken, [B, max(n), H]
         self.last_hidden: torch.Tensor | None = None
         self.aux: dict[str, deque[tuple[int, torch.Tensor]]] | None = None  # with `keep_aux`: seq -> pieces
+        self._positions: dict[str, int] = {}  # positions held per sequence (the pieces' total length)
 
     def keep_hidden(self) -> None:
         self.model.keep_hidden(self.max_rows, self.max_width)
@@ -55,13 +56,16 @@ class PassStates:
     def _record(self, seq_id: str, start: int, states: torch.Tensor) -> None:  # states [n, A]
         pieces = self.aux.setdefault(seq_id, deque())
         pieces.append((start, states.clone()))
-        while sum(len(s) for _, s in pieces) > self.max_aux_positions and len(pieces) > 1:
-            pieces.popleft()
+        held = self._positions.get(seq_id, 0) + len(states)
+        while held > self.max_aux_positions and len(pieces) > 1:
+            held -= len(pieces.popleft()[1])
+        self._positions[seq_id] = held
 
     def take_aux(self, seq_id: str, end: int) -> list[tuple[int, torch.Tensor]]:
         """The sequence's aux states at positions below `end`, as (first position, states [n, A]) runs in position
         order, each position's latest; nothing is kept after (positions from `end` on are a rejected window's)."""
         pieces = self.aux.pop(seq_id, ()) if self.aux is not None else ()
+        self._positions.pop(seq_id, None)
         latest: dict[int, tuple[torch.Tensor, int]] = {}
         for start, states in pieces:
             for offset in range(min(len(states), end - start)):
@@ -79,3 +83,4 @@ class PassStates:
     def forget(self, seq_id: str) -> None:
         if self.aux is not None:
             self.aux.pop(seq_id, None)
+            self._positions.pop(seq_id, None)
