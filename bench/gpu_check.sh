@@ -11,13 +11,16 @@
 #             CPU, bench/RESULTS.md; the report gives the rate measured on the GPU):                       ~7 min
 #     exact   the 1.5B pair in float32, plain and speculative at 1 and 8 streams: whether greedy texts are equal
 #             where bf16 rounding cannot flip near-ties (in bf16 they differed: bench/RESULTS.md, session 26): ~4 min
+#     eagle3  bench/eagle3_cost.py: a random head of EAGLE3-LLaMA3.1-Instruct-8B's shape on the 8B-shaped target
+#             (aux states captured inside the graphs): its K drafts' cost against a target step at 1, 8, 32
+#             (issue 48: <= 5% of a step per draft token; not yet run):                                     ~3 min
 # gpu_serve runs Serve as `make run` does (throughput mode behind HAProxy, whose wheel the pack carries); add
 # --ray-serve-proxy for Serve's own proxy. Measured (bench/RESULTS.md, sessions 26-27): tests 2.5 min, 8b 4.7-5.1, 1.5b 4.3, exact 4.0;
 # run back to back (the machine stays warm 30 s after a call), tests + 8b + one more stage fit a session's 15 minutes
 # with the machine's start. The servers' configs and logs come back as one runs.tgz (the device returns 8 files).
 # Record what they print in bench/RESULTS.md with the commit and the command.
 set -u
-STAGE=${1:?usage: gpu_check.sh tests|1.5b|8b|exact}
+STAGE=${1:?usage: gpu_check.sh tests|1.5b|8b|exact|eagle3}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 bash .gpu/unpack.sh || { echo "no .gpu/ carried: see this script's header"; exit 2; }
@@ -44,6 +47,9 @@ case "$STAGE" in
     timeout 290 python3 -m bench.gpu_serve --shape 1.5b --concurrency 1 8 --budget-s 240 --serve-cli python \
       --set model.target_dtype=float32 --set model.draft_dtype=float32 \
       --pair-root /tmp/pairs --out "$OUT/gpu_serve_exact.json" 2>&1 | tee "$OUT/gpu_serve_exact.txt"
+    ;;
+  eagle3)
+    timeout 300 python3 -m bench.eagle3_cost --out "$OUT/eagle3_cost.json" 2>&1 | tee "$OUT/eagle3_cost.txt"
     ;;
   *)
     echo "unknown stage $STAGE"; exit 2 ;;

@@ -44,10 +44,10 @@ def measured_bandwidth(device: torch.device, gib: float = 4.0) -> float:
     return 2 * n * 2 / statistics.median(times[2:])
 
 
-def build_model(layers: int, device: torch.device):
+def build_model(layers: int, device: torch.device, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{**LLAMA_31_8B, "num_hidden_layers": layers})
+    config = LlamaConfig(**{**LLAMA_31_8B, "num_hidden_layers": layers, **overrides})
     torch.manual_seed(0)
     with torch.device(device):
         previous = torch.get_default_dtype()
