@@ -66,19 +66,19 @@ class PassStates:
         order, each position's latest; nothing is kept after (positions from `end` on are a rejected window's)."""
         pieces = self.aux.pop(seq_id, ()) if self.aux is not None else ()
         self._positions.pop(seq_id, None)
-        latest: dict[int, tuple[torch.Tensor, int]] = {}
-        for start, states in pieces:
-            for offset in range(min(len(states), end - start)):
-                latest[start + offset] = (states, offset)
-        runs, positions = [], sorted(latest)
-        i = 0
-        while i < len(positions):
-            j = i
-            while j + 1 < len(positions) and positions[j + 1] == positions[j] + 1:
-                j += 1
-            runs.append((positions[i], torch.stack([latest[p][0][latest[p][1]] for p in positions[i:j + 1]])))
-            i = j + 1
-        return runs
+        pieces = [(start, states[:end - start]) for start, states in pieces if start < end]
+        if not pieces:
+            return []
+        first = min(start for start, _ in pieces)
+        merged = pieces[0][1].new_empty(end - first, pieces[0][1].shape[1])
+        held = torch.zeros(end - first, dtype=torch.bool)
+        for start, states in pieces:  # in the order computed: a later piece overwrites an earlier one
+            merged[start - first:start - first + len(states)] = states
+            held[start - first:start - first + len(states)] = True
+        at = held.nonzero().squeeze(1)  # held offsets, ascending; a gap (no state) splits the runs
+        breaks = ((at[1:] - at[:-1]) > 1).nonzero().squeeze(1).tolist()
+        bounds = zip([0] + [b + 1 for b in breaks], breaks + [len(at) - 1])
+        return [(first + int(at[a]), merged[int(at[a]):int(at[b]) + 1]) for a, b in bounds]
 
     def forget(self, seq_id: str) -> None:
         if self.aux is not None:
