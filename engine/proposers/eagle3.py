@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.models.static.forward import Projection
+from engine.models.static.forward import STEP_MAX_WIDTH, Projection
 from engine.models.static.rope import apply_rope, rope_tables
 from engine.proposers.eagle3_head import Eagle3Head, attend
 from engine.spec.target_drafts import DraftFrom
@@ -59,8 +59,7 @@ class Eagle3Drafter:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         own = getattr(head, "embed_tokens", None)
         self.embed = own.weight.detach().to(self.device) if own is not None else model.embed
-        self.d2t = None if head.d2t is None else head.d2t.to(self.device)
-        head.to(self.device)  # its norms run as they are (fp32 weights, the activations' dtype out)
+        head.to(self.device)  # its norms and d2t are used as they are (fp32 weights, the activations' dtype out)
         cos, sin = rope_tables(head.rotary, model.capacity, self.device)
         self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)  # [capacity, D]
         shape = (model.num_slots, self.num_kv_heads, model.capacity, self.head_dim)
@@ -120,9 +119,8 @@ class Eagle3Drafter:
         return positions, tokens, torch.cat([states for _, states in runs]).to(self.dtype)
 
     def _pick(self, state: torch.Tensor) -> list[int]:  # [N, H] -> N target token ids
-        logits = self.lm_head(self.head.logits_input(state).to(self.dtype), True)
-        picked = logits.argmax(dim=-1)
-        return (picked if self.d2t is None else picked + self.d2t[picked]).tolist()
+        logits = self.lm_head(self.head.norm(state).to(self.dtype), True)
+        return self.head.draft_to_target(logits.argmax(dim=-1)).tolist()
 
     def _step(self, slots: list[int], positions: list[list[int]], tokens: list[list[int]],
               hidden: list[torch.Tensor], fused: bool) -> torch.Tensor:  # -> [R, W, H], the layer's output
@@ -141,11 +139,12 @@ class Eagle3Drafter:
         states = torch.zeros(rows, width, hidden[0].shape[-1], dtype=self.dtype, device=device)
         for r, h in enumerate(hidden):
             states[r, :len(h)] = h
+        step = width <= STEP_MAX_WIDTH  # which CPU kernel runs, as for the target's steps and prompt chunks
         if fused:
-            states = self.fc(states, True)
+            states = self.fc(states, step)
         embeds = F.embedding(ids, self.embed).to(self.dtype)
         x, residual = layer.attention_input(embeds, states)
-        qkv = self.qkv(x.to(self.dtype), True)
+        qkv = self.qkv(x.to(self.dtype), step)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [R, 1, W, D]
@@ -160,6 +159,6 @@ class Eagle3Drafter:
         keys, values = self.k_cache[slot, :, :kv_len], self.v_cache[slot, :, :kv_len]  # [R, KVH, L, D]
         mask = torch.arange(kv_len, device=device)[None, None, None, :] <= pos[:, None, :, None]  # [R, 1, W, L]
         attn = attend(q, keys, values, mask).transpose(1, 2).reshape(rows, width, -1)
-        hidden = residual + self.o(attn, True)
-        gate, up = self.gate_up(layer.post_attention_layernorm(hidden).to(self.dtype), True).chunk(2, dim=-1)
-        return hidden + self.down(F.silu(gate) * up, True)
+        hidden = residual + self.o(attn, step)
+        gate, up = self.gate_up(layer.post_attention_layernorm(hidden).to(self.dtype), step).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate) * up, step)

@@ -155,9 +155,6 @@ class Eagle3Head(nn.Module):
             aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], -1)
         return self.fc(aux)
 
-    def logits_input(self, out: torch.Tensor) -> torch.Tensor:  # the layer's output [..., H] -> the LM head's input
-        return self.norm(out)
-
     def logits(self, out: torch.Tensor) -> torch.Tensor:  # the layer's output [..., H] -> [..., draft vocab]
         return self.lm_head(self.norm(out))
 
