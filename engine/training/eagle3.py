@@ -33,6 +33,7 @@ from transformers import LlamaConfig
 from engine.proposers.eagle3_checkpoint import save_speculators
 from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head, default_aux_layers
 from engine.training.answers import Answers, to_draft_vocab, training_split
+from engine.training.loop import run_training
 
 
 @dataclass(frozen=True)
@@ -152,40 +153,24 @@ def train(model, answers: Answers, out: Path, settings: Eagle3Settings = Eagle3S
     train_data = states(kept)
     embed = model.get_input_embeddings()
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=settings.lr)
-    steps_per_epoch = -(-len(train_data) // settings.batch_size)
-    total = settings.epochs * steps_per_epoch
+    total = settings.epochs * -(-len(train_data) // settings.batch_size)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(
         0.1, 1 - s / max(total, 1)))
-    step = 0
-    state_file = out / "train_state.pt"
-    if state_file.is_file():
-        saved = torch.load(state_file, weights_only=False)
-        if saved["settings"] == asdict(settings) and saved["examples"] == len(train_data):
-            head.load_state_dict(saved["head"])
-            optimizer.load_state_dict(saved["optimizer"])
-            schedule.load_state_dict(saved["schedule"])
-            step = saved["step"]
-    gen = torch.Generator().manual_seed(settings.seed)
-    permutations = [torch.randperm(len(train_data), generator=gen).tolist() for _ in range(settings.epochs)]
+
+    def train_step(picked: torch.Tensor) -> float:
+        aux, tokens, labels = batch_of([train_data[i] for i in picked.tolist()], settings.ttt_steps, vocab,
+                                       vocab_size)
+        loss = loss_of(step_losses(head, embed, aux, tokens, labels, settings.ttt_steps), settings.step_decay)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        return loss.item()
+
     head.train()
-    with tqdm(total=total, initial=step, desc="training the EAGLE-3 head", unit="step") as bar:
-        while step < total:
-            epoch, offset = divmod(step, steps_per_epoch)
-            picked = permutations[epoch][offset * settings.batch_size:(offset + 1) * settings.batch_size]
-            aux, tokens, labels = batch_of([train_data[i] for i in picked], settings.ttt_steps, vocab, vocab_size)
-            loss = loss_of(step_losses(head, embed, aux, tokens, labels, settings.ttt_steps), settings.step_decay)
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            step += 1
-            bar.update()
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-            if step % settings.save_every == 0 or step == total:
-                torch.save({"settings": asdict(settings), "examples": len(train_data), "step": step,
-                            "head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                            "schedule": schedule.state_dict()}, state_file)
+    run_training(settings, len(train_data), {"head": head, "optimizer": optimizer, "schedule": schedule},
+                 out / "train_state.pt", "training the EAGLE-3 head", train_step)
     head.eval()
     architectures = tuple(getattr(model.config, "architectures", None) or ("LlamaForCausalLM",))
     save_speculators(head, out, verifier=base_model, verifier_architectures=architectures,

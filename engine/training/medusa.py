@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from engine.proposers.medusa import MedusaConfig, MedusaHeads
 from engine.training.answers import Answers, to_draft_vocab, training_split
+from engine.training.loop import run_training
 
 DECAY = 0.8  # Medusa's per-head loss weight decay
 
@@ -127,33 +128,17 @@ def train(model, answers: Answers, out: Path, settings: TrainSettings = TrainSet
     targets = to_draft_vocab(targets, vocab, vocab_size)
     heads = new_heads(model, settings, vocab)
     optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=settings.lr)
-    steps_per_epoch = -(-len(states) // settings.batch_size)
-    total = settings.epochs * steps_per_epoch
-    step = 0
-    state_file = out / "train_state.pt"
-    if state_file.is_file():
-        saved = torch.load(state_file, weights_only=False)
-        if saved["settings"] == asdict(settings) and saved["examples"] == len(states):
-            heads.load_state_dict(saved["heads"])
-            optimizer.load_state_dict(saved["optimizer"])
-            step = saved["step"]
-    gen = torch.Generator().manual_seed(settings.seed)
-    permutations = [torch.randperm(len(states), generator=gen) for _ in range(settings.epochs)]
+
+    def train_step(index: torch.Tensor) -> float:
+        loss = head_loss(head_logits(heads, lm_head, states[index]), targets[index])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
     heads.train()
-    with tqdm(total=total, initial=step, desc="training Medusa heads", unit="step") as bar:
-        while step < total:
-            epoch, offset = divmod(step, steps_per_epoch)
-            index = permutations[epoch][offset * settings.batch_size:(offset + 1) * settings.batch_size]
-            loss = head_loss(head_logits(heads, lm_head, states[index]), targets[index])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            step += 1
-            bar.update()
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-            if step % settings.save_every == 0 or step == total:
-                torch.save({"settings": asdict(settings), "examples": len(states), "step": step,
-                            "heads": heads.state_dict(), "optimizer": optimizer.state_dict()}, state_file)
+    total = run_training(settings, len(states), {"heads": heads, "optimizer": optimizer}, out / "train_state.pt",
+                         "training Medusa heads", train_step)
     heads.eval()
     heads.save(out, base_model)
     report = {"prompts": len(answers.sequences), "answer_tokens": answers.answer_tokens,
