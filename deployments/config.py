@@ -78,6 +78,14 @@ class SpeculationSection(StrictModel):
     num_speculative_tokens: int = Field(3, ge=0, le=16, description="draft tokens per round (K); 0 = plain")
     ngram_min: int = Field(2, ge=1, description="shortest n-gram prompt lookup tries")
     ngram_max: int = Field(4, ge=1, description="longest n-gram prompt lookup tries")
+    tree: Literal["auto", "on", "off"] = Field(
+        "off", description="token trees (engine/spec/tree.py): drafts as a tree of candidates verified in one pass "
+                           "with tree attention, exact at any temperature. auto: per round, where the measured cost "
+                           "of verifying tree_nodes + 1 positions per row and the requests' measured tree acceptance "
+                           "beat the chain (engine/spec/plan.plan_trees); on: every drafting row; off: chains. Rows "
+                           "with a grammar or logits processors stay chains. Needs the static runner")
+    tree_nodes: int = Field(8, ge=1, le=15, description="draft nodes a row's tree may hold (the verify pass scores "
+                                                        "tree_nodes + 1 positions per tree row)")
     max_batch_for_speculation: int = Field(
         EngineConfig.max_batch_for_speculation, ge=0,
         description="without `adaptive`: live sequences in a round above which K drops to 0",
@@ -241,6 +249,9 @@ class SpecServeConfig(StrictModel):
     def _consistent(self) -> "SpecServeConfig":
         if self.speculation.ngram_min > self.speculation.ngram_max:
             raise ValueError("speculation.ngram_min must be <= ngram_max")
+        if self.speculation.tree != "off" and self.runner.kind == "transformers":
+            raise ValueError(f"speculation.tree: {self.speculation.tree} needs the static runner (tree attention), "
+                             f"not runner.kind: transformers")
         if self.speculation.calibration is not None:
             from engine.spec.policy import CostProfile
 
@@ -275,7 +286,7 @@ class SpecServeConfig(StrictModel):
         return EngineConfig(
             target=m.target, target_dtype=m.target_dtype, draft=m.draft, draft_dtype=m.draft_dtype,
             num_speculative_tokens=s.num_speculative_tokens, ngram_min=s.ngram_min, ngram_max=s.ngram_max,
-            max_batch_for_speculation=s.max_batch_for_speculation,
+            tree=s.tree, tree_nodes=s.tree_nodes, max_batch_for_speculation=s.max_batch_for_speculation,
             max_model_len=m.max_model_len, device=m.device, trust_remote_code=m.trust_remote_code,
             runner=self.runner.kind, compile=self.runner.compile, kv_cache_gib=self.runner.kv_cache_gib,
             kv_cache_fraction=self.runner.kv_cache_fraction, max_num_seqs=self.runner.max_num_seqs,

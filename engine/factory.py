@@ -19,6 +19,7 @@ from engine.proposers.base import Proposer, check_tokenizers_compatible
 from engine.proposers.draft_model import DraftModelProposer
 from engine.proposers.ngram import NgramProposer
 from engine.request.grammar import GrammarCompiler, SequenceGrammars
+from engine.spec.plan import TreeSettings
 from engine.speculative import SpeculativeEngine
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ class EngineConfig:
     num_speculative_tokens: int = 3
     ngram_min: int = 2
     ngram_max: int = 4
+    tree: str = "off"  # token trees (engine/spec/tree.py): "auto" (where they pay), "on", "off"
+    tree_nodes: int = 8  # draft nodes a row's tree may hold
     max_batch_for_speculation: int | None = 4  # above this many live sequences rounds draft nothing (spec/plan.py)
     max_model_len: int | None = 2048
     device: str = "cpu"
@@ -280,4 +283,5 @@ def build_engine(config: EngineConfig,
         capture_graphs(runner, config.num_speculative_tokens, drafter)
     eos_ids = sorted(eos_token_ids(resolve(config.target).directory, tokenizer))
     return SpeculativeEngine(target, tokenizer, proposer, config.num_speculative_tokens, eos_ids,
-                             config.max_batch_for_speculation, drafter=drafter)
+                             config.max_batch_for_speculation, drafter=drafter,
+                             tree=TreeSettings(config.tree, config.tree_nodes))

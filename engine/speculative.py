@@ -28,9 +28,10 @@ from engine.request.sampling import SamplingParams
 from engine.request.sequence import RequestOutput, SequenceState
 from engine.spec.accept import Verdict, commit
 from engine.spec.options import SpeculationOptions
-from engine.spec.plan import SpecRow, plan_rows
+from engine.spec.plan import SpecRow, TreeSettings, plan_rows, plan_trees
 from engine.spec.policy import AcceptanceTracker, CostProfile
 from engine.spec.stats import EngineTimings, SpecStats
+from engine.spec.tree import DraftTree
 from engine.spec.verify import TargetVerifier, VerifyRow
 
 
@@ -47,6 +48,7 @@ class SpeculativeEngine:
         max_batch_for_speculation: int | None = None,
         profile: CostProfile | None = None,
         drafter: TargetDrafter | None = None,
+        tree: TreeSettings = TreeSettings(),
     ) -> None:
         if num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
@@ -58,6 +60,7 @@ class SpeculativeEngine:
             raise ValueError("one draft source: a proposer or a drafter inside the target")
         self.num_speculative_tokens = num_speculative_tokens
         self.max_batch_for_speculation = max_batch_for_speculation  # without a profile (engine/spec/plan.py)
+        self.tree = tree  # whether rounds may verify token trees (engine/spec/tree.py), planned by plan_trees
         self.profile = profile  # the costs K is planned with (engine/calibration/measure.measure_profile); None: the threshold
         self.eos_token_ids = frozenset(eos_token_ids) | tokenizer_eos_ids(tokenizer)  # see engine.models.loading
         self.timings = EngineTimings()
@@ -116,15 +119,23 @@ class SpeculativeEngine:
             return []
         seqs = [row.seq for row in rows]
         ks = self.plan(rows)
+        trees = plan_trees(self.profile, rows, ks, len(rows), self.tree)
         t0 = time.perf_counter()
-        drafts, proposals = draft_rows(self.proposer, seqs, ks)
+        own = self.drafter is not None  # the target drafts for itself: this round verifies the drafts it holds
+        drafts, proposals = draft_rows(self.proposer, seqs, ks, None if own else trees)
         for row, k in zip(rows, ks):
             if k > 0 and self.proposer is not None:
                 row.draft_sent = row.seq.num_tokens
         t1 = time.perf_counter()
-        own = self.drafter is not None  # the target drafts for itself: this round verifies the drafts it holds
-        verify = [VerifyRow(seq_delta(row.seq, row.target_sent), drafts[b], proposals[b], ks[b] if own else 0)
-                  for b, row in enumerate(rows)]
+        verify = []
+        for b, row in enumerate(rows):
+            delta, tree = seq_delta(row.seq, row.target_sent), drafts[b]
+            if isinstance(tree, DraftTree):
+                drafts[b] = list(tree.tokens)
+                verify.append(VerifyRow(delta, drafts[b], None, tree=tree))
+            else:
+                verify.append(VerifyRow(delta, tree, proposals[b], ks[b] if own else 0,
+                                        target_tree=trees[b] if own else 0))
         outcome = self.verifier.verify(verify)
         for b, held in outcome.drafts.items():
             drafts[b] = held
@@ -150,7 +161,7 @@ class SpeculativeEngine:
                          self.max_batch_for_speculation)
 
     def _commit(self, row: SpecRow, num_draft: int, verdict: Verdict) -> RequestOutput:
-        out = commit(row.seq, num_draft, verdict, self.stats, (row.tracker, self.population))
+        out = commit(row.seq, num_draft, verdict, self.stats, row.trackers(verdict, self.population))
         if out.finished:
             self._rows.pop(row.seq.request_id, None)
             self._release(row.seq)

@@ -46,8 +46,9 @@ from deployments.transport.messages import (
 from engine.proposers.base import draft_rows
 from engine.request.sequence import RequestOutput
 from engine.spec.accept import commit
-from engine.spec.plan import plan_rows
+from engine.spec.plan import plan_rows, plan_trees
 from engine.spec.policy import PROBE_EVERY, AcceptanceTracker
+from engine.spec.tree import DraftTree
 
 logger = logging.getLogger("ray.serve")
 
@@ -63,6 +64,7 @@ class Drafts:
     compute_seconds: float = 0.0  # the draft workers' own compute
     costs: list[CostObservation] = field(default_factory=list)  # the draft calls' measured costs
     failed: dict[int, RowFailure] = field(default_factory=dict)  # rows whose draft worker failed them (a grammar)
+    trees: dict[int, DraftTree] = field(default_factory=dict)  # rows whose drafts are a tree (`tokens`: its tokens)
 
     def take(self, rows: list[LiveRequest], members: list[int], calls: list[DraftCall], result: DraftResult) -> None:
         """A draft call's result for rows `members` (call i drafted for row members[i])."""
@@ -74,6 +76,8 @@ class Drafts:
             self.tokens[b] = result.drafts[i]
             if i in result.proposals:
                 self.proposals[b] = result.proposals[i]
+            if i in result.parents:
+                self.trees[b] = DraftTree(tuple(result.drafts[i]), tuple(result.parents[i]))
         for i, failure in result.failed.items():
             self.failed[members[i]] = failure
 
@@ -151,7 +155,8 @@ class GroupRound:
                                               if k > 0 and live.ready is None and live.draft is None])
             self.stats.draft_lease_seconds += time.perf_counter() - start
         t0 = time.perf_counter()
-        drafts = self._drafts_at_hand(rows, ks)
+        trees = self.plan_trees(rows, ks)
+        drafts = self._drafts_at_hand(rows, ks, trees)
         target = rows[0].target
         verified: VerifyResult | None = None
         aheads = []
@@ -160,18 +165,20 @@ class GroupRound:
         if members is not None and self._chainable(rows[members[0]]):
             calls = [VerifyCall(live.delta(live.target_sent), []) for live in rows]  # drafts are filled in there
             try:  # one draft worker: it hands its drafts straight to the target worker
-                verified = await self._chained(rows, ks, members, calls, drafts)
+                verified = await self._chained(rows, ks, members, calls, drafts, trees)
             except ReplicaGone:
                 await self.recovery.replace_target(rows)
                 return None
             t1 = t0 + drafts.compute_seconds  # the router sees no boundary between drafting and verifying
         else:
-            await self._draft_calls(rows, ks, drafts)
+            await self._draft_calls(rows, ks, drafts, trees)
             t1 = time.perf_counter()
         chained = verified is not None
         if verified is None:
             calls = [VerifyCall(live.delta(live.target_sent), drafts.tokens[b], drafts.proposals.get(b),
-                                self._decodes_ahead(live, ks[b]), ks[b] if self.in_target else 0)
+                                self._decodes_ahead(live, ks[b]), ks[b] if self.in_target else 0,
+                                list(drafts.trees[b].parents) if b in drafts.trees else None,
+                                trees[b] if self.in_target else 0)
                      for b, live in enumerate(rows)]
             aheads = self.ahead.start(rows, drafts.tokens) if self.config.overlap else []
             try:
@@ -209,8 +216,16 @@ class GroupRound:
         self._record(rows, result, time.perf_counter() - t2)
         return result
 
+    def plan_trees(self, rows: list[LiveRequest], ks: list[int]) -> list[int]:
+        """Each row's tree budget this round (engine/spec/plan.plan_trees; 0: a chain). Trees come from n-gram lookup
+        here, from drafters inside the target and from Draft workers (chains where they draft ahead: `overlap`)."""
+        if self.config.tree.mode == "off" or self.config.overlap:
+            return [0] * len(rows)
+        profile = self.costs.policy_profile(self.group_draft(rows), rows[0].target)
+        return plan_trees(profile, rows, ks, len(rows), self.config.tree)
+
     # ---- 2. draft -----------------------------------------------------------------------------------------------
-    def _drafts_at_hand(self, rows: list[LiveRequest], ks: list[int]) -> Drafts:
+    def _drafts_at_hand(self, rows: list[LiveRequest], ks: list[int], trees: list[int]) -> Drafts:
         """The round's drafts that need no draft call (made ahead, or n-gram lookup), and the rows that draft by
         Draft lease."""
         drafts = Drafts([[] for _ in rows])
@@ -220,7 +235,11 @@ class GroupRound:
         if not any(ks):
             return drafts
         if self.local is not None:  # one-hot drafts (n-gram lookup): no proposals
-            drafts.tokens = draft_rows(self.local, [live.seq for live in rows], ks)[0]
+            for b, made in enumerate(draft_rows(self.local, [live.seq for live in rows], ks, trees)[0]):
+                if isinstance(made, DraftTree):
+                    drafts.trees[b] = made
+                    made = list(made.tokens)
+                drafts.tokens[b] = made
             return drafts
         for b, (live, k) in enumerate(zip(rows, ks)):
             if k > 0 and ready[b] is not None:
@@ -232,10 +251,10 @@ class GroupRound:
                 drafts.by_lease.setdefault(live.draft.key, []).append(b)
         return drafts
 
-    async def _draft_calls(self, rows: list[LiveRequest], ks: list[int], drafts: Drafts) -> None:
+    async def _draft_calls(self, rows: list[LiveRequest], ks: list[int], drafts: Drafts, trees: list[int]) -> None:
         """Each Draft lease's rows drafted by a call of their own."""
         for members in drafts.by_lease.values():
-            calls = [DraftCall(rows[b].draft_delta([]), ks[b]) for b in members]
+            calls = [DraftCall(rows[b].draft_delta([]), ks[b], trees[b]) for b in members]
             try:
                 result = await rows[members[0]].draft.propose(calls)
             except ReplicaGone:
@@ -245,12 +264,12 @@ class GroupRound:
 
     # ---- 3. verify (chained) ------------------------------------------------------------------------------------
     async def _chained(self, rows: list[LiveRequest], ks: list[int], members: list[int],
-                       verify_calls: list[VerifyCall], drafts: Drafts) -> VerifyResult | None:
+                       verify_calls: list[VerifyCall], drafts: Drafts, trees: list[int]) -> VerifyResult | None:
         """Draft `members` and verify every row in one chained call (the draft worker hands its drafts straight to
         the target worker, which answers). None when the draft worker failed, and the round must verify without
         its drafts. Raises ReplicaGone when the target worker failed."""
         lease = rows[members[0]].draft
-        calls = [DraftCall(rows[b].draft_delta([]), ks[b]) for b in members]
+        calls = [DraftCall(rows[b].draft_delta([]), ks[b], trees[b]) for b in members]
         try:
             result = await lease.chain(calls, rows[0].target, verify_calls, members)
         except DraftGone:
@@ -302,7 +321,7 @@ class GroupRound:
                 accepted.append(0)
                 continue
             outputs.append(commit(live.seq, len(drafts.tokens[b]), verdict, self.stats.spec,
-                                  (live.tracker, self.population)))
+                                  live.trackers(verdict, self.population)))
             accepted.append(verdict.num_accepted)
         return outputs, accepted
 

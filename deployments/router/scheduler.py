@@ -39,6 +39,7 @@ from engine.factory import DraftSource
 from engine.request.sampling import SamplingParams
 from engine.request.sequence import RequestOutput, SequenceState
 from engine.spec.options import SpeculationOptions
+from engine.spec.plan import TreeSettings
 from engine.spec.policy import AcceptanceTracker, CostProfile
 from engine.spec.stats import EngineTimings, SpecStats
 
@@ -61,6 +62,7 @@ class SchedulerConfig:
     decode_ahead: bool = False  # mark rows that will not draft next round for the target to decode ahead
     max_queue_wait_s: float = 30.0  # how long a request waits for a free KV-cache slot (admission.py), then 503
     prefill_chunk: int = 256  # prompt tokens sent per round: a long prompt stalls running streams one chunk a round
+    tree: TreeSettings = TreeSettings()  # token trees (engine/spec/plan.plan_trees)
 
     @classmethod
     def of(cls, config: SpecServeConfig, eos_token_ids: frozenset[int]) -> "SchedulerConfig":
@@ -73,7 +75,8 @@ class SchedulerConfig:
             max_live_sequences=config.limits.max_live_sequences_per_router, adaptive=spec.adaptive,
             profile=CostProfile.from_json(spec.calibration) if spec.calibration else None,
             overlap=spec.overlap and draft.remote, decode_ahead=spec.decode_ahead,
-            max_queue_wait_s=config.limits.max_queue_wait_s, prefill_chunk=config.runner.prefill_chunk)
+            max_queue_wait_s=config.limits.max_queue_wait_s, prefill_chunk=config.runner.prefill_chunk,
+            tree=TreeSettings(spec.tree, spec.tree_nodes))
 
 
 @dataclass

@@ -32,6 +32,7 @@ import torch
 from engine.request.delta import SeqDelta
 from engine.request.prompt_logprobs import PromptLogprobs
 from engine.spec.accept import TokenLogprob, Verdict
+from engine.spec.tree import DraftTree
 from engine.spec.proposal import CompactProposal
 
 # a compact proposal on the wire: ([K, N] int32 token ids, [K, N] float32 probabilities)
@@ -67,13 +68,14 @@ def head(wire: WireProposal | None, start: int, end: int | None = None) -> WireP
 class DraftCall:
     seq: SeqDelta
     k: int  # drafts wanted (0: only read the tokens, a long prompt's chunk)
+    tree: int = 0  # drafts as a token tree of at most this many nodes, k deep (engine/spec/tree.py); 0: a chain
 
     def wire(self) -> tuple:
-        return (self.seq.wire(), self.k)
+        return (self.seq.wire(), self.k, self.tree)
 
     @staticmethod
     def from_wire(wire: tuple) -> "DraftCall":
-        return DraftCall(SeqDelta(*wire[0]), wire[1])
+        return DraftCall(SeqDelta(*wire[0]), wire[1], wire[2])
 
 
 @dataclass(frozen=True)
@@ -87,14 +89,22 @@ class VerifyCall:
     # drafts from the target's own drafter (engine/spec/target_drafts.py): verify up to this many of those it
     # holds for the row, and make as many for its next round (0: none)
     target_k: int = 0
+    # the draft as a token tree (engine/spec/tree.py): each draft token's parent (0: the row's last committed token,
+    # i: draft i - 1); None: a chain
+    parents: list[int] | None = None
+    # with target_k: the target drafter makes a tree of at most this many nodes for the next round (0: a chain)
+    target_tree: int = 0
+
+    def tree(self) -> DraftTree | None:
+        return None if self.parents is None else DraftTree(tuple(self.draft), tuple(self.parents))
 
     def wire(self) -> tuple:
-        return (self.seq.wire(), self.draft, self.proposal, self.ahead, self.target_k)
+        return (self.seq.wire(), self.draft, self.proposal, self.ahead, self.target_k, self.parents, self.target_tree)
 
     @staticmethod
     def from_wire(wire: tuple) -> "VerifyCall":
-        seq, draft, proposal, ahead, target_k = wire
-        return VerifyCall(SeqDelta(*seq), draft, proposal, ahead, target_k)
+        seq, draft, proposal, ahead, target_k, parents, target_tree = wire
+        return VerifyCall(SeqDelta(*seq), draft, proposal, ahead, target_k, parents, target_tree)
 
 
 @dataclass(frozen=True)
@@ -129,17 +139,19 @@ class DraftResult:
     seconds: float  # the worker's own compute, so the router can tell the round's overhead apart
     cancelled: bool = False  # an ahead draft stopped early (`DraftWorkerCore.cancel`): `drafts` is empty
     failed: dict[int, RowFailure] = field(default_factory=dict)  # calls that failed (their drafts are empty)
+    parents: dict[int, list[int]] = field(default_factory=dict)  # calls whose drafts are a tree: its parents
 
     def wire(self) -> tuple:
-        return (self.drafts, self.proposals, self.seconds, self.cancelled, failures_to_wire(self.failed))
+        return (self.drafts, self.proposals, self.seconds, self.cancelled, failures_to_wire(self.failed),
+                self.parents)
 
     @staticmethod
     def from_wire(wire: tuple) -> "DraftResult":
-        drafts, proposals, seconds, cancelled, failed = wire
-        return DraftResult(drafts, proposals, seconds, cancelled, failures_from_wire(failed))
+        drafts, proposals, seconds, cancelled, failed, parents = wire
+        return DraftResult(drafts, proposals, seconds, cancelled, failures_from_wire(failed), parents)
 
     def without_proposals(self) -> "DraftResult":
-        return DraftResult(self.drafts, {}, self.seconds, self.cancelled, self.failed)
+        return DraftResult(self.drafts, {}, self.seconds, self.cancelled, self.failed, self.parents)
 
 
 def calls_with_drafts(calls: list[tuple], members: list[int], draft: DraftResult) -> list[tuple]:
@@ -147,8 +159,8 @@ def calls_with_drafts(calls: list[tuple], members: list[int], draft: DraftResult
     members[i]; the other rows as they came."""
     calls = list(calls)
     for i, b in enumerate(members):
-        seq, _, _, *rest = calls[b]
-        calls[b] = (seq, draft.drafts[i], draft.proposals.get(i), *rest)
+        seq, _, _, ahead, target_k, _, target_tree = calls[b]
+        calls[b] = (seq, draft.drafts[i], draft.proposals.get(i), ahead, target_k, draft.parents.get(i), target_tree)
     return calls
 
 
@@ -180,7 +192,7 @@ class VerifyResult:
 
     def wire(self) -> tuple:
         rows = [None if v is None else
-                (v.tokens, v.num_accepted, None if v.logprobs is None else [tuple(lp) for lp in v.logprobs])
+                (v.tokens, v.num_accepted, None if v.logprobs is None else [tuple(lp) for lp in v.logprobs], v.depth)
                 for v in self.verdicts]
         return (rows, self.seconds, None if self.draft is None else self.draft.wire(),
                 {b: run.wire() for b, run in self.prompt_logprobs.items()}, failures_to_wire(self.failed),
@@ -190,7 +202,8 @@ class VerifyResult:
     def from_wire(wire: tuple) -> "VerifyResult":
         rows, seconds, draft, prompt, failed, cached, ahead, target_drafts, target_draft_seconds = wire
         verdicts = [None if row is None else
-                    Verdict(row[0], row[1], None if row[2] is None else [TokenLogprob(*lp) for lp in row[2]])
+                    Verdict(row[0], row[1], None if row[2] is None else [TokenLogprob(*lp) for lp in row[2]],
+                            depth=row[3])
                     for row in rows]
         return VerifyResult(verdicts, seconds, None if draft is None else DraftResult.from_wire(draft),
                             {b: PromptLogprobs.from_wire(run) for b, run in prompt.items()},

@@ -97,7 +97,7 @@ class DraftWorkerCore(ModelWorker):
             seq_id = call.seq.seq_id
             tokens = self._known.apply(call.seq)  # the first draft's absolute position is len(tokens)
             requests.append(DraftRequest(seq_id, tokens, call.k, self._known.settings(seq_id),
-                                         self._known.processing(seq_id)))
+                                         self._known.processing(seq_id), call.tree))
         if all(call.k == 0 for call in calls):  # a prompt chunk, read only (scheduler._draft_reads_chunk)
             self.proposer.read(requests)
             self._counted(len(calls))
@@ -114,8 +114,13 @@ class DraftWorkerCore(ModelWorker):
         ids, counts = proposal.token_ids.tolist(), proposal.num_tokens.tolist()
         proposals = {b: proposal_to_wire(compact) for b in range(len(calls))
                      if b not in failed and (compact := proposal.proposal(b)) is not None}
-        return DraftResult(drafts=[[] if b in failed else row[:n] for b, (row, n) in enumerate(zip(ids, counts))],
-                           proposals=proposals, seconds=time.perf_counter() - start, failed=failed)
+        drafts = [[] if b in failed else row[:n] for b, (row, n) in enumerate(zip(ids, counts))]
+        parents = {}
+        for b, tree in enumerate(proposal.trees or ()):
+            if tree is not None and b not in failed:  # a tree travels as its tokens and their parents
+                drafts[b], parents[b] = tree.wire()
+        return DraftResult(drafts=drafts, proposals=proposals, seconds=time.perf_counter() - start, failed=failed,
+                           parents=parents)
 
     def _failures(self, calls: list[DraftCall]) -> dict[int, RowFailure]:
         """The calls whose grammar failed in the proposer (it drafts the other rows on:

@@ -207,7 +207,7 @@ class TargetWorkerCore(ModelWorker):
         """The calls through the one verify step (engine/spec/verify.py); rank 0's answer, None on the others."""
         start = time.perf_counter()
         outcome = self.verifier.verify([VerifyRow(call.seq, call.draft, proposal_from_wire(call.proposal),
-                                                  call.target_k) for call in calls])
+                                                  call.target_k, call.tree(), call.target_tree) for call in calls])
         self._counted(len(calls))
         if outcome is None:
             return None

@@ -17,6 +17,7 @@ from engine.request.sampling import SamplingParams
 from engine.request.sequence import SequenceState
 from engine.request.settings import SequenceSettings
 from engine.spec.proposal import CompactProposal, RowScheme
+from engine.spec.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,12 @@ class DraftRequest:
     # the request's logits processors (engine/request/logits_processing.py), applied at each draft step with the tokens
     # drafted so far: the draft's distribution is processed as the target's is at that position
     processing: RowProcessing | None = None
+    tree: int = 0  # drafts as a tree of at most this many nodes, at most k deep (engine/spec/tree.py); 0: a chain
 
     @classmethod
-    def of(cls, seq: SequenceState, k: int) -> DraftRequest:
+    def of(cls, seq: SequenceState, k: int, tree: int = 0) -> DraftRequest:
         """A live sequence's request for `k` drafts (the in-process engine's and the router's own proposer's)."""
-        return cls(seq.request_id, seq.tokens, k, seq.settings, seq.processing())
+        return cls(seq.request_id, seq.tokens, k, seq.settings, seq.processing(), tree)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -69,6 +71,14 @@ class Proposal:
     num_tokens: torch.Tensor  # [B] int64, may be below the asked k (n-gram found nothing, say)
     # rows whose request `ships_proposal`: the compact proposals their drafts were drawn from, else None
     proposals: list[CompactProposal | None] | None = None  # None: no row has one (n-gram, greedy, seeded)
+    # rows that asked for a tree (DraftRequest.tree) and got one: their drafts (token_ids holds none for them)
+    trees: list[DraftTree | None] | None = None
+
+    def drafts(self, row: int) -> list[int] | DraftTree:
+        """Row `row`'s drafts: its tree, or its chain of tokens."""
+        if self.trees is not None and self.trees[row] is not None:
+            return self.trees[row]
+        return self.token_ids[row, : int(self.num_tokens[row])].tolist()
 
     def proposal(self, row: int) -> CompactProposal | None:
         if self.proposals is None or self.proposals[row] is None:
@@ -82,20 +92,21 @@ class Proposer(Protocol):
     def release(self, seq_id: str) -> None: ...
 
 
-def draft_rows(proposer: Proposer | None, seqs: Sequence[SequenceState], ks: Sequence[int]
-               ) -> tuple[list[list[int]], list[CompactProposal | None]]:  # per row its drafts and compact proposal
+def draft_rows(proposer: Proposer | None, seqs: Sequence[SequenceState], ks: Sequence[int],
+               trees: Sequence[int] | None = None,  # per row a tree's node budget (0: a chain)
+               ) -> tuple[list[list[int] | DraftTree], list[CompactProposal | None]]:  # drafts, compact proposals
     """Drafts from a proposer at hand (the in-process engine's, or n-gram lookup in the router) for the rows with
-    k > 0, and the compact proposals they were drawn from (unseeded sampled model drafts; None for the others: one-hot
-    n-gram drafts, greedy and seeded rows)."""
-    drafts: list[list[int]] = [[] for _ in seqs]
+    k > 0 (a tree where `trees` asks and the proposer makes one), and the compact proposals they were drawn from
+    (unseeded sampled model drafts; None for the others: one-hot n-gram drafts, trees, greedy and seeded rows)."""
+    drafts: list[list[int] | DraftTree] = [[] for _ in seqs]
     proposals: list[CompactProposal | None] = [None for _ in seqs]
     asked = [b for b, k in enumerate(ks) if k > 0]
     if not asked or proposer is None:
         return drafts, proposals
-    proposal = proposer.propose([DraftRequest.of(seqs[b], ks[b]) for b in asked])
+    proposal = proposer.propose([DraftRequest.of(seqs[b], ks[b], trees[b] if trees else 0) for b in asked])
     for i, b in enumerate(asked):
-        drafts[b] = proposal.token_ids[i, : int(proposal.num_tokens[i])].tolist()
-        proposals[b] = proposal.proposal(i)
+        drafts[b] = proposal.drafts(i)
+        proposals[b] = None if isinstance(drafts[b], DraftTree) else proposal.proposal(i)
     return drafts, proposals
 
 

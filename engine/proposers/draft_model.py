@@ -16,6 +16,7 @@ from engine.request.grammar import GrammarError, GrammarMatcher, SequenceGrammar
 from engine.request.logits_processing import process_logits
 from engine.request.sampling import BatchSampling, logits_to_probs
 from engine.spec.proposal import TOP_N, CompactProposal, choose_draft_tokens
+from engine.spec.tree import chain_with_siblings, top_candidates
 
 
 def fit_vocab(
@@ -57,6 +58,7 @@ class DraftModelProposer:
         n = min(self.top_n, self.target_vocab_size)
         top_ids = torch.zeros(batch, k_max, n, dtype=torch.int32)
         top_probs = torch.zeros(batch, k_max, n)
+        steps: dict[int, list] = {b: [] for b, r in enumerate(requests) if r.tree}  # tree rows' candidates per step
         active = list(range(batch))
         for step in range(k_max):
             logits = self.runner.forward([requests[i].seq_id for i in active], [feeds[i] for i in active],
@@ -70,6 +72,12 @@ class DraftModelProposer:
             # sampled on the draft's device with counter-based random numbers; only tokens and top-N leave it
             step_probs = fit_vocab(logits_to_probs(step_logits, sampling), self.target_vocab_size)[:, 0]
             tokens, ids, values = choose_draft_tokens(step_probs, [requests[i].scheme(step) for i in active], n)
+            trees = [pos for pos, i in enumerate(active) if requests[i].tree]
+            if trees:  # a tree's chain is the draft's best candidates, its alternatives hang beside it
+                ranked = top_candidates(step_logits[trees, 0].float().softmax(dim=-1))
+                for pos, candidates in zip(trees, ranked):
+                    steps[active[pos]].append(candidates)
+                    tokens[pos] = candidates[0][0]
             tokens = tokens.cpu()
             rows = torch.tensor(active)
             token_ids[rows, step] = tokens
@@ -92,17 +100,20 @@ class DraftModelProposer:
             if stop is not None and stop():
                 num_tokens = num_tokens.clamp(max=step + 1)
                 break
-        proposals = [CompactProposal(top_ids[b], top_probs[b]) if r.ships_proposal else None
+        proposals = [CompactProposal(top_ids[b], top_probs[b]) if r.ships_proposal and not r.tree else None
                      for b, r in enumerate(requests)]
+        trees = [chain_with_siblings(steps[b][: int(num_tokens[b])], r.tree) if r.tree else None
+                 for b, r in enumerate(requests)]
         return Proposal(token_ids=token_ids, num_tokens=num_tokens,
-                        proposals=proposals if any(p is not None for p in proposals) else None)
+                        proposals=proposals if any(p is not None for p in proposals) else None,
+                        trees=trees if any(t is not None for t in trees) else None)
 
     def _feeds_on_device(self, requests: Sequence[DraftRequest], matchers: list) -> bool:
         """Whether this round's steps can feed each other on the device (`_on_device`): no row processed or under a
         grammar (those need each token on the host), every row drafting the same k, on a runner whose steps take
         device tokens."""
         return (getattr(self.runner, "takes_device_tokens", False) and len({r.k for r in requests}) == 1
-                and all(r.processing is None for r in requests) and all(m is None for m in matchers))
+                and all(r.processing is None and not r.tree for r in requests) and all(m is None for m in matchers))
 
     def _on_device(self, requests: Sequence[DraftRequest], feeds: list[list[int]],
                    stop: Callable[[], bool] | None) -> Proposal:

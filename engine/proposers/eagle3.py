@@ -28,6 +28,7 @@ from engine.models.static.forward import STEP_MAX_WIDTH, Projection
 from engine.models.static.rope import apply_rope, rope_tables
 from engine.proposers.eagle3_head import Eagle3Head, attend
 from engine.spec.target_drafts import DraftFrom
+from engine.spec.tree import TOP_CANDIDATES, DraftTree, chain_with_siblings
 
 ALONE_WIDTH = 16  # a row catching up over more positions than this (a prompt) runs alone, not padded beside others
 
@@ -69,18 +70,18 @@ class Eagle3Drafter:
         self.steps = 0  # head steps run (catch-ups and drafts)
 
     @torch.inference_mode()
-    def draft(self, runner, rows: Sequence[DraftFrom], hidden: torch.Tensor | None) -> list[list[int]]:
+    def draft(self, runner, rows: Sequence[DraftFrom], hidden: torch.Tensor | None) -> list[list[int] | DraftTree]:
         catch_up = [self._catch_up_inputs(runner, row) for row in rows]
         # a row without the target's state where its last token was predicted (only a step fed from the device
         # keeps none) drafts nothing this round
         ready = [b for b, inputs in enumerate(catch_up) if inputs is not None]
         drafted = self._draft([rows[b] for b in ready], [catch_up[b] for b in ready], runner) if ready else []
-        drafts: list[list[int]] = [[] for _ in rows]
+        drafts: list[list[int] | DraftTree] = [[] for _ in rows]
         for b, d in zip(ready, drafted):
             drafts[b] = d
         return drafts
 
-    def _draft(self, rows: Sequence[DraftFrom], catch_up: list, runner) -> list[list[int]]:
+    def _draft(self, rows: Sequence[DraftFrom], catch_up: list, runner) -> list[list[int] | DraftTree]:
         slots = [runner._seqs[row.seq_id].slot for row in rows]
         state = torch.empty(len(rows), self.config.hidden_size, dtype=self.dtype, device=self.device)
         short = [b for b, (positions, _, _) in enumerate(catch_up) if len(positions) <= ALONE_WIDTH]
@@ -91,11 +92,14 @@ class Eagle3Drafter:
                              [catch_up[b][1] for b in group], [catch_up[b][2] for b in group], fused=True)
             state[group] = torch.stack([out[i, len(catch_up[b][0]) - 1] for i, b in enumerate(group)])
         drafts: list[list[int]] = [[] for _ in rows]
+        steps: dict[int, list] = {b: [] for b, row in enumerate(rows) if row.tree}  # tree rows' candidates per step
         for step in range(max(row.k for row in rows)):
-            token = self._pick(state)
+            token, candidates = self._pick(state, [b for b in steps if step < rows[b].k])
             for b, t in enumerate(token):
                 if step < rows[b].k:
                     drafts[b].append(t)
+            for b, c in candidates.items():
+                steps[b].append(c)
             active = [b for b, row in enumerate(rows) if row.k > step + 1]
             if not active:
                 break
@@ -104,7 +108,7 @@ class Eagle3Drafter:
                              [[drafts[b][-1]] for b in active], [carried[i:i + 1] for i in range(len(active))],
                              fused=False)
             state[active] = out[:, 0]
-        return drafts
+        return [chain_with_siblings(steps[b], row.tree) if b in steps else drafts[b] for b, row in enumerate(rows)]
 
     def _catch_up_inputs(self, runner, row: DraftFrom) -> tuple[list[int], list[int], torch.Tensor] | None:
         """The positions p the target computed since the row's last draft (at most its committed tokens but the
@@ -118,9 +122,18 @@ class Eagle3Drafter:
         tokens = [known[p + 1] if p + 1 < end else row.last for p in positions]
         return positions, tokens, torch.cat([states for _, states in runs]).to(self.dtype)
 
-    def _pick(self, state: torch.Tensor) -> list[int]:  # [N, H] -> N target token ids
+    def _pick(self, state: torch.Tensor,  # [N, H]
+              trees: Sequence[int] = ()) -> tuple[list[int], dict[int, list[tuple[int, float]]]]:
+        """N target token ids, and for the rows `trees` the head's best candidates (target ids, probabilities)."""
         logits = self.lm_head(self.head.norm(state).to(self.dtype), True)
-        return self.head.draft_to_target(logits.argmax(dim=-1)).tolist()
+        tokens = self.head.draft_to_target(logits.argmax(dim=-1)).tolist()
+        candidates = {}
+        if trees:
+            probs = logits[list(trees)].float().softmax(dim=-1)
+            values, ids = probs.topk(min(TOP_CANDIDATES, probs.shape[-1]), dim=-1)
+            mapped = self.head.draft_to_target(ids).tolist()
+            candidates = {b: list(zip(m, v)) for b, m, v in zip(trees, mapped, values.tolist())}
+        return tokens, candidates
 
     def _step(self, slots: list[int], positions: list[list[int]], tokens: list[list[int]],
               hidden: list[torch.Tensor], fused: bool) -> torch.Tensor:  # -> [R, W, H], the layer's output

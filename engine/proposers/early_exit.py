@@ -21,8 +21,9 @@ from collections.abc import Sequence
 import torch
 
 from engine.models.static.early_exit import early_exit_step
-from engine.spec.target_drafts import DraftFrom, greedy_tokens
 from engine.spec.policy import expected_tokens
+from engine.spec.target_drafts import DraftFrom, greedy_tokens
+from engine.spec.tree import DraftTree, chain_with_siblings, top_candidates
 
 
 class EarlyExitDrafter:
@@ -35,8 +36,9 @@ class EarlyExitDrafter:
         self.name = f"self:{num_layers}"
         self.needs_hidden = False  # it reads the KV cache the verify pass wrote
 
-    def draft(self, runner, rows: Sequence[DraftFrom], hidden: torch.Tensor | None) -> list[list[int]]:
+    def draft(self, runner, rows: Sequence[DraftFrom], hidden: torch.Tensor | None) -> list[list[int] | DraftTree]:
         drafts: list[list[int]] = [[] for _ in rows]
+        steps: dict[int, list] = {b: [] for b, row in enumerate(rows) if row.tree}  # tree rows' candidates per step
         tokens = {b: row.last for b, row in enumerate(rows)}
         for step in range(max((row.k for row in rows), default=0)):
             active = [b for b, row in enumerate(rows) if row.k > step]
@@ -45,7 +47,11 @@ class EarlyExitDrafter:
             for b, token in zip(active, greedy_tokens(logits)):
                 drafts[b].append(token)
                 tokens[b] = token
-        return drafts
+            trees = [i for i, b in enumerate(active) if b in steps]
+            if trees:
+                for i, candidates in zip(trees, top_candidates(logits[trees].float().softmax(dim=-1))):
+                    steps[active[i]].append(candidates)
+        return [chain_with_siblings(steps[b], row.tree) if b in steps else drafts[b] for b, row in enumerate(rows)]
 
 
 def exit_agreement(runner, token_ids: Sequence[int], candidates: Sequence[int], first: int = 0) -> dict[int, float]:

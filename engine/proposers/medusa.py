@@ -29,6 +29,7 @@ from torch import nn
 
 from engine.models.static.forward import Projection
 from engine.spec.target_drafts import DraftFrom
+from engine.spec.tree import DraftTree, independent_heads, top_candidates
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
@@ -198,7 +199,7 @@ class MedusaDrafter:
         self.dtype = dtype
 
     @torch.inference_mode()
-    def draft(self, runner, rows: Sequence[DraftFrom], hidden: torch.Tensor | None) -> list[list[int]]:
+    def draft(self, runner, rows: Sequence[DraftFrom], hidden: torch.Tensor | None) -> list[list[int] | DraftTree]:
         if hidden is None:
             raise RuntimeError("Medusa heads need the verify pass's hidden states (runner.keep_hidden)")
         k = min(max(row.k for row in rows), self.config.num_heads)
@@ -214,7 +215,16 @@ class MedusaDrafter:
         if self.vocab_ids is not None:  # draft vocabulary -> the target's token ids
             picked = self.vocab_ids.to(picked.device)[picked]
         tokens = picked.tolist()
-        return [tokens[n * k: n * k + min(row.k, k)] for n, row in enumerate(rows)]
+        drafts: list[list[int] | DraftTree] = [tokens[n * k: n * k + min(row.k, k)] for n, row in enumerate(rows)]
+        for n, row in enumerate(rows):
+            if row.tree:  # Medusa's tree: every path through the heads' best candidates, the best `tree` of them
+                depth = min(row.k, k)
+                steps = top_candidates(logits[n, :depth].float().softmax(dim=-1))
+                if self.vocab_ids is not None:
+                    ids = self.vocab_ids.tolist()
+                    steps = [[(ids[t], p) for t, p in step] for step in steps]
+                drafts[n] = independent_heads(steps, row.tree)
+        return drafts
 
     def _states(self, h: torch.Tensor, k: int) -> torch.Tensor:  # [N, H] -> [N, k, H]
         n, size = h.shape

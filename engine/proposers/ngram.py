@@ -12,6 +12,9 @@ import numpy as np
 import torch
 
 from engine.proposers.base import DraftRequest, Proposal
+from engine.spec.tree import DraftTree
+
+MAX_MATCHES = 4  # continuations a lookup tree merges
 
 
 class NgramProposer:
@@ -38,16 +41,39 @@ class NgramProposer:
                 return arr[start : start + k].tolist()
         return []
 
+    def lookup_tree(self, tokens: Sequence[int], k: int, budget: int, matches: int = MAX_MATCHES) -> DraftTree:
+        """Several matches as a tree: the continuations (at most k tokens) after the latest `matches` earlier
+        occurrences of the sequence's last n tokens, longest n first and the most recent first, merged on their common
+        prefixes, at most `budget` nodes (SpecInfer's token trees from several speculators, here several lookups)."""
+        arr = np.asarray(tokens, dtype=np.int64)
+        length = len(arr)
+        paths: list[list[int]] = []
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = arr[length - n :]
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
+            for hit in np.flatnonzero((windows == suffix).all(axis=1))[::-1]:
+                path = arr[int(hit) + n : int(hit) + n + k].tolist()
+                if path and path not in paths:
+                    paths.append(path)
+                if len(paths) >= matches:
+                    return DraftTree.from_paths(paths, budget)
+        return DraftTree.from_paths(paths, budget)
+
     def propose(self, requests: Sequence[DraftRequest], stop: Callable[[], bool] | None = None) -> Proposal:
         batch, k_max = len(requests), max(r.k for r in requests)
         token_ids = torch.full((batch, k_max), -1, dtype=torch.long)
         num = torch.zeros(batch, dtype=torch.long)
+        trees: list[DraftTree | None] = [None] * batch
         for b, r in enumerate(requests):
+            if r.tree:
+                tree = self.lookup_tree(r.tokens, r.k, r.tree)
+                trees[b] = tree if len(tree) else None
+                continue
             found = self.lookup(r.tokens, r.k)
             if found:
                 token_ids[b, : len(found)] = torch.tensor(found)
                 num[b] = len(found)
-        return Proposal(token_ids=token_ids, num_tokens=num)
+        return Proposal(token_ids=token_ids, num_tokens=num, trees=trees if any(trees) else None)
 
     def release(self, seq_id: str) -> None:
         return None

@@ -42,9 +42,10 @@ from engine.request.sampling import BatchSampling, SamplingParams, logits_to_pro
 from engine.request.sequence import RequestOutput, SequenceState
 from engine.spec.policy import AcceptanceTracker
 from engine.spec.proposal import CompactProposal, RowScheme, dense
-from engine.spec.randomness import ACCEPT, RESIDUAL, gumbel, seeds_tensor, uniforms
+from engine.spec.randomness import ACCEPT, RESIDUAL, gumbel, inverse_cdf, seeds_tensor, uniforms
 from engine.spec.rejection import RejectionResult, greedy_accept, gumbel_accept, rejection_sample
 from engine.spec.stats import SpecStats
+from engine.spec.tree import DraftTree, walk
 
 
 class TokenLogprob(NamedTuple):
@@ -61,6 +62,8 @@ class Verdict:
     tokens: list[int]  # the accepted drafts, then the recovered or bonus token
     num_accepted: int  # drafts accepted (0..K_b)
     logprobs: list[TokenLogprob] | None = None  # per emitted token, only when the request asked
+    path: tuple[int, ...] | None = None  # a tree row's accepted draft nodes (engine/spec/tree.py); None: a chain
+    depth: int | None = None  # a tree row's longest path: the drafts its round counts as (acceptance, statistics)
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,15 @@ class RowVerify:
     # [>= 1, V] bool: the tokens the row's grammar allows at each scored position, row j after drafts[:j]
     # (engine/request/grammar.GrammarMatcher.masks); None: no grammar
     allowed: torch.Tensor | None = None
+    # the drafts as a tree (engine/spec/tree.py): `drafts` are its tokens in node order; None: a chain. Tree rows
+    # carry no logits processors and no grammar (their history differs per node: the planner keeps them chains)
+    tree: DraftTree | None = None
+
+    def __post_init__(self) -> None:
+        if self.tree is not None:
+            assert list(self.drafts) == list(self.tree.tokens), "a tree row's drafts are its tree's tokens"
+            assert self.allowed is None and (self.processing is None or not self.processing.processors), \
+                "tree rows carry no grammar and no logits processors"
 
 
 def verify_rows(
@@ -84,6 +96,16 @@ def verify_rows(
     """Each row's verdict, computed on logits' device; only token ids (and asked logprobs) leave it."""
     assert logits.dim() == 3 and logits.shape[0] == len(rows), "logits must be [B, T, V]"
     assert all(logits.shape[1] >= len(r.drafts) + 1 for r in rows), "a row has more drafts than scored positions"
+    trees = [b for b, r in enumerate(rows) if r.tree is not None]
+    if trees:  # tree rows: the target's choice at every node, then the walk (engine/spec/tree.py)
+        chains = [b for b, r in enumerate(rows) if r.tree is None]
+        out: list[Verdict | None] = [None] * len(rows)
+        for b, verdict in zip(trees, tree_verdicts(logits[trees], [rows[b] for b in trees])):
+            out[b] = verdict
+        if chains:
+            for b, verdict in zip(chains, verify_rows(logits[chains], [rows[b] for b in chains])):
+                out[b] = verdict
+        return out
     logits = apply_grammar_masks(logits, rows)
     raw = logits  # greedy rows' logprobs are the model's own (vLLM's default raw logprobs), grammar-masked as vLLM's
     logits = process_logits(logits, [r.processing for r in rows], [r.drafts for r in rows])  # per position
@@ -113,6 +135,42 @@ def verify_rows(
             dist = processed[b].log() if b in processed else raw[b].float().log_softmax(dim=-1)
             logprobs = token_logprobs(dist[: len(tokens)], tokens, row.params.logprobs)
         verdicts.append(Verdict(tokens, accepted, logprobs))
+    return verdicts
+
+
+def tree_verdicts(
+    logits: torch.Tensor,  # [B, T, V] the target's verify logits; row b's first tree.width positions are its nodes
+    rows: Sequence[RowVerify],  # B tree rows
+) -> list[Verdict]:
+    """Tree rows' verdicts: the token the target emits at every node, drawn as plain decoding draws at that node's
+    absolute position (greedy: argmax; seeded: the Gumbel-coupled sample; unseeded: the inverse-CDF draw from the
+    RESIDUAL uniform, which is plain decoding's bonus draw), then the walk down the children holding those tokens
+    (engine/spec/tree.py says why this keeps the target's distribution and plain decoding's text)."""
+    device, vocab = logits.device, logits.shape[-1]
+    verdicts = []
+    for b, row in enumerate(rows):
+        tree = row.tree
+        width = tree.width
+        positions = (row.scheme.position + torch.tensor(tree.depths, device=device))[None, :]  # [1, N + 1]
+        dist = None
+        if row.params.greedy:
+            choices = logits[b, :width].argmax(dim=-1)
+        else:
+            probs = logits_to_probs(logits[b : b + 1, :width], BatchSampling.from_params([row.params]))  # [1, N+1, V]
+            dist = probs[0].log()
+            seeds = seeds_tensor([row.scheme.seed], device)
+            if row.scheme.coupled:
+                choices = (dist + gumbel(seeds, positions, vocab)[0]).argmax(dim=-1)
+            else:
+                choices = inverse_cdf(probs[0], uniforms(seeds, positions, RESIDUAL)[0])
+        done = walk(tree, choices.tolist())
+        logprobs = None
+        if row.params.logprobs is not None:
+            at = [0, *done.path]  # the node each emitted token was chosen at
+            if dist is None:
+                dist = logits[b, :width].float().log_softmax(dim=-1)
+            logprobs = token_logprobs(dist[at], done.tokens, row.params.logprobs)
+        verdicts.append(Verdict(done.tokens, done.num_accepted, logprobs, tuple(done.path), tree.depth))
     return verdicts
 
 
@@ -182,6 +240,8 @@ def commit(seq: SequenceState, num_draft: int, verdict: Verdict, stats: SpecStat
     """Append a row's verdict to its sequence (cut at EOS, max_tokens, the window and stop strings) and record the
     round: in the sequence's own statistics, the round's `stats`, and each acceptance tracker (the request's own
     and the population's, engine/spec/policy.py)."""
+    if verdict.depth is not None:  # a tree round counts as a chain as deep as the tree
+        num_draft = verdict.depth
     for tracker in trackers:
         tracker.record(num_draft, verdict.num_accepted)
     out = seq.commit(verdict.tokens, num_draft, verdict.num_accepted, verdict.logprobs)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from engine.request.sequence import SequenceState
 from engine.spec.options import SpeculationOptions
 from engine.spec.policy import AcceptanceTracker, CostProfile, expected_tokens, load_adjusted_k, worth_starting
+from engine.spec.tree import MAX_TREE_NODES
 
 TIE = 1.001  # a plan must beat the cheaper one by this factor (ties go to fewer drafts)
 
@@ -44,6 +45,19 @@ class SpecRow:
     options: SpeculationOptions = field(default_factory=SpeculationOptions)  # the request's own (K, pinned, overlap)
     draft_sent: int = 0  # committed tokens its draft holds (a draft model reads the rest before drafting)
     target_sent: int = 0  # committed tokens its target holds (the next verify delta starts there)
+    # the request's acceptance in rounds whose drafts were a tree, per level of the tree (engine/spec/tree.py)
+    tree_tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+
+    def trackers(self, verdict, population: AcceptanceTracker) -> tuple[AcceptanceTracker, ...]:
+        """Where a round's acceptance is recorded: a chain's in the request's and the population's trackers, a
+        tree's (a verdict with a depth) in the request's tree tracker."""
+        return (self.tree_tracker,) if verdict.depth is not None else (self.tracker, population)
+
+    def takes_tree(self) -> bool:
+        """Whether the row's drafts may be a tree: not where its history differs per node (logits processors,
+        a grammar) or prompt tokens are still scored."""
+        seq = self.seq
+        return seq.params.grammar is None and not seq.processors and not seq.wants_prompt_logprobs()
 
     def outlook(self, cap: int, reads_context: bool) -> RowOutlook:
         """The row as the plan sees it: at most `cap` drafts; `reads_context`: its draft reads the tokens it lacks
@@ -132,3 +146,62 @@ def _a_perfect_row_pays(profile: CostProfile, batch: int, n: int, cap: int) -> b
     """Whether one row whose drafts are all accepted would make this round beat plain decoding."""
     plain = n / profile.round_seconds(batch, 0)
     return any((n + k) / profile.round_seconds(batch, k, drafting=1) > plain * TIE for k in range(1, cap + 1))
+
+
+TREE_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """`speculation.tree`: whether rounds may verify token trees (engine/spec/tree.py) and how large."""
+
+    mode: str = "off"  # "auto": where the costs and acceptance say a tree pays; "on": every drafting row; "off"
+    nodes: int = 8  # draft nodes a row's tree may hold (the verify pass scores nodes + 1 positions per row)
+
+    def __post_init__(self) -> None:
+        if self.mode not in TREE_MODES:
+            raise ValueError(f"speculation.tree must be one of {TREE_MODES}, got {self.mode!r}")
+        if not 1 <= self.nodes <= MAX_TREE_NODES:
+            raise ValueError(f"speculation.tree_nodes must be in 1..{MAX_TREE_NODES}, got {self.nodes}")
+
+
+def plan_trees(profile: CostProfile | None, rows: Sequence[SpecRow], ks: Sequence[int], batch: int,
+               settings: TreeSettings) -> list[int]:
+    """Each row's tree budget this round (0: its K drafts stay a chain), given the plan's K per row (`plan_rows`).
+
+    A tree of N nodes drafts as deep as the chain (its drafter's K steps) but widens the verify pass from K+1 to N+1
+    positions per row, for every row of the round. With a cost profile (`auto`) the round goes to trees when
+    the rows' expected tokens under their tree acceptance (per level of the tree, measured per request) over the
+    round's seconds at that verify width beat the chain's: trees where verifying more positions is nearly free (few
+    rows, memory-bound), chains under load. A request whose trees were never measured is assumed to miss half as
+    often as its chains (a probe: its first tree rounds measure it). Without a profile `auto` is `on`."""
+    out = [0] * len(rows)
+    eligible = [b for b, (row, k) in enumerate(zip(rows, ks)) if k > 0 and row.takes_tree()]
+    if settings.mode == "off" or not eligible:
+        return out
+    nodes = settings.nodes
+    if settings.mode == "auto" and profile is not None:
+        k_max = max(ks)
+        drafting = sum(1 for k in ks if k > 0)
+        chain_seconds = profile.round_seconds(batch, k_max, drafting=drafting)
+        tree_seconds = chain_seconds - profile.verify(batch, k_max) + profile.verify(batch, max(nodes, k_max))
+        chain_tokens = tree_tokens = float(len(rows) - drafting)
+        for b, (row, k) in enumerate(zip(rows, ks)):
+            if k <= 0:
+                continue
+            chain = expected_tokens(row.tracker.acceptance, k)
+            chain_tokens += chain
+            tree_tokens += expected_tokens(_tree_acceptance(row), k) if b in eligible else chain
+        if tree_tokens / tree_seconds <= chain_tokens / chain_seconds * TIE:
+            return out
+    for b in eligible:
+        out[b] = nodes
+    return out
+
+
+def _tree_acceptance(row: SpecRow) -> float:
+    """The row's measured tree acceptance per level; before any tree round, its chain's with half the misses."""
+    if row.tree_tracker.rounds:
+        return row.tree_tracker.acceptance
+    chain = row.tracker.acceptance
+    return chain + (1.0 - chain) / 2

@@ -255,6 +255,7 @@ class AcceptanceTracker:
         self.accepted = prior * PRIOR_WEIGHT
         self.rejected = (1.0 - prior) * PRIOR_WEIGHT
         self.rounds_without_drafts = 0
+        self.rounds = 0  # rounds with drafts observed
 
     @property
     def acceptance(self) -> float:
@@ -265,6 +266,7 @@ class AcceptanceTracker:
             self.rounds_without_drafts += 1
             return
         self.rounds_without_drafts = 0
+        self.rounds += 1
         self.accepted = DECAY * self.accepted + num_accepted
         self.rejected = DECAY * self.rejected + (1 if num_accepted < num_draft else 0)
 

@@ -22,6 +22,8 @@ from typing import Protocol
 
 import torch
 
+from engine.spec.tree import DraftTree
+
 
 @dataclass(frozen=True)
 class DraftFrom:
@@ -33,6 +35,7 @@ class DraftFrom:
     committed: int  # the row's committed tokens after the verdict; `last` is the last of them, not yet cached
     last: int  # the verdict's last token (the recovered or bonus token)
     k: int  # drafts to make (capped to the context window by the verifier)
+    tree: int = 0  # a tree of at most this many nodes, at most k deep (engine/spec/tree.py); 0: a chain of k
 
 
 class TargetDrafter(Protocol):
@@ -42,15 +45,15 @@ class TargetDrafter(Protocol):
     needs_hidden: bool  # it reads the verify pass's final hidden states (the runner keeps them: keep_hidden)
 
     def draft(self, runner, rows: Sequence[DraftFrom],
-              hidden: torch.Tensor | None) -> list[list[int]]:  # hidden [B, W, H]: the pass's final states
-        """Each row's drafts (at most rows[i].k tokens)."""
+              hidden: torch.Tensor | None) -> list[list[int] | DraftTree]:  # hidden [B, W, H]: the pass's final states
+        """Each row's drafts: at most rows[i].k tokens, or with rows[i].tree a tree of at most that many nodes."""
 
 
 @dataclass(frozen=True)
 class Held:
     committed: int  # the committed tokens the drafts follow
     last: int  # the last of them
-    drafts: list[int]
+    drafts: list[int] | DraftTree
 
 
 class HeldDrafts:
@@ -63,17 +66,23 @@ class HeldDrafts:
         # the router did not commit, a K that was 0 last round): rounds without drafts
         self.missed = 0
 
-    def keep(self, seq_id: str, committed: int, last: int, drafts: list[int]) -> None:
+    def keep(self, seq_id: str, committed: int, last: int, drafts: list[int] | DraftTree) -> None:
         self._held[seq_id] = Held(committed, last, drafts)
 
-    def take(self, seq_id: str, known: Sequence[int], k: int) -> list[int]:
-        """Up to `k` drafts made after exactly the committed tokens `known`; none if they were made after others."""
+    def take(self, seq_id: str, known: Sequence[int], k: int, tree: int = 0) -> list[int] | DraftTree:
+        """Drafts made after exactly the committed tokens `known` (none if they were made after others): with
+        `tree`, a tree of at most that many nodes (a held chain is a tree), else a chain of at most `k` (a held
+        tree's first branch)."""
         held = self._held.pop(seq_id, None)
         if held is None or held.committed != len(known) or not known or held.last != known[-1]:
             self.missed += 1
             return []
         self.used += 1
-        return held.drafts[:k]
+        drafts = held.drafts
+        if tree:
+            drafts = drafts if isinstance(drafts, DraftTree) else DraftTree.chain(drafts[:k])
+            return drafts.pruned(tree) if len(drafts) else []
+        return first_branch(drafts)[:k] if isinstance(drafts, DraftTree) else drafts[:k]
 
     def forget(self, seq_id: str) -> None:
         self._held.pop(seq_id, None)
@@ -87,3 +96,14 @@ class HeldDrafts:
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:  # logits [B, V] -> B token ids
     return logits.argmax(dim=-1).tolist()
+
+
+def first_branch(tree: DraftTree) -> list[int]:
+    """A tree's path down its first child at every node (its drafter's best guess: trees list children best first)."""
+    tokens, node = [], 0
+    while True:
+        child = next((i for i, p in enumerate(tree.parents, start=1) if p == node), None)
+        if child is None:
+            return tokens
+        tokens.append(tree.tokens[child - 1])
+        node = child

@@ -30,6 +30,7 @@ from engine.request.prompt_logprobs import PromptLogprobs, score_tokens, verify_
 from engine.spec.accept import RowVerify, Verdict, verify_rows
 from engine.spec.proposal import CompactProposal
 from engine.spec.target_drafts import DraftFrom, HeldDrafts, TargetDrafter
+from engine.spec.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ class VerifyRow:
     # drafts from the target's own drafter: verify up to this many of those it holds for the row, and make as many
     # for its next round (0: none)
     target_k: int = 0
+    tree: DraftTree | None = None  # the drafts as a token tree (engine/spec/tree.py): `drafts` are its tokens
+    target_tree: int = 0  # with target_k: the target drafter's next drafts as a tree of at most this many nodes
+
+    def __post_init__(self) -> None:
+        assert self.tree is None or list(self.drafts) == list(self.tree.tokens), "a tree row's drafts are its tokens"
 
 
 @dataclass
@@ -69,6 +75,9 @@ class TargetVerifier:
         self.held = HeldDrafts()
         if drafter is not None and getattr(drafter, "needs_hidden", False):
             runner.keep_hidden()
+        # tree rows verified by a side that does not sample (a tensor-parallel rank but the first): their accepted
+        # path is read from the committed tokens the row's next call brings (`_settle_tree`)
+        self._trees: dict[str, DraftTree] = {}
 
     def verify(self, rows: Sequence[VerifyRow]) -> VerifyOutcome | None:
         """Score every row's drafts in one forward and sample its verdict; None where this side does not sample."""
@@ -77,12 +86,17 @@ class TargetVerifier:
         seq_ids, feeds, widths, positions = [], [], [], []
         prompt: dict[int, PromptLogprobs | None] = {}
         own: dict[int, list[int]] = {}  # rows verifying the target drafter's drafts
+        trees = [row.tree for row in rows]
         for b, row in enumerate(rows):
             delta = row.delta
             known = self.known.apply(delta)
+            self._settle_tree(delta.seq_id, known)
             if row.target_k and self.drafter is not None:
-                own[b] = self.held.take(delta.seq_id, known, row.target_k)
-                row = rows[b] = VerifyRow(delta, own[b], None, row.target_k)
+                held = self.held.take(delta.seq_id, known, row.target_k, row.target_tree)
+                tree = held if isinstance(held, DraftTree) else None
+                own[b] = list(held.tokens) if tree is not None else held
+                row = rows[b] = VerifyRow(delta, own[b], None, row.target_k, tree, row.target_tree)
+                trees[b] = tree
             if not runner.has(delta.seq_id):
                 runner.add(delta.seq_id)
             seq_ids.append(delta.seq_id)
@@ -93,9 +107,16 @@ class TargetVerifier:
                 prompt[b] = scored
             feeds.append(feed + list(row.drafts))
             widths.append(len(row.drafts) + 1)
-        logits = runner.forward(seq_ids, feeds, widths)  # [B, K+1, V]; every rank runs it (collectives)
+        if any(t is not None for t in trees):
+            if not getattr(runner, "takes_trees", False):
+                raise ValueError(f"{type(runner).__name__} does not verify token trees (speculation.tree needs the "
+                                 f"static runner)")
+            logits = runner.forward(seq_ids, feeds, widths, trees=trees)  # [B, N+1, V]
+        else:
+            logits = runner.forward(seq_ids, feeds, widths)  # [B, K+1, V]; every rank runs it (collectives)
         cached = dict(getattr(runner, "last_prefix_hits", {}))  # row -> tokens read from the prefix cache
         if not self.samples:
+            self._trees.update((row.delta.seq_id, row.tree) for row in rows if row.tree is not None)
             return None
         outcome = VerifyOutcome([None] * len(rows), cached_tokens=cached, drafts=own)
         for b, run in prompt.items():  # a prompt chunk's last logits score the next chunk's first token
@@ -117,10 +138,12 @@ class TargetVerifier:
             settings = self.known.settings(seq_id)
             kept.append(b)
             accepting.append(RowVerify(settings.params, settings.scheme(position), row.drafts, row.proposal,
-                                       self.known.processing(seq_id), allowed))
+                                       self.known.processing(seq_id), allowed, row.tree))
         if accepting:  # the accept step on the target's device (engine/spec/accept.py): tokens come back
             for b, verdict in zip(kept, verify_rows(logits[kept] if outcome.failed else logits, accepting)):
                 outcome.verdicts[b] = verdict
+                if rows[b].tree is not None:  # the accepted path's keys and values into place, the rest dropped
+                    runner.keep_path(rows[b].delta.seq_id, rows[b].tree.width, verdict.path)
                 if self.grammars is not None:  # a grammar keeps the accepted drafts and the token after them
                     seq_id = rows[b].delta.seq_id
                     with contextlib.suppress(GrammarError):  # remembered: the row's next call fails
@@ -143,13 +166,33 @@ class TargetVerifier:
             k = min(row.target_k, self.runner.max_model_len - len(committed))
             if k > 0:
                 self.runner.sync(seq_id, committed)
-                starts.append(DraftFrom(seq_id, b, verdict.num_accepted, len(committed), committed[-1], k))
+                # the window offset that predicted the last token: the last accepted node of a tree
+                at = verdict.path[-1] if verdict.path else verdict.num_accepted if verdict.path is None else 0
+                starts.append(DraftFrom(seq_id, b, at, len(committed), committed[-1], k,
+                                        min(row.target_tree, self.runner.max_model_len - len(committed))))
         if starts:
             began = time.perf_counter()
             drafted = self.drafter.draft(self.runner, starts, getattr(self.runner, "last_hidden", None))
             outcome.draft_seconds = time.perf_counter() - began
             for start, drafts in zip(starts, drafted):
                 self.held.keep(start.seq_id, start.committed, start.last, drafts)
+
+    def _settle_tree(self, seq_id: str, known: Sequence[int]) -> None:
+        """On a side that does not sample: the tree this row verified last is walked by the tokens committed since
+        (each accepted draft is the child holding the next committed token), and its path kept (`keep_path`)."""
+        tree = self._trees.pop(seq_id, None)
+        if tree is None or not self.runner.has(seq_id):
+            return
+        root = len(self.runner.cached_tokens(seq_id)) - tree.width
+        if root < 0:
+            return
+        node, path = 0, []
+        for token in known[root + 1:]:
+            node = tree.child(node, token)
+            if node is None:
+                break
+            path.append(node)
+        self.runner.keep_path(seq_id, tree.width, path)
 
     def _grammar_masks(self, row: VerifyRow) -> torch.Tensor | None:  # [K+1, V] bool, or None: no grammar
         """The row's grammar masks at each verify position (engine/request/grammar.py): its matcher, made from the
@@ -170,6 +213,7 @@ class TargetVerifier:
         """Forget a sequence: its known tokens, its grammar, its caches."""
         self.known.pop(seq_id)
         self.held.forget(seq_id)
+        self._trees.pop(seq_id, None)
         if self.grammars is not None:
             self.grammars.release(seq_id)
         self.runner.release(seq_id)

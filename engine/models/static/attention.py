@@ -12,8 +12,12 @@ softmax of FlashAttention (Dao et al. 2022, arXiv 2205.14135) over its blocks; a
 by their log-sum-exp. One program takes a GQA group's queries (its heads x the step's width) against one key/value
 head, so each key block is read once for the group, and its products run as matrix products.
 
-Queries see causally: query w of row b sees keys t < min(starts[b] + w + 1, limits[b]). A padding row of a graph's
-bucket has limit 0 (it reads nothing and returns zeros). Triton ships with CUDA builds of torch; on a CPU its
+Queries see causally: query w of row b sees keys t < min(starts[b] + w + 1, limits[b]). A token tree's step
+(engine/spec/tree.py: several draft continuations verified in one pass) gives each row's ancestor bitmasks instead
+(`RowIndex.ancestors`): query w sees the committed keys t < starts[b] and the step's keys starts[b] + j for the set bits
+j of ancestors[b, w] (its own path), below limits[b]; a chain's masks (2 << w) - 1 are the causal mask. The kernel
+takes that branch only where masks are given (`TREE`, a compile-time flag: the chain kernel is unchanged). A padding
+row of a graph's bucket has limit 0 (it reads nothing and returns zeros). Triton ships with CUDA builds of torch; on a CPU its
 interpreter (`TRITON_INTERPRET=1`) runs the same kernels on CPU tensors, which is how the tests check them against
 `reference_attention`. Where Triton is missing the reference runs instead (it reads the whole slot: correct, slower).
 """
@@ -52,6 +56,9 @@ class RowIndex:
     slots: torch.Tensor  # [B] int64: row b's KV-cache slot
     starts: torch.Tensor  # [B] int64: tokens already in row b's slot (the position of its first new token)
     limits: torch.Tensor  # [B] int64: keys row b may attend to at most (start + W; 0 for a bucket's padding row)
+    # a token tree's step (engine/spec/tree.py); None: a chain (depths[b, w] = w, ancestors[b, w] = (2 << w) - 1)
+    depths: torch.Tensor | None = None  # [B, W] int64: node w's depth below the root (node 0): RoPE at start + depth
+    ancestors: torch.Tensor | None = None  # [B, W] int64: bit j set = step token j is node w's ancestor or itself
 
 
 def reference_attention(
@@ -61,7 +68,8 @@ def reference_attention(
     rows: RowIndex,
     scale: float,
 ) -> torch.Tensor:  # [B, H, W, D]
-    """The kernel's meaning in torch operators (GQA without repeating keys), computed in float32."""
+    """The kernel's meaning in torch operators (GQA without repeating keys), computed in float32: causal, or each
+    tree node over the committed keys and its own path (`rows.ancestors`)."""
     batch, heads, width, dim = q.shape
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     groups = heads // kv_heads
@@ -69,8 +77,15 @@ def reference_attention(
     keys = k_cache[slots].float()  # [B, KVH, C, D]
     values = v_cache[slots].float()
     t = torch.arange(capacity, device=q.device)
-    positions = starts[:, None] + torch.arange(width, device=q.device)[None, :]  # [B, W]
-    visible = (t[None, None, :] <= positions[:, :, None]) & (t[None, None, :] < limits[:, None, None])  # [B, W, C]
+    if rows.ancestors is None:
+        positions = starts[:, None] + torch.arange(width, device=q.device)[None, :]  # [B, W]
+        seen = t[None, None, :] <= positions[:, :, None]  # [B, W, C]
+    else:
+        offset = t[None, :] - starts[:, None]  # [B, C]: a key's index among the step's tokens
+        in_step = ((offset >= 0) & (offset < width))[:, None, :]  # [B, 1, C]
+        bits = (rows.ancestors[:, :, None] >> offset.clamp(0, 62)[:, None, :]) & 1  # [B, W, C]
+        seen = (offset < 0)[:, None, :] | (in_step & (bits == 1))
+    visible = seen & (t[None, None, :] < limits[:, None, None])  # [B, W, C]
     qg = q.float().reshape(batch, kv_heads, groups, width, dim)
     scores = torch.einsum("bkgwd,bktd->bkgwt", qg, keys) * scale
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
@@ -109,7 +124,8 @@ def cache_attention(
     scale: float,
     splits: int | None = None,
 ) -> torch.Tensor:  # [B, H, W, D]
-    """Causal GQA attention of a step's queries over their rows' cached keys (the module docstring). Allocates
+    """Causal (or tree: `rows.ancestors`) GQA attention of a step's queries over their rows' cached keys (the
+    module docstring). Allocates
     only its outputs and scratch (inside a graph: from the graph's pool); never reads a device value on the host."""
     if not available():
         return reference_attention(q, k_cache, v_cache, rows, scale)
@@ -125,13 +141,19 @@ def cache_attention(
     part_lse = torch.empty(batch, kv_heads, splits, block_m, dtype=torch.float32, device=q.device)
     # written as [B, W, H, D] (the layout the output projection reads: its caller's transpose is then a view)
     out = torch.empty(batch, width, heads, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
+    tree = rows.ancestors is not None
+    if tree:  # [B, W] int64, any strides (a graph's staging view is transposed)
+        assert rows.ancestors.shape == (batch, width) and rows.ancestors.dtype == torch.int64
+        assert width <= 63, "ancestor bitmasks hold up to 63 step tokens"
+    masks = rows.ancestors if tree else rows.starts  # the chain kernel never reads it
     _kernels()[0][(batch, kv_heads, splits)](
-        q, k_cache, v_cache, rows.slots, rows.starts, rows.limits, part_out, part_lse,
+        q, k_cache, v_cache, rows.slots, rows.starts, rows.limits, masks, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        masks.stride(0), masks.stride(1) if tree else 0,
         scale, width, dim,
         GROUPS=groups, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32 or _interpreting())
+        IEEE=q.dtype == torch.float32 or _interpreting(), TREE=tree)
     _kernels()[1][(batch, kv_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), out.stride(2), width, dim,
         GROUPS=groups, SPLITS=splits, BLOCK_M=block_m, BLOCK_D=block_d)
@@ -143,10 +165,10 @@ def _kernels():
     """The two Triton kernels, defined on first use (importing this module must not need Triton)."""
 
     @triton.jit
-    def split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, starts_ptr, limits_ptr, part_out_ptr, part_lse_ptr,
-                     q_sb, q_sh, q_sw, c_ss, c_sh, c_st, scale, width, dim,
+    def split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, starts_ptr, limits_ptr, masks_ptr, part_out_ptr, part_lse_ptr,
+                     q_sb, q_sh, q_sw, c_ss, c_sh, c_st, m_sb, m_sw, scale, width, dim,
                      GROUPS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+                     BLOCK_D: tl.constexpr, IEEE: tl.constexpr, TREE: tl.constexpr):
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(slots_ptr + b)
         start = tl.load(starts_ptr + b)
@@ -159,8 +181,12 @@ def _kernels():
         dim_ok = dims < dim
         q = tl.load(q_ptr + b * q_sb + head[:, None] * q_sh + w[:, None] * q_sw + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        sees = tl.minimum(start + w + 1, limit)  # keys each query sees
-        sees = tl.where(row_ok, sees, 0)
+        if TREE:  # each query's ancestor bitmask over the step's tokens (none for the block's spare rows)
+            masks = tl.load(masks_ptr + b * m_sb + w * m_sw, mask=row_ok, other=0)
+            committed = tl.where(row_ok, start, 0)  # keys every node sees
+        else:
+            sees = tl.minimum(start + w + 1, limit)  # keys each query sees
+            sees = tl.where(row_ok, sees, 0)
         row_keys = tl.minimum(start + width, limit)  # keys the row's last query sees
         per_split = tl.cdiv(tl.cdiv(row_keys, SPLITS), BLOCK_N) * BLOCK_N
         lo = split * per_split
@@ -178,7 +204,14 @@ def _kernels():
                 s = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee") * scale
             else:
                 s = tl.dot(q, tl.trans(k).to(q.dtype)).to(tl.float32) * scale
-            s = tl.where(t[None, :] < sees[:, None], s, float("-inf"))
+            if TREE:  # committed keys, and the step's keys on the query's path; never at or past the limit
+                offset = t - start  # a key's index among the step's tokens
+                step_key = (offset >= 0) & (offset < width)
+                bit = (masks[:, None] >> tl.where(step_key, offset, 0)[None, :]) & 1
+                seen = (t[None, :] < committed[:, None]) | (step_key[None, :] & (bit == 1))
+                s = tl.where(seen & (t < limit)[None, :], s, float("-inf"))
+            else:
+                s = tl.where(t[None, :] < sees[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)

@@ -9,8 +9,10 @@ buffers that the host fills before each replay, and attention reads each row's l
 one eager forward plus its capture: seconds for the whole set, against minutes for `torch.compile`'s CUDA graphs
 (one per key-length bucket as well).
 
-A step's inputs travel in one pinned host buffer and one copy: rows `[slot, start, limit, token 0 .. token W-1]` per
-row (`Staging`). A shape that was not captured (a short prompt's width, before its rows join the decode batch) runs
+A step's inputs travel in one pinned host buffer and one copy: rows `[slot, start, limit, token 0 .. token W-1,
+depth 0 .. depth W-1, ancestors 0 .. ancestors W-1]` per row (`Staging`). Every graph reads each row's depths and
+ancestor bitmasks (engine/models/static/attention.py), so one graph per shape serves chains (their defaults: depth w,
+the causal mask) and token trees (engine/spec/tree.py: a tree of N nodes replays the graph of the width bucket >= N). A shape that was not captured (a short prompt's width, before its rows join the decode batch) runs
 the same forward eagerly on the same buffers: never a capture while serving.
 
 Tensor parallelism: the row-parallel all-reduces and the vocabulary all-gather (engine/models/static/tp.py) are NCCL
@@ -24,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from engine.models.static.attention import RowIndex
@@ -32,38 +35,79 @@ from engine.models.static.forward import StaticLlama
 log = logging.getLogger(__name__)
 
 SLOT, START, LIMIT, FIRST_TOKEN = 0, 1, 2, 3  # the staging buffer's fields, one column per row
+# then max_width rows of depths from FIRST_TOKEN + max_width, and max_width of ancestor masks after them (`Staging`)
+
+
+def chain_depths(width: int) -> list[int]:
+    """A chain's depths: token w at depth w (RoPE at start + w)."""
+    return list(range(width))
+
+
+def chain_ancestors(width: int) -> list[int]:
+    """A chain's ancestor bitmasks: token w sees the step's tokens 0..w (the causal mask)."""
+    return [(2 << w) - 1 for w in range(width)]
 
 
 class Staging:
-    """A step's inputs: `[3 + max_width, max_rows]` int64 on the device (what the graphs read), and its pinned host
-    twin the host writes before one copy. The next fill waits until the previous copy has left the host buffer."""
+    """A step's inputs: `[3 + 3 max_width, max_rows]` int64 on the device (what the graphs read): slot, start, limit,
+    then max_width rows each of tokens, depths and ancestor bitmasks; and its pinned host twin the host writes before
+    one copy. The next fill waits until the previous copy has left the host buffer."""
 
     def __init__(self, max_rows: int, max_width: int, device: torch.device) -> None:
-        shape = (FIRST_TOKEN + max_width, max_rows)
+        assert max_width <= 63, "ancestor bitmasks are int64"
+        self.max_width = max_width
+        self.first_depth = FIRST_TOKEN + max_width  # the buffer's first depth row
+        self.first_ancestors = self.first_depth + max_width  # its first ancestor-mask row
+        shape = (FIRST_TOKEN + 3 * max_width, max_rows)
         self.device_buffer = torch.zeros(shape, dtype=torch.long, device=device)
         pinned = device.type == "cuda"
         self.host = torch.zeros(shape, dtype=torch.long, pin_memory=pinned)
         self.host_view = self.host.numpy()  # the host writes through numpy: no tensor per row
         self._copied = torch.cuda.Event() if pinned else None
+        self._chain_depths = np.array(chain_depths(max_width), dtype=np.int64)  # [max_width]
+        self._chain_ancestors = np.array(chain_ancestors(max_width), dtype=np.int64)
 
     def views(self, rows: int, width: int) -> tuple[torch.Tensor, RowIndex]:  # tokens [rows, width], RowIndex
+        """The first `rows` rows' tokens and RowIndex (depths and ancestors [rows, width] included: every graph reads
+        them), views of the device buffer."""
         buf = self.device_buffer
         tokens = buf[FIRST_TOKEN : FIRST_TOKEN + width, :rows].t()
-        return tokens, RowIndex(slots=buf[SLOT, :rows], starts=buf[START, :rows], limits=buf[LIMIT, :rows])
+        depths = buf[self.first_depth : self.first_depth + width, :rows].t()
+        ancestors = buf[self.first_ancestors : self.first_ancestors + width, :rows].t()
+        return tokens, RowIndex(slots=buf[SLOT, :rows], starts=buf[START, :rows], limits=buf[LIMIT, :rows],
+                                depths=depths, ancestors=ancestors)
 
     def fill(self, rows: int, width: int, slots: Sequence[int], starts: Sequence[int],
-             tokens: Sequence[Sequence[int]], scratch_start: int) -> None:
+             tokens: Sequence[Sequence[int]], scratch_start: int,
+             depths: Sequence[Sequence[int] | None] | None = None,  # per real row its W depths; None: a chain's
+             ancestors: Sequence[Sequence[int] | None] | None = None,  # per real row its W ancestor bitmasks
+             ) -> None:
         """Real rows first (each row's tokens right-padded with 0 to `width`), then padding rows up to `rows`: slot
-        0 at `scratch_start` (its scratch tail, which no real row reads) with limit 0 (they read no key)."""
+        0 at `scratch_start` (its scratch tail, which no real row reads) with limit 0 (they read no key). A token
+        tree's row (engine/spec/tree.py) gives its nodes' depths and ancestor bitmasks (as `RowIndex`'s); a row given
+        None (or every row, where the argument is None), its unlisted positions and padding rows get a chain's:
+        depth w and mask (2 << w) - 1."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the host buffer
         host, n = self.host_view, len(slots)
+        assert width <= self.max_width and n <= rows
         host[FIRST_TOKEN : FIRST_TOKEN + width, :rows] = 0
         host[SLOT, :n], host[START, :n] = slots, starts
         host[LIMIT, :n] = host[START, :n] + width
         host[SLOT, n:rows], host[START, n:rows], host[LIMIT, n:rows] = 0, scratch_start, 0
         for b, toks in enumerate(tokens):
             host[FIRST_TOKEN : FIRST_TOKEN + len(toks), b] = toks
+        first_depth, first_ancestors = self.first_depth, self.first_ancestors
+        host[first_depth : first_depth + width, :rows] = self._chain_depths[:width, None]
+        host[first_ancestors : first_ancestors + width, :rows] = self._chain_ancestors[:width, None]
+        for b, row in enumerate(depths or ()):
+            if row is not None:
+                assert len(row) <= width
+                host[first_depth : first_depth + len(row), b] = row
+        for b, row in enumerate(ancestors or ()):
+            if row is not None:
+                assert len(row) <= width
+                host[first_ancestors : first_ancestors + len(row), b] = row
         # the whole buffer (a few KiB): a column slice is strided, which torch would stage through pageable memory
         self.device_buffer.copy_(self.host, non_blocking=True)
         if self._copied is not None:
@@ -147,13 +191,16 @@ class GraphSteps:
                  self.pool_bytes / (1 << 20))
 
     def step(self, slots: Sequence[int], starts: Sequence[int], tokens: Sequence[Sequence[int]],
-             rows: int, width: int, layers: int | None = None
+             rows: int, width: int, layers: int | None = None, *,
+             depths: Sequence[Sequence[int] | None] | None = None,  # per real row: a tree's depths, or None (a chain)
+             ancestors: Sequence[Sequence[int] | None] | None = None,  # per real row: its ancestor bitmasks, or None
              ) -> torch.Tensor:  # [rows, width, V] float32 (a graph's output buffer)
         """Fill the staging buffer and run the (rows, width) step (of the first `layers` layers: an early exit):
-        its graph's replay, or eagerly if not captured. A replay's output is the graph's own buffer, valid until
-        the next step: read it (index it) before then."""
+        its graph's replay, or eagerly if not captured. Rows with `depths` and `ancestors` are token trees
+        (`Staging.fill`), replayed by the same graphs as chains. A replay's output is the graph's own buffer, valid
+        until the next step: read it (index it) before then."""
         began = time.perf_counter()
-        self.staging.fill(rows, width, slots, starts, tokens, self.scratch_start)
+        self.staging.fill(rows, width, slots, starts, tokens, self.scratch_start, depths=depths, ancestors=ancestors)
         return self._run(rows, width, began, layers)
 
     def step_fed(self, slots: Sequence[int], starts: Sequence[int],

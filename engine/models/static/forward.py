@@ -247,9 +247,14 @@ class StaticLlama(nn.Module):
         kv_len: int,  # keys read per row: >= max(starts) + W over the rows whose outputs are used
         last_only: bool = False,  # logits of the last position only (a prefill chunk)
         num_layers: int | None = None,  # the first layers only, then the final norm and LM head (an early exit)
+        depths: torch.Tensor | None = None,  # [B, W] int64: a tree step's (engine/spec/tree.py); None: a chain
+        ancestors: torch.Tensor | None = None,  # [B, W] int64 bitmasks: the step's tokens each one sees
     ) -> torch.Tensor:  # [B, W or 1, V] float32
+        """A step of `W` tokens per row. A tree step (`depths`, `ancestors`) writes token w at starts[b] + w, rotates
+        it at starts[b] + depths[b, w] and lets it see the committed keys and its own path only (tree attention)."""
         positions = starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]  # [B, W]
-        ops = LayerOps.for_step(self.layer_shape, self.cos, self.sin, positions, first_slot, kv_len)
+        tree = {} if depths is None else {"depths": depths, "ancestors": ancestors}
+        ops = LayerOps.for_step(self.layer_shape, self.cos, self.sin, positions, first_slot, kv_len, **tree)
         return self._layers(tokens, ops, last_only, num_layers)
 
     def forward_rows(
@@ -347,6 +352,19 @@ class StaticLlama(nn.Module):
     @torch.no_grad()
     def move_slot(self, src: int, dst: int, length: int, start: int = 0) -> None:
         """Copy positions [start, length) of slot `src`'s keys and values into slot `dst`."""
-        for cache in self.k_cache + self.v_cache + [getattr(self, n) for n in getattr(self, "slot_caches", ())]:
+        for cache in self._slot_caches():
             cache[dst, :, start:length] = cache[src, :, start:length]
+
+    @torch.no_grad()
+    def move_positions(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Within one slot, copy the keys and values at positions `src` to positions `dst` (a tree's accepted path
+        into place: engine/spec/tree.py); every source is read before any destination is written. The layers'
+        caches only: a draft head's own cache (`add_slot_cache`) is refilled from the kept states by its catch-up."""
+        src_t = torch.tensor(list(src), device=self.device)
+        dst_t = torch.tensor(list(dst), device=self.device)
+        for cache in self.k_cache + self.v_cache:
+            cache[slot, :, dst_t] = cache[slot, :, src_t]
+
+    def _slot_caches(self) -> list[torch.Tensor]:  # every per-slot, per-position cache: the layers', the heads'
+        return self.k_cache + self.v_cache + [getattr(self, n) for n in getattr(self, "slot_caches", ())]
 

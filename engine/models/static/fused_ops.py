@@ -78,19 +78,24 @@ def rope_to_cache(
     num_kv_heads: int,
 ) -> torch.Tensor:  # q [B, H, W, D] (a view of a [B, W, H, D] tensor)
     """RoPE (rotate-half, transformers' convention) on the queries and keys of token w of row b at position
-    starts[b] + w; its keys and values written to the cache at (slots[b], :, starts[b] + w); the rotated queries
-    returned. One program per (token, head)."""
+    starts[b] + w (a token tree's step, `rows.depths`: at starts[b] + depths[b, w]); its keys and values written to
+    the cache at (slots[b], :, starts[b] + w); the rotated queries returned. One program per (token, head)."""
     batch, width, _ = qkv.shape
     dim = cos.shape[-1]
     flat = qkv.reshape(batch * width, -1).contiguous()
     assert cos.is_contiguous() and sin.is_contiguous() and flat.shape[-1] == (num_heads + 2 * num_kv_heads) * dim
     q = torch.empty(batch, width, num_heads, dim, dtype=qkv.dtype, device=qkv.device)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    tree = rows.depths is not None
+    if tree:  # [B, W] int64, any strides (a graph's staging view is transposed)
+        assert rows.depths.shape == (batch, width) and rows.depths.dtype == torch.int64
+    depths = rows.depths if tree else rows.starts  # the chain kernel never reads it
     _kernels()["rope_to_cache"][(batch * width, num_heads + num_kv_heads)](
-        flat, cos, sin, rows.slots, rows.starts, q, k_cache, v_cache,
+        flat, cos, sin, rows.slots, rows.starts, depths, q, k_cache, v_cache,
         width, num_heads, num_kv_heads, dim, flat.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_D=_next_power_of_2(dim))
+        depths.stride(0), depths.stride(1) if tree else 0,
+        BLOCK_D=_next_power_of_2(dim), TREE=tree)
     return q.transpose(1, 2)
 
 
@@ -140,19 +145,23 @@ def _kernels() -> dict:
         tl.store(out_ptr + row * inner + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def rope_to_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, starts_ptr, q_ptr, k_ptr, v_ptr,
-                             width, num_heads, num_kv_heads, dim, qkv_stride, c_ss, c_sh, c_st,
-                             BLOCK_D: tl.constexpr):
+    def rope_to_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, starts_ptr, depths_ptr, q_ptr, k_ptr, v_ptr,
+                             width, num_heads, num_kv_heads, dim, qkv_stride, c_ss, c_sh, c_st, d_sb, d_sw,
+                             BLOCK_D: tl.constexpr, TREE: tl.constexpr):
         token, head = tl.program_id(0), tl.program_id(1)
         b, w = token // width, token % width
-        position = tl.load(starts_ptr + b) + w
+        position = tl.load(starts_ptr + b) + w  # where the token's key and value are written
+        if TREE:  # a tree node is rotated at its depth below the step's first position
+            rotate_at = tl.load(starts_ptr + b) + tl.load(depths_ptr + b * d_sb + w * d_sw)
+        else:
+            rotate_at = position
         dims = tl.arange(0, BLOCK_D)
         ok = dims < dim
         half = dim // 2
         partner = tl.where(dims < half, dims + half, dims - half)  # rotate_half: [-x2, x1]
         sign = tl.where(dims < half, -1.0, 1.0)
-        cos = tl.load(cos_ptr + position * dim + dims, mask=ok, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + position * dim + dims, mask=ok, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + rotate_at * dim + dims, mask=ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + rotate_at * dim + dims, mask=ok, other=0.0).to(tl.float32)
         row = qkv_ptr + token * qkv_stride
         # the fused projection's layout: query heads, key heads, value heads (a key head's program moves its value)
         x = tl.load(row + head * dim + dims, mask=ok, other=0.0).to(tl.float32)

@@ -61,9 +61,20 @@ def grouped_attention(
     return torch.matmul(probs, values).view(batch, heads, width, dim)
 
 
-def visible_keys(positions: torch.Tensor, kv_len: int) -> torch.Tensor:  # positions [B, W] -> [B, 1, W, L] bool
-    """Key position t is visible to a query at position p iff t <= p (built once per step, shared by the layers)."""
-    return torch.arange(kv_len, device=positions.device)[None, None, None, :] <= positions[:, None, :, None]
+def visible_keys(positions: torch.Tensor, kv_len: int,
+                 ancestors: torch.Tensor | None = None,  # [B, W] int64 bitmasks (a tree step), None: causal
+                 ) -> torch.Tensor:  # positions [B, W] -> [B, 1, W, L] bool
+    """Key position t is visible to a query at position p iff t <= p (built once per step, shared by the layers). In
+    a tree step (engine/spec/tree.py) query w of row b sees the row's committed keys (before the step's first
+    position s) and the step's keys s + j for the set bits j of ancestors[b, w]: its own path."""
+    t = torch.arange(kv_len, device=positions.device)[None, None, :]  # [1, 1, L]
+    if ancestors is None:
+        return (t <= positions[:, :, None])[:, None]
+    start = positions[:, :1, None]  # [B, 1, 1]
+    offset = t - start  # [B, 1, L]
+    in_step = (offset >= 0) & (offset < positions.shape[1])
+    bits = (ancestors[:, :, None] >> offset.clamp(0, 62)) & 1  # [B, W, L]
+    return ((t < start) | (in_step & (bits == 1)))[:, None]
 
 
 def use_fused_attention(device: torch.device, batch: int, width: int) -> bool:
@@ -123,10 +134,19 @@ class LayerOps:
                  sin: torch.Tensor,  # [capacity, D]
                  fused: dict | None,
                  positions: torch.Tensor,  # [B, W]
-                 first_slot: int, kv_len: int, rows: RowIndex | None = None) -> None:
+                 first_slot: int, kv_len: int, rows: RowIndex | None = None,
+                 depths: torch.Tensor | None = None,  # [B, W] int64: a tree step's depths (RoPE at start + depth)
+                 ancestors: torch.Tensor | None = None,  # [B, W] int64: a tree step's ancestor bitmasks
+                 ) -> None:
         self.shape, self.cos, self.sin, self.fused = shape, cos, sin, fused
         self.positions, self.first_slot, self.kv_len = positions, first_slot, kv_len  # the step's, [B, W] positions
         self.rows = rows  # a graph step's slots and key limits as device tensors (`StaticLlama.forward_rows`)
+        # a tree step (engine/spec/tree.py): token w of row b is written at positions[b, w] but rotated at its depth
+        # below the step's first position, and sees only its own path among the step's tokens
+        if rows is not None:
+            depths, ancestors = getattr(rows, "depths", None), getattr(rows, "ancestors", None)
+        self.depths, self.ancestors = depths, ancestors
+        self.rope_positions = positions if depths is None else positions[:, :1] + depths  # [B, W]
         # the elementwise work as one Triton kernel each (engine/models/static/fused_ops.py): graph steps, and eager
         # steps on TRITON_EAGER_DEVICES (their attention stays ATen's)
         self.triton = ((rows is not None or positions.device.type in TRITON_EAGER_DEVICES)
@@ -139,7 +159,10 @@ class LayerOps:
                  cos: torch.Tensor,  # [capacity, D]
                  sin: torch.Tensor,  # [capacity, D]
                  positions: torch.Tensor,  # [B, W]
-                 first_slot: int, kv_len: int) -> "LayerOps":
+                 first_slot: int, kv_len: int,
+                 depths: torch.Tensor | None = None,  # [B, W] int64: a tree step's (None: a chain)
+                 ancestors: torch.Tensor | None = None,  # [B, W] int64
+                 ) -> "LayerOps":
         """An eager or compiled step's: on CPU in fp32 over an fp32 or bf16 cache, the fused operators where they
         load."""
         fused = None
@@ -147,7 +170,7 @@ class LayerOps:
                 and shape.cache_dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()):
             fused = {name: cpu_extension.op(name) for name in FUSED_OPS}
             fused = fused if all(fused.values()) else None
-        return cls(shape, cos, sin, fused, positions, first_slot, kv_len)
+        return cls(shape, cos, sin, fused, positions, first_slot, kv_len, depths=depths, ancestors=ancestors)
 
     def cache_rows(self) -> RowIndex:
         """The step's rows as device tensors: a graph step's own, or an eager step's consecutive slots from
@@ -155,12 +178,13 @@ class LayerOps:
         if self._cache_rows is None:
             starts = self.positions[:, 0].contiguous()
             slots = torch.arange(self.first_slot, self.first_slot + starts.shape[0], device=starts.device)
-            self._cache_rows = RowIndex(slots=slots, starts=starts, limits=starts + self.positions.shape[1])
+            tree = {} if self.depths is None else {"depths": self.depths, "ancestors": self.ancestors}
+            self._cache_rows = RowIndex(slots=slots, starts=starts, limits=starts + self.positions.shape[1], **tree)
         return self._cache_rows
 
     def visible(self) -> torch.Tensor:  # [B, 1, W, L]: built once per step, and only where a path masks
         if self._visible is None:
-            self._visible = visible_keys(self.positions, self.kv_len)
+            self._visible = visible_keys(self.positions, self.kv_len, self.ancestors)
         return self._visible
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [B, W, H]
@@ -198,6 +222,9 @@ class LayerOps:
         if self.rows is not None:
             return attention_kernels.cache_attention(q, k_cache, v_cache, self.rows, m.scale)
         if self.fused is not None and m.head_dim % 8 == 0:
+            if self.ancestors is not None:  # each tree node over its own path, the same bits as decoding that path
+                return self.fused["cache_attention"](q.contiguous(), k_cache, v_cache, first, self.positions, kv_len,
+                                                     m.scale, self.ancestors)
             return self.fused["cache_attention"](q.contiguous(), k_cache, v_cache, first, self.positions, kv_len,
                                                  m.scale)
         keys = k_cache[first : first + batch, :, :kv_len].to(q.dtype)
@@ -223,10 +250,14 @@ class LayerOps:
             return fused_ops.rope_to_cache(qkv, self.cos, self.sin, self.cache_rows(), k_cache, v_cache, m.num_heads,
                                            m.num_kv_heads)
         if self.fused is not None:
+            if self.depths is not None:
+                return self.fused["rope_to_cache"](qkv.contiguous(), self.cos, self.sin, positions, k_cache, v_cache,
+                                                   first_slot, m.num_heads, m.num_kv_heads, self.rope_positions)
             return self.fused["rope_to_cache"](qkv.contiguous(), self.cos, self.sin, positions, k_cache, v_cache,
                                                first_slot, m.num_heads, m.num_kv_heads)
         batch, width = positions.shape
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, W, D]
+        rotate_at = self.rope_positions
+        cos, sin = self.cos[rotate_at][:, None], self.sin[rotate_at][:, None]  # [B, 1, W, D]
         q = qkv[..., : m.q_size].view(batch, width, -1, m.head_dim).transpose(1, 2)
         k = qkv[..., m.q_size : m.q_size + m.kv_size].view(batch, width, -1, m.head_dim)
         v = qkv[..., m.q_size + m.kv_size :].view(batch, width, -1, m.head_dim)

@@ -61,6 +61,20 @@ class PassStates:
             held -= len(pieces.popleft()[1])
         self._positions[seq_id] = held
 
+    def keep_path(self, seq_id: str, root: int, path: Sequence[int]) -> None:
+        """After a tree step (engine/models/static/runner.keep_path): the latest piece's states at the root and the
+        accepted nodes `path` (offsets from the root) become the positions after the root; the other nodes' go."""
+        pieces = self.aux.get(seq_id) if self.aux is not None else None
+        if not pieces:
+            return
+        start, states = pieces[-1]
+        if not start <= root < start + len(states):
+            return
+        at = root - start
+        index = torch.tensor([*range(at + 1), *(at + i for i in path)], device=states.device)
+        pieces[-1] = (start, states[index])
+        self._positions[seq_id] -= len(states) - len(index)
+
     def take_aux(self, seq_id: str, end: int) -> list[tuple[int, torch.Tensor]]:
         """The sequence's aux states at positions below `end`, as (first position, states [n, A]) runs in position
         order, each position's latest; nothing is kept after (positions from `end` on are a rejected window's)."""

@@ -154,10 +154,18 @@ class StaticRunner(SlotTableAccess):
     def last_hidden(self) -> torch.Tensor | None:  # [B, max(num_logits), H]: the last step's, with keep_hidden
         return self.pass_states.last_hidden
 
+    takes_trees = True  # verifies token trees (engine/spec/tree.py): `forward(..., trees=)`, then `keep_path`
+
     @torch.inference_mode()
     def forward(self, seq_ids: Sequence[str], new_tokens: Sequence[Sequence[int]],
-                num_logits: Sequence[int]) -> torch.Tensor:  # [B, max(num_logits), V] float32
+                num_logits: Sequence[int],
+                trees: Sequence | None = None,  # per row a DraftTree (its nodes: the row's last tree.width tokens)
+                ) -> torch.Tensor:  # [B, max(num_logits), V] float32
+        """Runner.forward; a row with a tree (engine/spec/tree.py) feeds the tree's nodes last, in node order, and
+        each node sees its own path only (tree attention), rotated at its depth; `keep_path` then keeps the
+        accepted path's keys and values."""
         assert len(seq_ids) == len(new_tokens) == len(num_logits)
+        assert trees is None or len(trees) == len(seq_ids)
         states = [self._seqs[s] for s in seq_ids]
         for state, toks, k in zip(states, new_tokens, num_logits):
             if not 0 < k <= len(toks):
@@ -172,7 +180,9 @@ class StaticRunner(SlotTableAccess):
         # batch
         heads, tails = split_heads(new_tokens, num_logits, MAX_WIDTH)
         prefill_heads(states, heads, self.prefill_chunk, self._prefill_rows, self.model.move_slot)
-        logits = self._batched_step(states, tails, list(num_logits))
+        shapes = None if trees is None or all(t is None for t in trees) else [
+            None if tree is None else tree_shape(tree, len(tail)) for tree, tail in zip(trees, tails)]
+        logits = self._batched_step(states, tails, list(num_logits), shapes)
         self.forward_calls += 1
         self.forward_rows += len(states)
         return logits
@@ -237,10 +247,27 @@ class StaticRunner(SlotTableAccess):
         for state, chunk in zip(states, chunks):
             state.tokens.extend(chunk)
 
-    def _batched_step(self, states: list[SeqSlot], tails: list[list[int]],
-                      num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]
+    def keep_path(self, seq_id: str, width: int, path: Sequence[int]) -> None:
+        """After a tree step whose last `width` tokens were a tree's nodes: keep the root and the accepted draft nodes
+        `path` (root's child first), their keys and values moved to the positions after the root, and drop the
+        other nodes."""
+        state = self._seqs[seq_id]
+        root = len(state.tokens) - width
+        assert root >= 0 and all(0 < i < width for i in path)
+        src = [root + i for i in path]
+        dst = list(range(root + 1, root + 1 + len(path)))
+        if src != dst:
+            self.model.move_positions(state.slot, src, dst)
+        kept = [state.tokens[i] for i in src]
+        del state.tokens[root + 1:]
+        state.tokens.extend(kept)
+        self.pass_states.keep_path(seq_id, root, path)
+
+    def _batched_step(self, states: list[SeqSlot], tails: list[list[int]], num_logits: list[int],
+                      shapes: list | None = None,  # per row its tree's (depths, ancestors), or None (a chain)
+                      ) -> torch.Tensor:  # [B, max(num_logits), V]
         if self.graphs is not None:
-            return self._graph_step(states, tails, num_logits)
+            return self._graph_step(states, tails, num_logits, shapes)
         lo = min(s.slot for s in states)
         rows = max(s.slot for s in states) - lo + 1
         width = max(len(t) for t in tails)
@@ -253,20 +280,37 @@ class StaticRunner(SlotTableAccess):
             ids[r, : len(toks)] = torch.tensor(toks)
             starts[r] = len(state.tokens)
             need = max(need, len(state.tokens) + width)
-        logits = self._run(ids, starts, lo, self._kv_len(need), last_only=False)  # [rows, width, V]
+        if shapes is None:
+            logits = self._run(ids, starts, lo, self._kv_len(need), last_only=False)  # [rows, width, V]
+        else:  # a tree step: eager (compiled steps take chains only), each row's depths and ancestor masks
+            depths, ancestors = chain_shape(rows, width)
+            for state, shape in zip(states, shapes):
+                if shape is not None:
+                    r = state.slot - lo
+                    depths[r, : len(shape[0])] = torch.tensor(shape[0])
+                    ancestors[r, : len(shape[1])] = torch.tensor(shape[1])
+            device = self.device
+            logits = self.model.forward(ids.to(device), starts.to(device), lo, self._kv_len(need), False, None,
+                                        depths.to(device), ancestors.to(device))
         self.pass_states.after_step([s.seq_id for s in states], [len(s.tokens) for s in states],
                                     [s.slot - lo for s in states], tails, num_logits, width, graph=False)
         for state, toks in zip(states, tails):
             state.tokens.extend(int(t) for t in toks)
         return pick_logits(logits, [s.slot - lo for s in states], [len(t) for t in tails], num_logits)
 
-    def _graph_step(self, states: list[SeqSlot], tails: list[list[int]],
-                    num_logits: list[int]) -> torch.Tensor:  # [B, max(num_logits), V]
+    def _graph_step(self, states: list[SeqSlot], tails: list[list[int]], num_logits: list[int],
+                    shapes: list | None = None) -> torch.Tensor:  # [B, max(num_logits), V]
         """The step as a CUDA graph's replay (engine/models/static/cuda_graphs.py): the rows in call order (any slots),
-        padded to the batch and width buckets; each row's logits at its last num_logits positions."""
+        padded to the batch and width buckets; each row's logits at its last num_logits positions. Every graph reads
+        each row's depths and ancestor masks, so a tree replays the graph of its width bucket."""
         width = bucket(max(len(t) for t in tails), self.width_buckets)
         rows = bucket(len(states), self.batch_buckets)
-        logits = self.graphs.step([s.slot for s in states], [len(s.tokens) for s in states], tails, rows, width)
+        trees = {}
+        if shapes is not None:
+            trees = {"depths": [None if s is None else s[0] for s in shapes],
+                     "ancestors": [None if s is None else s[1] for s in shapes]}
+        logits = self.graphs.step([s.slot for s in states], [len(s.tokens) for s in states], tails, rows, width,
+                                  **trees)
         self.pass_states.after_step([s.seq_id for s in states], [len(s.tokens) for s in states],
                                     range(len(states)), tails, num_logits, width, graph=True)
         for state, toks in zip(states, tails):
@@ -294,3 +338,19 @@ class StaticRunner(SlotTableAccess):
         of shapes."""
         return warm_up(self, max_k, progress, exit_layers)
 
+
+
+def tree_shape(tree, tail: int) -> tuple[list[int], list[int]]:
+    """A row's depths and ancestor bitmasks over its `tail` step tokens, whose last tree.width are the tree's nodes
+    (the tokens before them, already committed, form a chain every node sees)."""
+    lead = tail - tree.width
+    assert lead >= 0, "a tree's nodes are the row's last fed tokens"
+    depths = list(range(lead)) + [lead + d for d in tree.depths]
+    ancestors = [(2 << w) - 1 for w in range(lead)] + [((1 << lead) - 1) | (m << lead) for m in tree.ancestors]
+    return depths, ancestors
+
+
+def chain_shape(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:  # depths, ancestors [rows, width]
+    """A chain's depths and ancestor bitmasks (causal): what rows without a tree, and padding, get in a tree step."""
+    w = torch.arange(width)
+    return w.repeat(rows, 1), ((2 << w) - 1).repeat(rows, 1)

@@ -115,3 +115,34 @@ def test_rounds_that_draft_inside_the_target_correct_the_drafters_cost_apart_fro
     [shown] = router.scheduler.cost_profiles().values()
     observed = shown["observed_over_profile"]
     assert observed["draft"] != 1.0 and observed["verify_wide"] != 1.0, observed
+
+
+@pytest.mark.parametrize("draft", ["self:1", "medusa", "eagle3", "ngram", "model"])
+def test_served_trees_keep_greedy_and_seeded_text(deep_dirs, draft):
+    """`speculation.tree: on` through the served round: a target drafter's trees are made and verified in the target
+    worker (the router sends each row's node budget); n-gram lookup's and a Draft worker's trees travel as tokens and
+    parents (the draft model's in the chained call); the texts are plain decoding's, greedy and seeded."""
+    dirs, medusa, eagle3 = deep_dirs
+    source = {"medusa": f"medusa:{medusa}", "eagle3": f"eagle3:{eagle3}", "model": str(dirs[1])}.get(draft, draft)
+    router, broker = router_for(dirs, source, tree="on", tree_nodes=6)
+    verifier = broker.cores["target"].verifier
+    trees = []
+    verify = verifier.verify
+
+    def recording(rows):
+        outcome = verify(rows)
+        trees.extend(v.depth for v in outcome.verdicts if v is not None and v.depth is not None)
+        return outcome
+
+    verifier.verify = recording
+    outs = run_all(router, PROMPTS, [GREEDY] * len(PROMPTS), k=3)
+    for prompt, tokens in zip(PROMPTS, outs):
+        assert text(router, tokens) == plain_reference(dirs, prompt, 24)
+    assert trees, "rounds verified trees"
+    params = [SamplingParams(temperature=1.0, top_k=40, max_tokens=20, seed=50 + i, ignore_eos=True)
+              for i in range(4)]
+
+    async def batch():
+        return await asyncio.gather(*(generate(router, pr, p, k=3) for pr, p in zip(PROMPTS, params)))
+
+    assert asyncio.run(batch()) == plain_seeded(dirs, PROMPTS, params)

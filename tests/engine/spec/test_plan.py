@@ -100,3 +100,52 @@ def test_the_plan_is_never_expected_to_be_slower_than_plain_decoding(batch):
     drafting = sum(1 for k in ks if k)
     rate = tokens / profile.round_seconds(batch, max(ks), drafting=drafting)
     assert rate >= batch / profile.round_seconds(batch, 0)
+
+
+def _tree_rows(acceptances, tree_acceptance=None, grammar=False):
+    from engine.request.grammar import GrammarSpec
+    from engine.request.sampling import SamplingParams
+    from engine.request.sequence import SequenceState
+    from engine.spec.plan import SpecRow
+    from engine.spec.policy import AcceptanceTracker
+
+    params = SamplingParams(grammar=GrammarSpec("regex", "a+") if grammar else None)
+    rows = []
+    for i, a in enumerate(acceptances):
+        seq = SequenceState.create(f"r{i}", [1, 2, 3], params, 3, 256, frozenset(), None)
+        row = SpecRow(seq, AcceptanceTracker(prior=a))
+        if tree_acceptance is not None:
+            row.tree_tracker = AcceptanceTracker(prior=tree_acceptance)
+            row.tree_tracker.record(3, 3 if tree_acceptance > 0.5 else 0)
+        rows.append(row)
+    return rows
+
+
+# verify passes over widths 1..16: nearly free at one row (memory-bound), steep at eight
+TREE_PROFILE = CostProfile((1, 8), (tuple(0.010 + 0.0001 * w for w in range(16)),
+                                    tuple(0.020 + 0.004 * w for w in range(16))), (0.001, 0.002))
+
+
+def test_trees_are_planned_where_verifying_more_positions_is_nearly_free_and_chains_under_load():
+    from engine.spec.plan import TreeSettings, plan_trees
+    auto = TreeSettings("auto", 8)
+    rows = _tree_rows([0.6])
+    assert plan_trees(TREE_PROFILE, rows, [3], 1, auto) == [8], "one row: nine positions cost what four do"
+    rows = _tree_rows([0.6] * 8)
+    assert plan_trees(TREE_PROFILE, rows, [3] * 8, 8, auto) == [0] * 8, "eight rows: a wide verify costs too much"
+    assert plan_trees(TREE_PROFILE, rows, [3] * 8, 8, TreeSettings("on", 5)) == [5] * 8
+    assert plan_trees(TREE_PROFILE, rows, [3] * 8, 8, TreeSettings("off", 5)) == [0] * 8
+
+
+def test_measured_tree_acceptance_decides_and_some_rows_never_take_trees():
+    from engine.spec.plan import TreeSettings, plan_trees
+    auto = TreeSettings("auto", 8)
+    assert plan_trees(TREE_PROFILE, _tree_rows([0.6], tree_acceptance=0.2), [3], 1, auto) == [0], \
+        "trees that were measured worse than the chain are not planned"
+    assert plan_trees(TREE_PROFILE, _tree_rows([0.6], tree_acceptance=0.9), [3], 1, auto) == [8]
+    assert plan_trees(TREE_PROFILE, _tree_rows([0.6], grammar=True), [3], 1, TreeSettings("on", 8)) == [0], \
+        "a grammar's history differs per node: chains"
+    assert plan_trees(TREE_PROFILE, _tree_rows([0.6, 0.6]), [0, 3], 2, TreeSettings("on", 8)) == [0, 8], \
+        "a row that does not draft gets no tree"
+    with pytest.raises(ValueError, match="tree_nodes"):
+        TreeSettings("on", 16)

@@ -5,12 +5,14 @@
 //   rms_norm(x, w, eps)               x * rsqrt(mean(x^2) + eps) * w                  (_rms_norm)
 //   add_rms_norm(h, d, w, eps)        h += d (in place), then rms_norm(h, w, eps)      (residual + next norm)
 //   silu_mul(gate_up)                 silu(gate) * up, gate_up = [gate | up]           (the SwiGLU MLP; e^x: simd.h)
-//   cache_attention(q, k_cache, v_cache, first_slot, positions, kv_len, scale)
-//       causal GQA attention of each row's queries over its cached keys, read in place (below)
-//   rope_to_cache(qkv, cos, sin, positions, k_cache, v_cache, first_slot, heads, kv_heads)
+//   cache_attention(q, k_cache, v_cache, first_slot, positions, kv_len, scale, ancestors=None)
+//       causal GQA attention of each row's queries over its cached keys, read in place (below); with `ancestors`
+//       (a token tree's step) each node attends to the committed keys and its own path's only (`attend_tree`)
+//   rope_to_cache(qkv, cos, sin, positions, k_cache, v_cache, first_slot, heads, kv_heads, rope_positions=None)
 //       q [B, H, W, D] RoPE'd (rotate-half form, `apply_rope` in engine/models/static/rope.py); k RoPE'd and v
 //       written into the caches at (first_slot + b, :, positions[b, w]), what the Python step does with index
-//       assignments
+//       assignments; rotated at rope_positions[b, w] where given (a tree node: its committed length plus its depth),
+//       else at positions[b, w]
 //
 // The KV caches are fp32 or bf16 (runner.kv_cache_dtype): written rounded to nearest even, widened exactly as read.
 //
@@ -18,7 +20,9 @@
 // elementwise operators do; reductions may sum in another order (fp32 tolerance).
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <immintrin.h>
@@ -69,16 +73,17 @@ inline void store(float value, float* out) { *out = value; }
 inline void store(float value, uint16_t* out) { *out = specserve::bf16_bits(value); }
 
 // positions [B, W] of rows first_slot .. first_slot + B - 1 of `cache` ([slots, KVH, capacity, D]): a contiguous
-// int64 tensor whose every entry is in [0, limit)
+// int64 CPU tensor whose every entry is in [0, limit) (`name`: the argument, for the messages)
 const int64_t* checked_positions(const at::Tensor& positions, int64_t batch, int64_t width, int64_t first_slot,
-                                 const at::Tensor& cache, int64_t limit) {
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 2,
-              "positions must be a contiguous int64 [B, W]");
-  TORCH_CHECK(positions.size(0) == batch && positions.size(1) == width, "positions must be [B, W]");
+                                 const at::Tensor& cache, int64_t limit, const char* name = "positions") {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.device().is_cpu() && positions.is_contiguous() &&
+                  positions.dim() == 2,
+              name, " must be a contiguous int64 CPU tensor [B, W]");
+  TORCH_CHECK(positions.size(0) == batch && positions.size(1) == width, name, " must be [B, W]");
   TORCH_CHECK(first_slot >= 0 && first_slot + batch <= cache.size(0), "rows past the cache's slots");
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < batch * width; ++i)
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < limit, "position ", pos[i], " out of range");
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < limit, "position ", pos[i], " out of range (", name, ")");
   return pos;
 }
 
@@ -170,16 +175,17 @@ inline void rope_row(const float* x, const float* cos, const float* sin, int64_t
   for (int64_t d = half; d < dim; ++d) store(x[d] * cos[d] + x[d - half] * sin[d], out + d);
 }
 
+// token t = b * W + w: rotated at rotate[t] (positions, or a tree step's rope_positions), written at pos[t]
 template <typename T>
-void rope_rows(const float* xp, const float* cp, const float* sp, const int64_t* pos, int64_t batch, int64_t width,
-               int64_t num_heads, int64_t num_kv_heads, int64_t dim, int64_t capacity, int64_t first_slot, float* qp,
-               T* kp, T* vp) {
+void rope_rows(const float* xp, const float* cp, const float* sp, const int64_t* pos, const int64_t* rotate,
+               int64_t batch, int64_t width, int64_t num_heads, int64_t num_kv_heads, int64_t dim, int64_t capacity,
+               int64_t first_slot, float* qp, T* kp, T* vp) {
   const int64_t row = (num_heads + 2 * num_kv_heads) * dim;
   specserve::parallel_for(0, batch * width, 8, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      const int64_t b = t / width, w = t % width, p = pos[t];
+      const int64_t b = t / width, w = t % width, p = pos[t], r = rotate[t];
       const float* x = xp + t * row;
-      const float *c = cp + p * dim, *s = sp + p * dim;
+      const float *c = cp + r * dim, *s = sp + r * dim;
       for (int64_t h = 0; h < num_heads; ++h)
         rope_row(x + h * dim, c, s, dim, qp + ((b * num_heads + h) * width + w) * dim);
       for (int64_t g = 0; g < num_kv_heads; ++g) {
@@ -194,7 +200,7 @@ void rope_rows(const float* xp, const float* cp, const float* sp, const int64_t*
 
 at::Tensor rope_to_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache, int64_t first_slot,
-                         int64_t num_heads, int64_t num_kv_heads) {
+                         int64_t num_heads, int64_t num_kv_heads, const std::optional<at::Tensor>& rope_positions) {
   check_float(qkv, "qkv");
   check_float(cos, "cos");
   check_float(sin, "sin");
@@ -208,11 +214,15 @@ at::Tensor rope_to_cache(const at::Tensor& qkv, const at::Tensor& cos, const at:
   TORCH_CHECK(cos.size(1) == dim && sin.sizes() == cos.sizes() && dim % 2 == 0, "cos/sin [capacity, D], D even");
   const int64_t* pos = checked_positions(positions, batch, width, first_slot, k_cache,
                                          std::min(capacity, cos.size(0)));
+  const int64_t* rotate = rope_positions.has_value()
+                              ? checked_positions(*rope_positions, batch, width, first_slot, k_cache, cos.size(0),
+                                                  "rope_positions")
+                              : pos;
   at::Tensor q = at::empty({batch, num_heads, width, dim}, qkv.options());
   const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* qp = q.data_ptr<float>();
   with_cache_data(k_cache, v_cache, [&](auto* kp, auto* vp) {
-    rope_rows(xp, cp, sp, pos, batch, width, num_heads, num_kv_heads, dim, capacity, first_slot, qp, kp, vp);
+    rope_rows(xp, cp, sp, pos, rotate, batch, width, num_heads, num_kv_heads, dim, capacity, first_slot, qp, kp, vp);
   });
   return q;
 }
@@ -224,7 +234,7 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.def("add_rms_norm(Tensor(a!) hidden, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_to_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, int first_slot, int num_heads, int num_kv_heads) -> Tensor");
+        "Tensor(b!) v_cache, int first_slot, int num_heads, int num_kv_heads, Tensor? rope_positions=None) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
@@ -506,8 +516,138 @@ void attend(const float* qp, const T* kp, const T* vp, const int64_t* pos, int64
   });
 }
 
+// A token tree's verify step (`ancestors` given): step node w of row b, written at s_b + w (s_b = positions[b, 0], the
+// row's committed length), attends to the committed keys [0, s_b) and to the step keys s_b + j of its
+// ancestors-or-self j (the set bits of ancestors[b, w]) in ascending j, its path from the root: the keys plain decoding
+// of that path puts before it, in the same order. Its arithmetic is the sequence `attend` runs for that query at
+// position s_b + depth over a slot holding the committed keys followed by the path's: each key scored as key_scores
+// scores it (alone, in a block of eight or in a tile: the same bits), the scores in path order (the committed keys',
+// then the path's) through softmax_in_place over their count, then the values FMA'd in that order into one chain per
+// lane carried in `out` (the committed values by blocks and tiles as attend weighs them, then the path's one at a
+// time), so a node's result is the bits plain decoding of its path gives. Keys at or past kv_len are not read (a
+// padding row: its positions lie past every real key and it reads kv_len committed keys, as attend clamps it; its
+// output is unused). Tasks split rows, query blocks and heads as attend's do.
+template <typename T>
+void attend_tree(const float* qp, const T* kp, const T* vp, const int64_t* pos, const int64_t* ancestors,
+                 int64_t batch, int64_t heads, int64_t kv_heads, int64_t width, int64_t dim, int64_t capacity,
+                 int64_t first_slot, int64_t kv_len, float s, float* op) {
+  const int64_t group = heads / kv_heads;
+  const int64_t blocks = (width + QUERY_BLOCK - 1) / QUERY_BLOCK;
+  const int64_t heads_per_task = batch * kv_heads * blocks >= 4 * at::get_num_threads() ? group : 1;
+  const int64_t tasks_per_row = heads / heads_per_task * blocks;
+  specserve::parallel_for(0, batch * tasks_per_row, 1, [&](int64_t first, int64_t last) {
+    const int64_t most = heads_per_task * QUERY_BLOCK;
+    std::unique_ptr<float[]> scores(new float[most * kv_len]), buffer(new float[VALUE_BLOCK * dim]);  // uninitialized
+    std::unique_ptr<float[]> step_buffer(new float[width * dim]);  // the step's keys, then its values, as floats
+    std::vector<int64_t> at(most);
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t b = task / tasks_per_row, h0 = (task % tasks_per_row) / blocks * heads_per_task;
+      const int64_t w0 = (task % blocks) * QUERY_BLOCK, w1 = std::min(width, w0 + QUERY_BLOCK);
+      const int64_t g = h0 / group;
+      const T* keys = kp + ((first_slot + b) * kv_heads + g) * capacity * dim;
+      const T* values = vp + ((first_slot + b) * kv_heads + g) * capacity * dim;
+      const int64_t start = pos[b * width];  // s_b: the root's slot, the row's committed length
+      const int64_t committed = std::min(start, kv_len);  // every query's first keys
+      // the step keys these queries' paths can hold (j < w1) that lie before kv_len
+      const int64_t steps = std::max<int64_t>(0, std::min(w1, kv_len - start));
+      int64_t queries = 0;
+      for (int64_t w = w0; w < w1; ++w)  // position-major, as attend orders them
+        for (int64_t h = h0; h < h0 + heads_per_task; ++h, ++queries) at[queries] = ((b * heads + h) * width + w) * dim;
+      // the committed keys' scores: every query reads all of them, up to QUERY_TILE queries at a time
+      for (int64_t t = 0; t < committed; t += KEY_BLOCK) {
+        const int64_t n = std::min(KEY_BLOCK, committed - t);
+        if (t + PREFETCH_KEYS < committed)
+          prefetch(keys + (t + PREFETCH_KEYS) * dim, std::min(KEY_BLOCK, committed - t - PREFETCH_KEYS) * dim * sizeof(T));
+        else if (t + PREFETCH_KEYS < committed + KEY_BLOCK)  // the values' first keys
+          prefetch(values, std::min(PREFETCH_KEYS, committed) * dim * sizeof(T));
+        const float* block = as_floats(keys + t * dim, n, dim, buffer.get());
+        for (int64_t j = 0, rows; j < queries; j += rows) {
+          rows = n == KEY_BLOCK ? std::min(QUERY_TILE, queries - j) : 1;
+          if (rows == 1) {
+            key_scores(qp + at[j], block, dim, n, s, scores.get() + j * kv_len + t);
+            continue;
+          }
+          const float* qs[QUERY_TILE];
+          float* out[QUERY_TILE];
+          for (int64_t i = 0; i < rows; ++i) qs[i] = qp + at[j + i], out[i] = scores.get() + (j + i) * kv_len + t;
+          for (int64_t half = 0; half < KEY_BLOCK; half += 4) {
+            if (rows == 3) key_scores_tile<3>(qs, block + half * dim, dim, s, out);
+            else key_scores_tile<2>(qs, block + half * dim, dim, s, out);
+            for (int64_t i = 0; i < rows; ++i) out[i] += 4;
+          }
+        }
+      }
+      // each query's path keys' scores after them, root first, then its softmax over the whole path
+      const float* step_keys = as_floats(keys + start * dim, steps, dim, step_buffer.get());
+      for (int64_t j = 0; j < queries; ++j) {
+        float* row_scores = scores.get() + j * kv_len;
+        int64_t length = committed;
+        for (uint64_t bits = static_cast<uint64_t>(ancestors[b * width + w0 + j / heads_per_task]); bits != 0;
+             bits &= bits - 1) {
+          const int64_t k = __builtin_ctzll(bits);
+          if (k >= steps) break;  // at or past kv_len, and so is every later node
+          key_scores(qp + at[j], step_keys + k * dim, dim, 1, s, row_scores + length++);
+        }
+        softmax_in_place(row_scores, length);
+        std::fill(op + at[j], op + at[j] + dim, 0.0f);
+      }
+      // the committed values, weighed for every query
+      for (int64_t t = 0; t < committed; t += VALUE_BLOCK) {
+        const int64_t n = std::min(VALUE_BLOCK, committed - t);
+        if (t + PREFETCH_KEYS < committed)
+          prefetch(values + (t + PREFETCH_KEYS) * dim, std::min(VALUE_BLOCK, committed - t - PREFETCH_KEYS) * dim * sizeof(T));
+        const float* block = as_floats(values + t * dim, n, dim, buffer.get());
+        for (int64_t j = 0, rows; j < queries; j += rows) {
+          rows = std::min(QUERY_TILE, queries - j);
+          if (rows == 1) {
+            add_weighted_values(scores.get() + j * kv_len + t, block, dim, n, op + at[j]);
+            continue;
+          }
+          const float* w[QUERY_TILE];
+          float* out[QUERY_TILE];
+          for (int64_t i = 0; i < rows; ++i) w[i] = scores.get() + (j + i) * kv_len + t, out[i] = op + at[j + i];
+          if (rows == 3) add_weighted_values_tile<3>(w, block, dim, n, out);
+          else add_weighted_values_tile<2>(w, block, dim, n, out);
+        }
+      }
+      // then each query's path values in path order, the chains carried on in `out`
+      const float* step_values = as_floats(values + start * dim, steps, dim, step_buffer.get());
+      for (int64_t j = 0; j < queries; ++j) {
+        const float* row_scores = scores.get() + j * kv_len;
+        int64_t length = committed;
+        for (uint64_t bits = static_cast<uint64_t>(ancestors[b * width + w0 + j / heads_per_task]); bits != 0;
+             bits &= bits - 1) {
+          const int64_t k = __builtin_ctzll(bits);
+          if (k >= steps) break;
+          add_weighted_values(row_scores + length++, step_values + k * dim, dim, 1, op + at[j]);
+        }
+      }
+    }
+  });
+}
+
+// ancestors [B, W] of a tree step: a contiguous int64 CPU tensor, W <= 63, each ancestors[b, w] a bitmask holding
+// bit w (the node itself) and no bit above it
+const int64_t* checked_ancestors(const at::Tensor& ancestors, int64_t batch, int64_t width) {
+  TORCH_CHECK(ancestors.scalar_type() == at::kLong && ancestors.device().is_cpu() && ancestors.is_contiguous() &&
+                  ancestors.dim() == 2,
+              "ancestors must be a contiguous int64 CPU tensor [B, W]");
+  TORCH_CHECK(ancestors.size(0) == batch && ancestors.size(1) == width, "ancestors must be [B, W]");
+  TORCH_CHECK(width <= 63, "ancestors: a tree step has at most 63 nodes per row, got ", width);
+  const int64_t* bits = ancestors.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t w = 0; w < width; ++w) {
+      const uint64_t mask = static_cast<uint64_t>(bits[b * width + w]);
+      TORCH_CHECK((mask >> w) & 1, "ancestors[", b, ", ", w, "] must hold bit ", w, " (the node itself)");
+      TORCH_CHECK((mask >> w) >> 1 == 0, "ancestors[", b, ", ", w, "] holds a bit above ", w,
+                  " (a later node: nodes must be in topological order)");
+    }
+  return bits;
+}
+
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           int64_t first_slot, const at::Tensor& positions, int64_t kv_len, double scale) {
+                           int64_t first_slot, const at::Tensor& positions, int64_t kv_len, double scale,
+                           const std::optional<at::Tensor>& ancestors) {
   check_float(q, "q");
   check_caches(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
@@ -518,11 +658,16 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(dim % 8 == 0, "cache_attention: head_dim must be a multiple of 8, got ", dim);
   TORCH_CHECK(kv_len >= 1 && kv_len <= capacity, "kv_len ", kv_len, " out of range");
   const int64_t* pos = checked_positions(positions, batch, width, first_slot, k_cache, capacity);
+  const int64_t* tree = ancestors.has_value() ? checked_ancestors(*ancestors, batch, width) : nullptr;
   at::Tensor out = at::empty_like(q);
   const float s = static_cast<float>(scale);
   with_cache_data(k_cache, v_cache, [&](auto* kp, auto* vp) {
-    attend(q.data_ptr<float>(), kp, vp, pos, batch, heads, kv_heads, width, dim, capacity, first_slot, kv_len, s,
-           out.data_ptr<float>());
+    if (tree != nullptr)
+      attend_tree(q.data_ptr<float>(), kp, vp, pos, tree, batch, heads, kv_heads, width, dim, capacity, first_slot,
+                  kv_len, s, out.data_ptr<float>());
+    else
+      attend(q.data_ptr<float>(), kp, vp, pos, batch, heads, kv_heads, width, dim, capacity, first_slot, kv_len, s,
+             out.data_ptr<float>());
   });
   return out;
 }
@@ -531,6 +676,6 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.def("cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, int first_slot, Tensor positions, int kv_len, "
-        "float scale) -> Tensor");
+        "float scale, Tensor? ancestors=None) -> Tensor");
   m.impl("cache_attention", c10::DispatchKey::CPU, TORCH_FN(cache_attention));
 }
