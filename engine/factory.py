@@ -115,6 +115,12 @@ class EngineConfig:
     def budget(self) -> KVBudget:
         return KVBudget(gib=self.kv_cache_gib, fraction=self.kv_cache_fraction, max_num_seqs=self.max_num_seqs)
 
+    @property
+    def widest_verify(self) -> int:
+        """The most drafts a verify pass scores per row: K, or a token tree's nodes where trees are on (the widths
+        the target measures and captures at start)."""
+        return max(self.num_speculative_tokens, self.tree_nodes if self.tree != "off" else 0)
+
 
 def make_runner(model: torch.nn.Module, config: EngineConfig, vocab_size: int | None = None) -> Runner:
     """The static (compiled, preallocated) runner where it supports the model, else the transformers runner."""
@@ -270,17 +276,26 @@ def capture_graphs(runner: Runner | None, max_k: int, drafter=None) -> bool:
     return True
 
 
+def check_trees(config: EngineConfig, runner) -> None:
+    """Token trees need tree attention: the static runner's (ValueError naming the setting elsewhere)."""
+    if config.tree != "off" and not getattr(runner, "takes_trees", False):
+        raise ValueError(f"speculation.tree: {config.tree} needs the static runner (tree attention); this target runs "
+                         f"on {type(runner).__name__} (runner.kind, or a model family the static runner does not "
+                         f"cover)")
+
+
 def build_engine(config: EngineConfig,
                  on_loading: Callable[[str, str], None] = lambda role, source: None) -> SpeculativeEngine:
     """The in-process engine of `config`: target, proposer, EOS ids and speculation limits, all from the config.
     `on_loading(role, source)` is called before each model loads ("target", then "draft"), for a progress bar."""
     on_loading("target", config.target)
     target, tokenizer = build_target(config)
+    check_trees(config, target)
     on_loading("draft", config.draft)
     drafter = build_target_drafter(config, target, tokenizer)
     proposer = None if drafter is not None else build_proposer(config, tokenizer, target.vocab_size)
-    for runner in (target, getattr(proposer, "runner", None)):
-        capture_graphs(runner, config.num_speculative_tokens, drafter)
+    capture_graphs(target, config.widest_verify, drafter)
+    capture_graphs(getattr(proposer, "runner", None), config.num_speculative_tokens)
     eos_ids = sorted(eos_token_ids(resolve(config.target).directory, tokenizer))
     return SpeculativeEngine(target, tokenizer, proposer, config.num_speculative_tokens, eos_ids,
                              config.max_batch_for_speculation, drafter=drafter,

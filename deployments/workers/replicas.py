@@ -348,8 +348,8 @@ class TargetServer(_LeasedReplica):
             started([w.init_distributed.remote(address, port) for w in self.workers])
         started([w.ping.remote() for w in self.workers])
         if worker["calibrate"]:
-            self.costs = started([w.calibrate.remote(max(engine_config.num_speculative_tokens, 1))
-                                  for w in self.workers])[0]
+            self.costs = started([w.calibrate.remote(max(engine_config.num_speculative_tokens, 1),
+                                                     engine_config.widest_verify) for w in self.workers])[0]
         endpoints = ray.get([w.start_channel.remote() for w in self.workers])
         if tp_size > 1:  # from now on ranks 1.. take their calls from rank 0 alone
             ray.get(self.workers[0].connect_peers.remote(endpoints[1:]))

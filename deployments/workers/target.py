@@ -31,7 +31,7 @@ from deployments.workers.decode_ahead import DecodeAhead, merged, next_calls
 from deployments.workers.grammars import grammar_failure, prepare_grammars
 from engine.calibration.measure import measure_target_costs
 from engine.calibration.store import cached_costs, costs_key
-from engine.factory import EngineConfig, build_target, build_target_drafter, make_runner
+from engine.factory import EngineConfig, build_target, build_target_drafter, check_trees, make_runner
 from engine.models.loading import eos_token_ids, load_tokenizer, resolve
 from engine.models.runner import Runner, resolve_dtype
 from engine.models.shard_loading import load_shard, rank_device
@@ -90,7 +90,8 @@ class TargetWorkerCore(ModelWorker):
             self._start_grammars(tokenizer)
             # a draft source inside the target (draft: self | medusa:DIR): drafts from each verify pass
             self.drafter = build_target_drafter(self.config, self.runner, tokenizer)
-            warm_up(self.runner, self.config.num_speculative_tokens, "target", self.drafter)
+            check_trees(self.config, self.runner)
+            warm_up(self.runner, self.config.widest_verify, "target", self.drafter)
             self.verifier = TargetVerifier(self.runner, self.grammars, self._known, drafter=self.drafter)
             return
         if self.config.draft_method.in_target:  # refused by the config too (deployments/config.py)
@@ -105,7 +106,8 @@ class TargetWorkerCore(ModelWorker):
         self.full_parameters = full_num_parameters(model, self.world)
         self.runner = make_runner(model, self.config, vocab_size=model.config.vocab_size)
         # every rank captures its CUDA graphs now, the same shapes in the same order (their collectives pair up)
-        warm_up(self.runner, self.config.num_speculative_tokens, "target")
+        check_trees(self.config, self.runner)
+        warm_up(self.runner, self.config.widest_verify, "target")
         if self.rank == 0:
             self._start_grammars(load_tokenizer(resolve(self.config.target), self.config.trust_remote_code))
         # every rank applies the calls and runs the forward; rank 0 alone samples and answers
@@ -122,19 +124,19 @@ class TargetWorkerCore(ModelWorker):
         assert self.rank == 0 and len(endpoints) == self.world - 1
         self._peers = [ChannelSender(e) for e in endpoints]
 
-    def calibrate(self, max_k: int) -> dict:
+    def calibrate(self, max_k: int, widest: int | None = None) -> dict:
         """Verify costs by batch size and draft count (every rank must run it at once: collectives; at start-up,
         before any router calls)."""
         # with several ranks only rank 0 takes the node's turn: the others must not block its collectives
         with startup_errors("target"), cpu_startup_turn(self.config) if self.rank == 0 else contextlib.nullcontext():
             measure = lambda: self.on_model_thread(  # noqa: E731
-                lambda: measure_target_costs(self.runner, max_k, drafter=self.drafter))
+                lambda: measure_target_costs(self.runner, max_k, drafter=self.drafter, widest=widest))
             if self.world > 1:  # every rank must run the measurement's collectives: none may read a cache alone
                 self.costs = measure()
             else:
                 key = self.on_model_thread(lambda: costs_key(  # torch's thread count as the model thread sees it
                     "target", resolve(self.config.target).directory, self.config.target_dtype, self.runner,
-                    max_k=max_k, prefill_chunk=self.config.prefill_chunk,
+                    max_k=max_k, widest=widest, prefill_chunk=self.config.prefill_chunk,
                     drafter=None if self.drafter is None else f"{self.config.draft} ({self.drafter.name})"))
                 self.costs = cached_costs(self.config.cost_cache, key, measure)
         return self.costs

@@ -136,11 +136,13 @@ def measure_draft_step(runner: ModelRunner, batch_sizes: Sequence[int] | None = 
     return [row[0] for row in measure_forward(runner, sizes, [1], reps)]
 
 
-def measure_target_costs(runner: ModelRunner, max_k: int, reps: int = 3, drafter=None) -> dict:
+def measure_target_costs(runner: ModelRunner, max_k: int, reps: int = 3, drafter=None,
+                         widest: int | None = None) -> dict:
     """A target's side of a cost profile (what a Target replica reports with its leases), at the batch sizes its
-    KV cache holds; with a drafter inside the target, its draft costs too ("drafter": `measure_drafter_costs`)."""
+    KV cache holds, verify passes of up to `widest` drafts (default max_k; a token tree's nodes where trees are on);
+    with a drafter inside the target, its draft costs too ("drafter": `measure_drafter_costs`, K = max_k)."""
     sizes = measurable_batch_sizes(runner)
-    costs = {"batch_sizes": sizes, "verify_seconds": measure_verify(runner, max_k, sizes, reps)}
+    costs = {"batch_sizes": sizes, "verify_seconds": measure_verify(runner, max(max_k, widest or 0), sizes, reps)}
     if drafter is not None and max_k > 0:
         costs["drafter"] = measure_drafter_costs(runner, drafter, max_k, sizes, reps)
     return costs

@@ -28,7 +28,7 @@ from engine.models.static.forward import STEP_MAX_WIDTH, Projection
 from engine.models.static.rope import apply_rope, rope_tables
 from engine.proposers.eagle3_head import Eagle3Head, attend
 from engine.spec.target_drafts import DraftFrom
-from engine.spec.tree import TOP_CANDIDATES, DraftTree, chain_with_siblings
+from engine.spec.tree import TOP_CANDIDATES, Candidate, DraftTree, best_tree
 
 ALONE_WIDTH = 16  # a row catching up over more positions than this (a prompt) runs alone, not padded beside others
 
@@ -91,16 +91,17 @@ class Eagle3Drafter:
             out = self._step([slots[b] for b in group], [catch_up[b][0] for b in group],
                              [catch_up[b][1] for b in group], [catch_up[b][2] for b in group], fused=True)
             state[group] = torch.stack([out[i, len(catch_up[b][0]) - 1] for i, b in enumerate(group)])
-        drafts: list[list[int]] = [[] for _ in rows]
-        steps: dict[int, list] = {b: [] for b, row in enumerate(rows) if row.tree}  # tree rows' candidates per step
-        for step in range(max(row.k for row in rows)):
-            token, candidates = self._pick(state, [b for b in steps if step < rows[b].k])
+        drafts: list[list[int] | DraftTree] = [[] for _ in rows]
+        for b, row in enumerate(rows):  # tree rows: EAGLE-2's expansion, each on its own
+            if row.tree:
+                drafts[b] = self._tree(slots[b], row.committed, state[b], row.k, row.tree)
+        chains = [b for b, row in enumerate(rows) if not row.tree]
+        for step in range(max((rows[b].k for b in chains), default=0)):
+            token, _ = self._pick(state)
             for b, t in enumerate(token):
-                if step < rows[b].k:
+                if step < rows[b].k and b in chains:
                     drafts[b].append(t)
-            for b, c in candidates.items():
-                steps[b].append(c)
-            active = [b for b, row in enumerate(rows) if row.k > step + 1]
+            active = [b for b in chains if rows[b].k > step + 1]
             if not active:
                 break
             carried = self.head.carried(state[active]).to(self.dtype)
@@ -108,7 +109,7 @@ class Eagle3Drafter:
                              [[drafts[b][-1]] for b in active], [carried[i:i + 1] for i in range(len(active))],
                              fused=False)
             state[active] = out[:, 0]
-        return [chain_with_siblings(steps[b], row.tree) if b in steps else drafts[b] for b, row in enumerate(rows)]
+        return drafts
 
     def _catch_up_inputs(self, runner, row: DraftFrom) -> tuple[list[int], list[int], torch.Tensor] | None:
         """The positions p the target computed since the row's last draft (at most its committed tokens but the
@@ -142,7 +143,7 @@ class Eagle3Drafter:
         the row's keys up to each query's position."""
         self.steps += 1
         rows, width = len(slots), max(len(p) for p in positions)
-        device, layer = self.device, self.head.layer
+        device = self.device
         pos = torch.zeros(rows, width, dtype=torch.long)
         ids = torch.zeros(rows, width, dtype=torch.long)
         real = torch.zeros(rows, width, dtype=torch.bool)
@@ -152,18 +153,7 @@ class Eagle3Drafter:
         states = torch.zeros(rows, width, hidden[0].shape[-1], dtype=self.dtype, device=device)
         for r, h in enumerate(hidden):
             states[r, :len(h)] = h
-        step = width <= STEP_MAX_WIDTH  # which CPU kernel runs, as for the target's steps and prompt chunks
-        if fused:
-            states = self.fc(states, step)
-        embeds = F.embedding(ids, self.embed).to(self.dtype)
-        x, residual = layer.attention_input(embeds, states)
-        qkv = self.qkv(x.to(self.dtype), step)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [R, 1, W, D]
-        q = apply_rope(q.view(rows, width, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(rows, width, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
-        v = v.view(rows, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v, residual = self._project(ids, states, pos, fused)
         slot = torch.tensor(slots, device=device)
         r_idx, w_idx = real.nonzero(as_tuple=True)
         self.k_cache[slot[r_idx], :, pos[r_idx, w_idx]] = k[r_idx, :, w_idx]
@@ -171,7 +161,84 @@ class Eagle3Drafter:
         kv_len = int(max(max(p) for p in positions)) + 1
         keys, values = self.k_cache[slot, :, :kv_len], self.v_cache[slot, :, :kv_len]  # [R, KVH, L, D]
         mask = torch.arange(kv_len, device=device)[None, None, None, :] <= pos[:, None, :, None]  # [R, 1, W, L]
-        attn = attend(q, keys, values, mask).transpose(1, 2).reshape(rows, width, -1)
-        hidden = residual + self.o(attn, step)
+        return self._finish(attend(q, keys, values, mask), residual)
+
+    def _project(self, ids: torch.Tensor,  # [R, W] token ids
+                 states: torch.Tensor,  # [R, W, A] aux states if `fused`, else [R, W, H] carried ones
+                 pos: torch.Tensor,  # [R, W] positions
+                 fused: bool) -> tuple[torch.Tensor, ...]:  # q [R, h, W, D], k, v [R, kvh, W, D], residual [R, W, H]
+        """The layer's input side: [embedding; state] through its norms and q/k/v, rotated at `pos`."""
+        rows, width = ids.shape
+        step = width <= STEP_MAX_WIDTH  # which CPU kernel runs, as for the target's steps and prompt chunks
+        if fused:
+            states = self.fc(states, step)
+        embeds = F.embedding(ids, self.embed).to(self.dtype)
+        x, residual = self.head.layer.attention_input(embeds, states)
+        qkv = self.qkv(x.to(self.dtype), step)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [R, 1, W, D]
+        q = apply_rope(q.view(rows, width, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(rows, width, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(rows, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v, residual
+
+    def _finish(self, attn: torch.Tensor,  # [R, h, W, D]
+                residual: torch.Tensor,  # [R, W, H]
+                ) -> torch.Tensor:  # [R, W, H]: the layer's output
+        rows, _, width, _ = attn.shape
+        step = width <= STEP_MAX_WIDTH
+        hidden = residual + self.o(attn.transpose(1, 2).reshape(rows, width, -1), step)
+        layer = self.head.layer
         gate, up = self.gate_up(layer.post_attention_layernorm(hidden).to(self.dtype), step).chunk(2, dim=-1)
         return hidden + self.down(F.silu(gate) * up, step)
+
+    def _tree(self, slot: int, committed: int, state: torch.Tensor,  # [H]: the catch-up's output at the last
+              depth: int, budget: int) -> DraftTree:
+        """EAGLE-2's dynamic tree (Li et al. 2024, arXiv 2406.16858, section 4): from the head's state after the
+        catch-up, each level expands the TOP_CANDIDATES nodes of the level before with the best path scores (the
+        product of the head's probabilities down from the root), each by its own step over the committed positions'
+        keys and its ancestors' (tree attention; the drafted nodes' keys and values stay out of the slot's cache),
+        offering each expanded node's best candidates as its children; `depth` levels, then the `budget` best nodes
+        of the whole pool (`best_tree`)."""
+        prefix = committed - 1  # the head's cache holds positions 0 .. committed - 2
+        keys, values = self.k_cache[slot, :, :prefix], self.v_cache[slot, :, :prefix]  # [kvh, P, D]
+        pool: list[Candidate] = []
+        level: list[int] = []  # the pool indices of the newest level's nodes
+        for token, prob in self._pick(state[None], [0])[1][0]:
+            level.append(len(pool))
+            pool.append(Candidate(token, -1, prob))
+        picked_by = {i: state for i in level}  # node -> the state its token was picked from (its parent's output)
+        cached: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # expanded node -> its (k, v) [kvh, D]
+        for d in range(1, depth):
+            expand = sorted(level, key=lambda i: -pool[i].score)[:TOP_CANDIDATES]
+            paths = [self._ancestry(pool, i) for i in expand]  # root's child first, the node last
+            ids = torch.tensor([[pool[i].token] for i in expand], device=self.device)
+            states = torch.stack([self.head.carried(picked_by[i]) for i in expand])[:, None].to(self.dtype)
+            pos = torch.full((len(expand), 1), prefix + d - 1, dtype=torch.long, device=self.device)
+            q, k, v, residual = self._project(ids, states, pos, fused=False)  # q [F, h, 1, D], k, v [F, kvh, 1, D]
+            for n, i in enumerate(expand):
+                cached[i] = (k[n, :, 0], v[n, :, 0])
+            path_k = torch.stack([torch.stack([cached[a][0] for a in path], dim=1) for path in paths])  # [F,kvh,d,D]
+            path_v = torch.stack([torch.stack([cached[a][1] for a in path], dim=1) for path in paths])
+            all_k = torch.cat([keys[None].expand(len(expand), -1, -1, -1).to(k.dtype), path_k], dim=2)
+            all_v = torch.cat([values[None].expand(len(expand), -1, -1, -1).to(v.dtype), path_v], dim=2)
+            mask = torch.ones(1, 1, 1, all_k.shape[2], dtype=torch.bool, device=self.device)
+            out = self._finish(attend(q, all_k, all_v, mask), residual)[:, 0]  # [F, H]
+            self.steps += 1
+            _, candidates = self._pick(out, list(range(len(expand))))
+            level = []
+            for n, i in enumerate(expand):
+                for token, prob in candidates[n]:
+                    level.append(len(pool))
+                    pool.append(Candidate(token, i, pool[i].score * prob))
+                    picked_by[len(pool) - 1] = out[n]
+        return best_tree(pool, budget)[0]
+
+    @staticmethod
+    def _ancestry(pool: list[Candidate], node: int) -> list[int]:
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = pool[node].parent
+        return out[::-1]

@@ -17,9 +17,10 @@ Queries see causally: query w of row b sees keys t < min(starts[b] + w + 1, limi
 (`RowIndex.ancestors`): query w sees the committed keys t < starts[b] and the step's keys starts[b] + j for the set bits
 j of ancestors[b, w] (its own path), below limits[b]; a chain's masks (2 << w) - 1 are the causal mask. The kernel
 takes that branch only where masks are given (`TREE`, a compile-time flag: the chain kernel is unchanged). A padding
-row of a graph's bucket has limit 0 (it reads nothing and returns zeros). Triton ships with CUDA builds of torch; on a CPU its
-interpreter (`TRITON_INTERPRET=1`) runs the same kernels on CPU tensors, which is how the tests check them against
-`reference_attention`. Where Triton is missing the reference runs instead (it reads the whole slot: correct, slower).
+row of a graph's bucket has limit 0 (it reads nothing and returns zeros). Triton ships with CUDA builds of torch; on a
+CPU its interpreter (`TRITON_INTERPRET=1`) runs the same kernels on CPU tensors, which is how the tests check them
+against `reference_attention`. Where Triton is missing the reference runs instead (it reads the whole slot: correct,
+slower).
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ one eager forward plus its capture: seconds for the whole set, against minutes f
 A step's inputs travel in one pinned host buffer and one copy: rows `[slot, start, limit, token 0 .. token W-1,
 depth 0 .. depth W-1, ancestors 0 .. ancestors W-1]` per row (`Staging`). Every graph reads each row's depths and
 ancestor bitmasks (engine/models/static/attention.py), so one graph per shape serves chains (their defaults: depth w,
-the causal mask) and token trees (engine/spec/tree.py: a tree of N nodes replays the graph of the width bucket >= N). A shape that was not captured (a short prompt's width, before its rows join the decode batch) runs
-the same forward eagerly on the same buffers: never a capture while serving.
+the causal mask) and token trees (engine/spec/tree.py: a tree of N nodes replays the graph of the width bucket >= N).
+A shape that was not captured (a short prompt's width, before its rows join the decode batch) runs the same forward
+eagerly on the same buffers: never a capture while serving.
 
 Tensor parallelism: the row-parallel all-reduces and the vocabulary all-gather (engine/models/static/tp.py) are NCCL
 collectives, which CUDA graphs capture; every rank captures the same shapes in the same order at start, as it
@@ -108,7 +109,8 @@ class Staging:
             if row is not None:
                 assert len(row) <= width
                 host[first_ancestors : first_ancestors + len(row), b] = row
-        # the whole buffer (a few KiB): a column slice is strided, which torch would stage through pageable memory
+        # the whole buffer ((3 + 3 max_width) x 8 bytes per row: ~100 KiB at 256 rows of width 16): a column slice is
+        # strided, which torch would stage through pageable memory
         self.device_buffer.copy_(self.host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()

@@ -144,7 +144,7 @@ class LayerOps:
         # a tree step (engine/spec/tree.py): token w of row b is written at positions[b, w] but rotated at its depth
         # below the step's first position, and sees only its own path among the step's tokens
         if rows is not None:
-            depths, ancestors = getattr(rows, "depths", None), getattr(rows, "ancestors", None)
+            depths, ancestors = rows.depths, rows.ancestors
         self.depths, self.ancestors = depths, ancestors
         self.rope_positions = positions if depths is None else positions[:, :1] + depths  # [B, W]
         # the elementwise work as one Triton kernel each (engine/models/static/fused_ops.py): graph steps, and eager
