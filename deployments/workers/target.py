@@ -130,13 +130,15 @@ class TargetWorkerCore(ModelWorker):
         # with several ranks only rank 0 takes the node's turn: the others must not block its collectives
         with startup_errors("target"), cpu_startup_turn(self.config) if self.rank == 0 else contextlib.nullcontext():
             measure = lambda: self.on_model_thread(  # noqa: E731
-                lambda: measure_target_costs(self.runner, max_k, drafter=self.drafter, widest=widest))
+                lambda: measure_target_costs(self.runner, max_k, drafter=self.drafter, widest=widest,
+                                             tree_nodes=self.config.tree_nodes if self.config.tree != "off" else 0))
             if self.world > 1:  # every rank must run the measurement's collectives: none may read a cache alone
                 self.costs = measure()
             else:
                 key = self.on_model_thread(lambda: costs_key(  # torch's thread count as the model thread sees it
                     "target", resolve(self.config.target).directory, self.config.target_dtype, self.runner,
-                    max_k=max_k, widest=widest, prefill_chunk=self.config.prefill_chunk,
+                    max_k=max_k, widest=widest, tree=self.config.tree, tree_nodes=self.config.tree_nodes,
+                    prefill_chunk=self.config.prefill_chunk,
                     drafter=None if self.drafter is None else f"{self.config.draft} ({self.drafter.name})"))
                 self.costs = cached_costs(self.config.cost_cache, key, measure)
         return self.costs

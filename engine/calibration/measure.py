@@ -137,42 +137,48 @@ def measure_draft_step(runner: ModelRunner, batch_sizes: Sequence[int] | None = 
 
 
 def measure_target_costs(runner: ModelRunner, max_k: int, reps: int = 3, drafter=None,
-                         widest: int | None = None) -> dict:
+                         widest: int | None = None, tree_nodes: int = 0) -> dict:
     """A target's side of a cost profile (what a Target replica reports with its leases), at the batch sizes its
     KV cache holds, verify passes of up to `widest` drafts (default max_k; a token tree's nodes where trees are on);
-    with a drafter inside the target, its draft costs too ("drafter": `measure_drafter_costs`, K = max_k)."""
+    with a drafter inside the target, its draft costs too ("drafter": `measure_drafter_costs`, K = max_k; its
+    trees' too where `tree_nodes`)."""
     sizes = measurable_batch_sizes(runner)
     costs = {"batch_sizes": sizes, "verify_seconds": measure_verify(runner, max(max_k, widest or 0), sizes, reps)}
     if drafter is not None and max_k > 0:
-        costs["drafter"] = measure_drafter_costs(runner, drafter, max_k, sizes, reps)
+        costs["drafter"] = measure_drafter_costs(runner, drafter, max_k, sizes, reps, tree_nodes=tree_nodes)
     return costs
 
 
 def measure_drafter_costs(runner, drafter, max_k: int, batch_sizes: Sequence[int] | None = None, reps: int = 3,
-                          context: int = CONTEXT) -> dict:
+                          context: int = CONTEXT, tree_nodes: int = 0) -> dict:
     """A drafter inside the target (engine/spec/target_drafts.py), measured as a Draft replica's steps are: at each
     batch size, seconds per draft token of its `max_k` drafts for every row right after a one-token pass of theirs
     (its hidden states at hand). A round's draft cost is then K times that (engine/spec/policy.CostProfile.draft):
     exact for an early exit's K steps, an average over K for heads that draft K tokens in one pass. Reported inside
-    the target's costs (`measure_target_costs`), as "drafter"."""
+    the target's costs (`measure_target_costs`), as "drafter". With `tree_nodes`, also a round's drafting of trees of
+    that many nodes (engine/spec/tree.py: an EAGLE-2 expansion costs more than the chain), "tree_draft_seconds"."""
     from engine.spec.target_drafts import DraftFrom
 
     sizes = measurable_batch_sizes(runner) if batch_sizes is None else batch_sizes
     context = max(min(context, runner.max_model_len - max_k - 3), 1)
     with synthetic_sequences(runner, max(sizes), context) as (ids, prompts):
-        steps = []
-        for batch in sizes:
+        def round_seconds(batch: int, tree: int) -> float:
             best = float("inf")
             for _ in range(reps + 1):  # the first repetition warms up this shape
                 for s, prompt in zip(ids[:batch], prompts):
                     runner.sync(s, prompt + [0])  # roll the cache back to exactly the context
                 runner.forward(ids[:batch], [[5]] * batch, [1] * batch)
-                rows = [DraftFrom(s, b, 0, context + 2, 9, max_k) for b, s in enumerate(ids[:batch])]
+                rows = [DraftFrom(s, b, 0, context + 2, 9, max_k, tree) for b, s in enumerate(ids[:batch])]
                 start = time.perf_counter()
                 drafter.draft(runner, rows, getattr(runner, "last_hidden", None))
                 best = min(best, time.perf_counter() - start)
-            steps.append(best / max_k)
-        return {"batch_sizes": list(sizes), "draft_step_seconds": steps, "name": drafter.name}
+            return best
+
+        costs = {"batch_sizes": list(sizes), "draft_step_seconds": [round_seconds(b, 0) / max_k for b in sizes],
+                 "name": drafter.name}
+        if tree_nodes:
+            costs["tree_draft_seconds"] = [round_seconds(b, tree_nodes) for b in sizes]
+        return costs
 
 
 def measure_draft_costs(runner: ModelRunner, reps: int = 3) -> dict:
@@ -204,8 +210,11 @@ def profile_from_costs(target: dict, draft: dict | None) -> CostProfile:
     if draft is not None:
         measured = monotone([[t] for t in draft["draft_step_seconds"]])
         steps = [cost_at(draft["batch_sizes"], [row[0] for row in measured], b) for b in sizes]
+    trees = None
+    if draft is not None and draft.get("tree_draft_seconds"):
+        trees = [cost_at(draft["batch_sizes"], draft["tree_draft_seconds"], b) for b in sizes]
     return profile_from(sizes, target["verify_seconds"], steps,
-                        draft.get("draft_prefill_seconds_per_token", 0.0) if draft else 0.0)
+                        draft.get("draft_prefill_seconds_per_token", 0.0) if draft else 0.0, trees)
 
 
 def monotone(table: list[list[float]]) -> list[list[float]]:
@@ -223,8 +232,10 @@ def monotone(table: list[list[float]]) -> list[list[float]]:
 
 
 def profile_from(batch_sizes: Sequence[int], verify: list[list[float]], draft_step: list[float] | None,
-                 draft_prefill_per_token: float = 0.0) -> CostProfile:
+                 draft_prefill_per_token: float = 0.0, tree_draft: list[float] | None = None) -> CostProfile:
     """A profile from measured tables (made monotone first)."""
     steps = [row[0] for row in monotone([[t] for t in draft_step])] if draft_step else [0.0] * len(batch_sizes)
+    trees = tuple(row[0] for row in monotone([[t] for t in tree_draft])) if tree_draft else None
     return CostProfile(batch_sizes=tuple(batch_sizes), verify_seconds=tuple(tuple(r) for r in monotone(verify)),
-                       draft_step_seconds=tuple(steps), draft_prefill_seconds_per_token=draft_prefill_per_token)
+                       draft_step_seconds=tuple(steps), draft_prefill_seconds_per_token=draft_prefill_per_token,
+                       tree_draft_seconds=trees)

@@ -169,8 +169,9 @@ def plan_trees(profile: CostProfile | None, rows: Sequence[SpecRow], ks: Sequenc
                settings: TreeSettings) -> list[int]:
     """Each row's tree budget this round (0: its K drafts stay a chain), given the plan's K per row (`plan_rows`).
 
-    A tree of N nodes drafts as deep as the chain (its drafter's K steps) but widens the verify pass from K+1 to N+1
-    positions per row, for every row of the round. With a cost profile (`auto`) the round goes to trees when
+    A tree of N nodes drafts as deep as the chain (its drafter's K steps, or the expansion's measured cost:
+    `CostProfile.tree_draft`) but widens the verify pass from K+1 to N+1 positions per row, for every row of the
+    round. With a cost profile (`auto`) the round goes to trees when
     the rows' expected tokens under their tree acceptance (per level of the tree, measured per request) over the
     round's seconds at that verify width beat the chain's: trees where verifying more positions is nearly free (few
     rows, memory-bound), chains under load. A request whose trees were never measured is assumed to miss half as
@@ -184,7 +185,8 @@ def plan_trees(profile: CostProfile | None, rows: Sequence[SpecRow], ks: Sequenc
         k_max = max(ks)
         drafting = sum(1 for k in ks if k > 0)
         chain_seconds = profile.round_seconds(batch, k_max, drafting=drafting)
-        tree_seconds = chain_seconds - profile.verify(batch, k_max) + profile.verify(batch, max(nodes, k_max))
+        tree_seconds = (chain_seconds - profile.verify(batch, k_max) + profile.verify(batch, max(nodes, k_max))
+                        - profile.draft(drafting, k_max) + profile.tree_draft(drafting, k_max))
         chain_tokens = tree_tokens = float(len(rows) - drafting)
         for b, (row, k) in enumerate(zip(rows, ks)):
             if k <= 0:

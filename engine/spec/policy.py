@@ -86,6 +86,9 @@ class CostProfile:
     round_overhead_seconds: float = 0.0  # per round outside the models (RPC, serialization); observed online
     # more per round when it drafts (the router's n-gram lookups, the draft call's hops); observed online
     draft_overhead_seconds: float = 0.0
+    # [batch]: a round's drafting when it makes token trees (engine/spec/tree.py) of the configured size, where it
+    # costs more than the chain's K steps (a head's EAGLE-2 expansion); None: measured only as a chain
+    tree_draft_seconds: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or not self.batch_sizes:
@@ -120,8 +123,15 @@ class CostProfile:
         wide = verify if verify_wide is None else verify_wide
         rows = tuple((row[0] * verify, *(max(t * wide, row[0] * verify) for t in row[1:]))
                      for row in self.verify_seconds)
+        trees = None if self.tree_draft_seconds is None else tuple(t * draft for t in self.tree_draft_seconds)
         return CostProfile(self.batch_sizes, rows, tuple(t * draft for t in self.draft_step_seconds),
-                           self.draft_prefill_seconds_per_token * draft, overhead, draft_overhead)
+                           self.draft_prefill_seconds_per_token * draft, overhead, draft_overhead, trees)
+
+    def tree_draft(self, batch: int, k: int) -> float:
+        """Seconds of a round's tree drafting over `batch` rows (the chain's K steps where not measured)."""
+        if self.tree_draft_seconds is None:
+            return self.draft(batch, k)
+        return max(self._at_batch(list(self.tree_draft_seconds), batch), self.draft(batch, k))
 
     def round_seconds(self, batch: int, k: int, drafting: int | None = None) -> float:
         """One round of `batch` sequences verified at width k+1, of which `drafting` (default: all) draft k tokens."""
@@ -139,7 +149,9 @@ class CostProfile:
         return cls(batch_sizes=tuple(data["batch_sizes"]),
                    verify_seconds=tuple(tuple(row) for row in data["verify_seconds"]),
                    draft_step_seconds=tuple(data["draft_step_seconds"]),
-                   draft_prefill_seconds_per_token=data.get("draft_prefill_seconds_per_token", 0.0))
+                   draft_prefill_seconds_per_token=data.get("draft_prefill_seconds_per_token", 0.0),
+                   tree_draft_seconds=None if data.get("tree_draft_seconds") is None
+                   else tuple(data["tree_draft_seconds"]))
 
 
 def worth_starting(profile: CostProfile, batch: int, acceptance: float, k: int, context: int,

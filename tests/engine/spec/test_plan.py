@@ -149,3 +149,15 @@ def test_measured_tree_acceptance_decides_and_some_rows_never_take_trees():
         "a row that does not draft gets no tree"
     with pytest.raises(ValueError, match="tree_nodes"):
         TreeSettings("on", 16)
+
+
+def test_a_tree_expansion_that_costs_more_than_it_gains_keeps_chains():
+    import dataclasses
+
+    from engine.spec.plan import TreeSettings, plan_trees
+    auto = TreeSettings("auto", 8)
+    rows = _tree_rows([0.6], tree_acceptance=0.9)
+    assert plan_trees(TREE_PROFILE, rows, [3], 1, auto) == [8]
+    slow = dataclasses.replace(TREE_PROFILE, tree_draft_seconds=(0.02, 0.03))  # drafting a tree costs a verify pass
+    assert slow.tree_draft(1, 3) == 0.02 and TREE_PROFILE.tree_draft(1, 3) == TREE_PROFILE.draft(1, 3)
+    assert plan_trees(slow, rows, [3], 1, auto) == [0]

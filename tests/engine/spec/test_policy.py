@@ -339,3 +339,23 @@ def test_cost_measurement_waits_for_cuda_work_before_stopping_the_clock(monkeypa
     calibrate.finished(cuda_logits)
     calibrate.finished(torch.zeros(1))  # CPU: computed when forward returns, nothing to wait for
     assert synced == [cuda_logits.device]
+
+
+def test_a_target_drafters_tree_drafting_is_measured_beside_its_chain_and_reaches_the_profile():
+    """With trees on, the target measures its drafter's tree rounds too (an EAGLE-3 head's expansion costs more
+    than its chain); the profile the round plan reads carries them, and verify widths up to the tree's nodes."""
+    from engine.calibration.measure import measure_target_costs, profile_from_costs
+    from engine.proposers.eagle3 import Eagle3Drafter
+    from tests.engine.proposers.test_eagle3 import LAYERS, random_head
+
+    model = make_tiny_model("llama", seed=0, layers=LAYERS)
+    from engine.models.static.runner import KVBudget, StaticRunner
+    runner = StaticRunner(model, budget=KVBudget(gib=1.0, max_num_seqs=2), compile=False)
+    costs = measure_target_costs(runner, max_k=2, reps=1, drafter=Eagle3Drafter(random_head(model), runner),
+                                 widest=6, tree_nodes=6)
+    assert len(costs["verify_seconds"][0]) == 7, "verify widths 1..7: the tree's nodes and its root"
+    drafter = costs["drafter"]
+    assert len(drafter["tree_draft_seconds"]) == len(drafter["batch_sizes"])
+    assert all(t > 0 for t in drafter["tree_draft_seconds"])
+    profile = profile_from_costs(costs, drafter)
+    assert profile.tree_draft_seconds is not None and profile.tree_draft(1, 2) >= profile.draft(1, 2)
