@@ -14,13 +14,16 @@
 #     eagle3  bench/eagle3_cost.py: a random head of EAGLE3-LLaMA3.1-Instruct-8B's shape on the 8B-shaped target
 #             (aux states captured inside the graphs): its K drafts' cost against a target step at 1, 8, 32
 #             (issue 48: <= 5% of a step per draft token; not yet run):                                     ~3 min
+#     trees   the 8b stage with token trees (speculation.tree: on, 8 nodes; the draft model's chain with its best
+#             alternatives beside it) after the tree kernels' CUDA tests (issue 49: trees >= 1.2x the chain at
+#             one stream, never below it at 32; not yet run):                                                ~8 min
 # gpu_serve runs Serve as `make run` does (throughput mode behind HAProxy, whose wheel the pack carries); add
 # --ray-serve-proxy for Serve's own proxy. Measured (bench/RESULTS.md, sessions 26-27): tests 2.5 min, 8b 4.7-5.1, 1.5b 4.3, exact 4.0;
 # run back to back (the machine stays warm 30 s after a call), tests + 8b + one more stage fit a session's 15 minutes
 # with the machine's start. The servers' configs and logs come back as one runs.tgz (the device returns 8 files).
 # Record what they print in bench/RESULTS.md with the commit and the command.
 set -u
-STAGE=${1:?usage: gpu_check.sh tests|1.5b|8b|exact|eagle3}
+STAGE=${1:?usage: gpu_check.sh tests|1.5b|8b|exact|eagle3|trees}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 bash .gpu/unpack.sh || { echo "no .gpu/ carried: see this script's header"; exit 2; }
@@ -31,7 +34,8 @@ case "$STAGE" in
   tests)
     timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
       tests/engine/models/static/test_runner_cuda.py tests/engine/models/static/test_attention.py \
-      tests/engine/models/static/test_fused_ops.py 2>&1 | tee "$OUT/cuda_tests.txt"
+      tests/engine/models/static/test_fused_ops.py tests/engine/models/static/test_tree_kernels.py \
+      2>&1 | tee "$OUT/cuda_tests.txt"
     timeout 200 python3 -m bench.gpu_runner_bench --batches 1,8,32 --runners static,eager --reps 10 --profile \
       --out "$OUT/gpu_runner_bench.json" 2>&1 | tee "$OUT/gpu_runner_bench.txt"
     ;;
@@ -50,6 +54,13 @@ case "$STAGE" in
     ;;
   eagle3)
     timeout 300 python3 -m bench.eagle3_cost --out "$OUT/eagle3_cost.json" 2>&1 | tee "$OUT/eagle3_cost.txt"
+    ;;
+  trees)
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/engine/models/static/test_runner_cuda.py \
+      -k tree 2>&1 | tee "$OUT/cuda_tree_tests.txt"
+    timeout 480 python3 -m bench.gpu_serve --shape 8b --noise 0.02 --budget-s 420 --serve-cli python \
+      --set speculation.tree=on --set speculation.tree_nodes=8 \
+      --pair-root /tmp/pairs --out "$OUT/gpu_serve_8b_trees.json" 2>&1 | tee "$OUT/gpu_serve_8b_trees.txt"
     ;;
   *)
     echo "unknown stage $STAGE"; exit 2 ;;

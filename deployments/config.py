@@ -86,6 +86,12 @@ class SpeculationSection(StrictModel):
                            "with a grammar or logits processors stay chains. Needs the static runner")
     tree_nodes: int = Field(8, ge=1, le=15, description="draft nodes a row's tree may hold (the verify pass scores "
                                                         "tree_nodes + 1 positions per tree row)")
+
+    @field_validator("tree", mode="before")
+    @classmethod
+    def _yaml_switch(cls, v):
+        """YAML reads a bare on / off as a boolean: take it as the word."""
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
     max_batch_for_speculation: int = Field(
         EngineConfig.max_batch_for_speculation, ge=0,
         description="without `adaptive`: live sequences in a round above which K drops to 0",

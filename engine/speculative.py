@@ -67,6 +67,7 @@ class SpeculativeEngine:
         self.stats = SpecStats()
         self._rows: dict[str, SpecRow] = {}  # each live request's sequence, acceptance and draft state
         self.population = AcceptanceTracker()  # acceptance over all requests (a new request's prior)
+        self.tree_population = AcceptanceTracker()  # the same over tree rounds (engine/spec/plan.plan_trees)
         # structured outputs: the target's matcher per constrained request (engine/request/grammar.py); the proposer
         # keeps its own
         self.grammars = SequenceGrammars(GrammarCompiler(tokenizer, target.vocab_size, self.eos_token_ids))
@@ -119,7 +120,7 @@ class SpeculativeEngine:
             return []
         seqs = [row.seq for row in rows]
         ks = self.plan(rows)
-        trees = plan_trees(self.profile, rows, ks, len(rows), self.tree)
+        trees = plan_trees(self.profile, rows, ks, len(rows), self.tree, self.tree_population)
         t0 = time.perf_counter()
         own = self.drafter is not None  # the target drafts for itself: this round verifies the drafts it holds
         drafts, proposals = draft_rows(self.proposer, seqs, ks, None if own else trees)
@@ -161,7 +162,8 @@ class SpeculativeEngine:
                          self.max_batch_for_speculation)
 
     def _commit(self, row: SpecRow, num_draft: int, verdict: Verdict) -> RequestOutput:
-        out = commit(row.seq, num_draft, verdict, self.stats, row.trackers(verdict, self.population))
+        out = commit(row.seq, num_draft, verdict, self.stats,
+                     row.trackers(verdict, self.population, self.tree_population))
         if out.finished:
             self._rows.pop(row.seq.request_id, None)
             self._release(row.seq)

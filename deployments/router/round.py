@@ -113,6 +113,7 @@ class GroupRound:
         self.stats = stats  # scheduler.SchedulerStats
         self.costs = costs
         self.population = population  # acceptance over all requests (a new request's prior)
+        self.tree_population = AcceptanceTracker()  # the same over tree rounds (engine/spec/plan.plan_trees)
         self.recovery = recovery
         self._deliver = deliver  # hands the rows' outputs to their requests (and ends finished ones)
         self.metrics = NullMetrics()
@@ -222,7 +223,7 @@ class GroupRound:
         if self.config.tree.mode == "off" or self.config.overlap:
             return [0] * len(rows)
         profile = self.costs.policy_profile(self.group_draft(rows), rows[0].target)
-        return plan_trees(profile, rows, ks, len(rows), self.config.tree)
+        return plan_trees(profile, rows, ks, len(rows), self.config.tree, self.tree_population)
 
     # ---- 2. draft -----------------------------------------------------------------------------------------------
     def _drafts_at_hand(self, rows: list[LiveRequest], ks: list[int], trees: list[int]) -> Drafts:
@@ -321,7 +322,7 @@ class GroupRound:
                 accepted.append(0)
                 continue
             outputs.append(commit(live.seq, len(drafts.tokens[b]), verdict, self.stats.spec,
-                                  live.trackers(verdict, self.population)))
+                                  live.trackers(verdict, self.population, self.tree_population)))
             accepted.append(verdict.num_accepted)
         return outputs, accepted
 

@@ -246,4 +246,6 @@ def commit(seq: SequenceState, num_draft: int, verdict: Verdict, stats: SpecStat
         tracker.record(num_draft, verdict.num_accepted)
     out = seq.commit(verdict.tokens, num_draft, verdict.num_accepted, verdict.logprobs)
     stats.record(num_draft, verdict.num_accepted, len(out.new_token_ids))
+    if verdict.depth is not None:
+        stats.tree_rounds += 1
     return out

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from engine.request.sequence import SequenceState
 from engine.spec.options import SpeculationOptions
 from engine.spec.policy import AcceptanceTracker, CostProfile, expected_tokens, load_adjusted_k, worth_starting
-from engine.spec.tree import MAX_TREE_NODES
+from engine.spec.tree import MAX_TREE_NODES, TOP_CANDIDATES
 
 TIE = 1.001  # a plan must beat the cheaper one by this factor (ties go to fewer drafts)
 
@@ -48,10 +48,13 @@ class SpecRow:
     # the request's acceptance in rounds whose drafts were a tree, per level of the tree (engine/spec/tree.py)
     tree_tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
 
-    def trackers(self, verdict, population: AcceptanceTracker) -> tuple[AcceptanceTracker, ...]:
+    def trackers(self, verdict, population: AcceptanceTracker,
+                 tree_population: AcceptanceTracker | None = None) -> tuple[AcceptanceTracker, ...]:
         """Where a round's acceptance is recorded: a chain's in the request's and the population's trackers, a
-        tree's (a verdict with a depth) in the request's tree tracker."""
-        return (self.tree_tracker,) if verdict.depth is not None else (self.tracker, population)
+        tree's (a verdict with a depth) in the request's and the population's tree trackers."""
+        if verdict.depth is None:
+            return self.tracker, population
+        return (self.tree_tracker,) if tree_population is None else (self.tree_tracker, tree_population)
 
     def takes_tree(self) -> bool:
         """Whether the row's drafts may be a tree: not where its history differs per node (logits processors,
@@ -166,7 +169,7 @@ class TreeSettings:
 
 
 def plan_trees(profile: CostProfile | None, rows: Sequence[SpecRow], ks: Sequence[int], batch: int,
-               settings: TreeSettings) -> list[int]:
+               settings: TreeSettings, population: AcceptanceTracker | None = None) -> list[int]:
     """Each row's tree budget this round (0: its K drafts stay a chain), given the plan's K per row (`plan_rows`).
 
     A tree of N nodes drafts as deep as the chain (its drafter's K steps, or the expansion's measured cost:
@@ -174,18 +177,21 @@ def plan_trees(profile: CostProfile | None, rows: Sequence[SpecRow], ks: Sequenc
     round. With a cost profile (`auto`) the round goes to trees when
     the rows' expected tokens under their tree acceptance (per level of the tree, measured per request) over the
     round's seconds at that verify width beat the chain's: trees where verifying more positions is nearly free (few
-    rows, memory-bound), chains under load. A request whose trees were never measured is assumed to miss half as
-    often as its chains (a probe: its first tree rounds measure it). Without a profile `auto` is `on`."""
+    rows, memory-bound), chains under load. A request with few tree rounds of its own is taken at the `population`'s
+    tree acceptance (every request's tree rounds); before any tree round was measured it is assumed to miss half as
+    often as its chains (a probe: the first tree rounds measure it). Without a profile `auto` is `on`."""
     out = [0] * len(rows)
     eligible = [b for b, (row, k) in enumerate(zip(rows, ks)) if k > 0 and row.takes_tree()]
     if settings.mode == "off" or not eligible:
         return out
-    nodes = settings.nodes
+    # a tree as deep as the row's K holds at most TOP_CANDIDATES nodes a level (a drafter offers no more)
+    nodes = [min(settings.nodes, k * TOP_CANDIDATES) for k in ks]
     if settings.mode == "auto" and profile is not None:
         k_max = max(ks)
         drafting = sum(1 for k in ks if k > 0)
         chain_seconds = profile.round_seconds(batch, k_max, drafting=drafting)
-        tree_seconds = (chain_seconds - profile.verify(batch, k_max) + profile.verify(batch, max(nodes, k_max))
+        widest = max(max(nodes[b] for b in eligible), k_max)
+        tree_seconds = (chain_seconds - profile.verify(batch, k_max) + profile.verify(batch, widest)
                         - profile.draft(drafting, k_max) + profile.tree_draft(drafting, k_max))
         chain_tokens = tree_tokens = float(len(rows) - drafting)
         for b, (row, k) in enumerate(zip(rows, ks)):
@@ -193,17 +199,23 @@ def plan_trees(profile: CostProfile | None, rows: Sequence[SpecRow], ks: Sequenc
                 continue
             chain = expected_tokens(row.tracker.acceptance, k)
             chain_tokens += chain
-            tree_tokens += expected_tokens(_tree_acceptance(row), k) if b in eligible else chain
+            tree_tokens += expected_tokens(_tree_acceptance(row, population), k) if b in eligible else chain
         if tree_tokens / tree_seconds <= chain_tokens / chain_seconds * TIE:
             return out
     for b in eligible:
-        out[b] = nodes
+        out[b] = nodes[b]
     return out
 
 
-def _tree_acceptance(row: SpecRow) -> float:
-    """The row's measured tree acceptance per level; before any tree round, its chain's with half the misses."""
-    if row.tree_tracker.rounds:
+OWN_TREE_ROUNDS = 4  # a request's own tree rounds before its tree acceptance is its own rather than the population's
+
+
+def _tree_acceptance(row: SpecRow, population: AcceptanceTracker | None) -> float:
+    """The row's tree acceptance per level: its own once measured over a few rounds, else the population's, else
+    (nothing measured yet) its chain's with half the misses."""
+    if row.tree_tracker.rounds >= OWN_TREE_ROUNDS or (row.tree_tracker.rounds and not (population and population.rounds)):
         return row.tree_tracker.acceptance
+    if population is not None and population.rounds:
+        return population.acceptance
     chain = row.tracker.acceptance
     return chain + (1.0 - chain) / 2

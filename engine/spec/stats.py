@@ -18,6 +18,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0  # tokens appended to the output (accepted + recovered/bonus, after stops)
     accepted_per_position: list[int] = field(default_factory=list)  # [k] times draft position k was accepted
+    tree_rounds: int = 0  # drafting rounds whose drafts were a token tree (counted as a chain as deep as the tree)
 
     def record(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
         self.rounds += 1
@@ -38,6 +39,7 @@ class SpecStats:
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_emitted_tokens += other.num_emitted_tokens
+        self.tree_rounds += other.tree_rounds
         if len(self.accepted_per_position) < len(other.accepted_per_position):
             self.accepted_per_position.extend([0] * (len(other.accepted_per_position) - len(self.accepted_per_position)))
         for pos, count in enumerate(other.accepted_per_position):
@@ -60,6 +62,7 @@ class SpecStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
+            "tree_rounds": self.tree_rounds,
         }
 
 

@@ -45,3 +45,25 @@ def test_a_drafter_inside_the_target_that_cannot_run_is_refused_naming_the_field
 def test_the_default_drafts_by_n_gram_lookup_in_the_router():
     source = SpecServeConfig().draft_source()
     assert source.local is not None and not source.remote
+
+
+def test_token_trees_take_yaml_switches_and_need_the_static_runner():
+    for text, want in (("off", "off"), ("on", "on"), ("auto", "auto"), ('"on"', "on")):
+        cfg = SpecServeConfig.model_validate(yaml.safe_load(f"speculation: {{tree: {text}, tree_nodes: 6}}"))
+        assert cfg.speculation.tree == want and cfg.engine_config().tree == want
+        assert cfg.engine_config().widest_verify == (6 if want != "off" else 3)
+    with pytest.raises(ValueError, match="runner.kind"):
+        SpecServeConfig.model_validate({"speculation": {"tree": "auto"}, "runner": {"kind": "transformers"}})
+    with pytest.raises(ValueError, match="tree_nodes"):
+        SpecServeConfig.model_validate({"speculation": {"tree_nodes": 16}})
+
+
+def test_a_target_without_tree_attention_is_refused_at_start():
+    from engine.factory import EngineConfig, check_trees
+    from engine.models.transformers_runner import ModelRunner
+    from tests.conftest import make_tiny_model
+
+    runner = ModelRunner(make_tiny_model("llama"))
+    check_trees(EngineConfig(tree="off"), runner)
+    with pytest.raises(ValueError, match="speculation.tree: on needs the static runner"):
+        check_trees(EngineConfig(tree="on"), runner)

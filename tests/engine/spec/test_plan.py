@@ -161,3 +161,10 @@ def test_a_tree_expansion_that_costs_more_than_it_gains_keeps_chains():
     slow = dataclasses.replace(TREE_PROFILE, tree_draft_seconds=(0.02, 0.03))  # drafting a tree costs a verify pass
     assert slow.tree_draft(1, 3) == 0.02 and TREE_PROFILE.tree_draft(1, 3) == TREE_PROFILE.draft(1, 3)
     assert plan_trees(slow, rows, [3], 1, auto) == [0]
+
+
+def test_a_tree_holds_no_more_nodes_a_level_than_a_drafter_offers():
+    from engine.spec.plan import TreeSettings, plan_trees
+    from engine.spec.tree import TOP_CANDIDATES
+    rows = _tree_rows([0.6, 0.6])
+    assert plan_trees(TREE_PROFILE, rows, [1, 3], 2, TreeSettings("on", 15)) == [TOP_CANDIDATES, 3 * TOP_CANDIDATES]

@@ -101,3 +101,39 @@ def test_bf16_static_greedy_equals_plain_decoding_of_the_same_dtype():
     with torch.no_grad():
         full = model(torch.tensor([tokens], device="cuda")).logits[0, 3:-1].float().argmax(-1).tolist()
     assert full == tokens[4:]
+
+
+def test_tree_steps_replay_the_captured_graphs_and_score_each_node_as_its_path():
+    """A token tree's step (engine/spec/tree.py) replays the graph of its width bucket (every graph reads each row's
+    depths and ancestor masks) and scores every node as decoding its path does (fp32: to the rounding of the
+    kernels); the verify step with trees emits plain greedy decoding's tokens."""
+    from engine.request.delta import SeqDelta, first_delta
+    from engine.spec.tree import DraftTree
+    from engine.spec.verify import TargetVerifier, VerifyRow
+    from tests.engine.models.static.test_tree_steps import PROMPT, _plain_logits, greedy_continuation
+
+    model = make_tiny_model("llama", seed=4).to("cuda")
+    runner = StaticRunner(model, budget=SLOTS, compile="auto", prefill_chunk=32)
+    runner.warm_up(max_k=7)
+    tree = DraftTree(tokens=(3, 8, 3, 21, 9, 50), parents=(0, 0, 1, 1, 3, 2))
+    runner.add("t")
+    runner.forward(["t"], [PROMPT[:-1]], [1])
+    replays = runner.graphs.replays
+    logits = runner.forward(["t"], [[PROMPT[-1], *tree.tokens]], [tree.width], trees=[tree])[0]
+    assert runner.graphs.replays == replays + 1, "a tree replays a captured graph"
+    for node in (0, 2, 4, 6):
+        plain = _plain_logits(runner, f"p{node}", PROMPT, tree.path_tokens(node))
+        torch.testing.assert_close(logits[node], plain[-1], atol=1e-3, rtol=1e-3)
+        runner.release(f"p{node}")
+    runner.release("t")
+    want = greedy_continuation(model.cpu(), PROMPT, 12)
+    model.to("cuda")
+    verifier = TargetVerifier(runner, None)
+    out, delta = [], first_delta("a", PROMPT)
+    while len(out) < 12:
+        nxt = want[len(out):len(out) + 3]
+        tree = DraftTree.from_paths([[(t + 1) % 60 for t in nxt], nxt])
+        verdict = verifier.verify([VerifyRow(delta, tree.tokens, tree=tree)]).verdicts[0]
+        out += verdict.tokens
+        delta = SeqDelta("a", len(PROMPT) + len(out) - len(verdict.tokens), verdict.tokens)
+    assert out[:12] == want
