@@ -273,7 +273,7 @@ def _measure_one(server: ManagedServer, args, c: int, dataset: Path, tokenizer_d
         stats1 = _ours_stats(server)
         spec0, spec1 = stats0.get("speculative") or {}, stats1.get("speculative") or {}
         d = {k: spec1.get(k, 0) - spec0.get(k, 0)
-             for k in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+             for k in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "tree_rounds")}
         row["ours_stats_delta"] = d
         if d["num_draft_tokens"]:
             row["spec_acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"]

@@ -86,6 +86,10 @@ class SpeculationSection(StrictModel):
                            "with a grammar or logits processors stay chains. Needs the static runner")
     tree_nodes: int = Field(8, ge=1, le=15, description="draft nodes a row's tree may hold (the verify pass scores "
                                                         "tree_nodes + 1 positions per tree row)")
+    staged: bool = Field(
+        False, description="staged speculative decoding's second stage, for a draft model: n-gram lookup over the "
+                           "context guesses the draft's own next tokens and one draft pass checks them "
+                           "(engine/proposers/draft_model.py). The drafts do not change, only the draft passes")
 
     @field_validator("tree", mode="before")
     @classmethod
@@ -292,7 +296,7 @@ class SpecServeConfig(StrictModel):
         return EngineConfig(
             target=m.target, target_dtype=m.target_dtype, draft=m.draft, draft_dtype=m.draft_dtype,
             num_speculative_tokens=s.num_speculative_tokens, ngram_min=s.ngram_min, ngram_max=s.ngram_max,
-            tree=s.tree, tree_nodes=s.tree_nodes, max_batch_for_speculation=s.max_batch_for_speculation,
+            tree=s.tree, tree_nodes=s.tree_nodes, staged=s.staged, max_batch_for_speculation=s.max_batch_for_speculation,
             max_model_len=m.max_model_len, device=m.device, trust_remote_code=m.trust_remote_code,
             runner=self.runner.kind, compile=self.runner.compile, kv_cache_gib=self.runner.kv_cache_gib,
             kv_cache_fraction=self.runner.kv_cache_fraction, max_num_seqs=self.runner.max_num_seqs,

@@ -85,6 +85,8 @@ class EngineConfig:
     ngram_max: int = 4
     tree: str = "off"  # token trees (engine/spec/tree.py): "auto" (where they pay), "on", "off"
     tree_nodes: int = 8  # draft nodes a row's tree may hold
+    # staged speculative decoding's second stage: a draft model's own steps speculated by n-gram lookup
+    staged: bool = False
     max_batch_for_speculation: int | None = 4  # above this many live sequences rounds draft nothing (spec/plan.py)
     max_model_len: int | None = 2048
     device: str = "cpu"
@@ -202,7 +204,8 @@ def build_proposer(config: EngineConfig, target_tokenizer, target_vocab_size: in
                            config.trust_remote_code)
     grammars = SequenceGrammars(GrammarCompiler(target_tokenizer, target_vocab_size,
                                                 eos_token_ids(resolve(config.target).directory, target_tokenizer)))
-    return DraftModelProposer(make_runner(model, config), target_vocab_size, grammars=grammars)
+    lookup = NgramProposer(config.ngram_min, config.ngram_max) if config.staged else None
+    return DraftModelProposer(make_runner(model, config), target_vocab_size, grammars=grammars, lookup=lookup)
 
 
 @dataclass(frozen=True)

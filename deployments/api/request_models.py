@@ -1,6 +1,6 @@
 """What clients send: the request models of the OpenAI-compatible API (deployments/api/routes.py serves them).
 
-Extension fields: `speculative: {"k": int, "enabled": bool, "adaptive": bool, "overlap": bool}`, `top_k`,
+Extension fields: `speculative: {"k": int, "enabled": bool, "adaptive": bool, "overlap": bool, "tree": bool}`, `top_k`,
 `ignore_eos`, vLLM's sampling parameters and `prompt_logprobs`. Chat completions take OpenAI's `tools` /
 `tool_choice` (deployments/api/tools.py). The models declare what the server implements; any other field a client
 sends is refused with a 400 naming it unless it carries its unused value (deployments/api/params.py).
@@ -26,6 +26,8 @@ class SpeculativeOptions(BaseModel):
                                                     "or the load (default: the server's policy)")
     overlap: bool | None = Field(None, description="false: no drafting ahead for this request on a server with "
                                                    "speculation.overlap (default: the server's setting)")
+    tree: bool | None = Field(None, description="false: this request's drafts stay a chain on a server with "
+                                                "speculation.tree (default: the server's setting)")
 
 
 class StreamOptions(BaseModel):

@@ -182,7 +182,8 @@ class RequestPreparer:
         speculation = SpeculationOptions()
         if body.speculative is not None:
             asked = body.speculative
-            speculation = SpeculationOptions(0 if not asked.enabled else asked.k, asked.adaptive, asked.overlap)
+            speculation = SpeculationOptions(0 if not asked.enabled else asked.k, asked.adaptive, asked.overlap,
+                                             asked.tree)
         if self.config.log_prompts:
             logger.info("prompt: %r", self.tokenizer.decode(prompt_ids))
         return Prepared(prompt_ids, params, speculation, arrival)

@@ -143,5 +143,7 @@ class DraftWorkerCore(ModelWorker):
 
     def stats(self) -> dict:
         grammars = getattr(self.proposer, "grammars", None)
+        passes, made = getattr(self.proposer, "lookup_steps", (0, 0))
         return {**super().stats(), "cancelled_drafts": self.cancelled_drafts, "costs": self.costs,
-                "grammar": None if grammars is None else grammars.compiler.stats.as_dict()}
+                "grammar": None if grammars is None else grammars.compiler.stats.as_dict(),
+                "staged": {"passes": passes, "drafts": made} if getattr(self.proposer, "lookup", None) else None}

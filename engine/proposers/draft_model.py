@@ -12,6 +12,7 @@ import torch
 
 from engine.models.transformers_runner import ModelRunner
 from engine.proposers.base import DraftRequest, Proposal
+from engine.proposers.ngram import NgramProposer
 from engine.request.grammar import GrammarError, GrammarMatcher, SequenceGrammars
 from engine.request.logits_processing import process_logits
 from engine.request.sampling import BatchSampling, logits_to_probs
@@ -37,10 +38,14 @@ class DraftModelProposer:
     """Proposes k tokens per sequence by running the draft model autoregressively, batched over sequences."""
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int, top_n: int = TOP_N,
-                 grammars: SequenceGrammars | None = None) -> None:
+                 grammars: SequenceGrammars | None = None, lookup: NgramProposer | None = None) -> None:
         self.runner = runner
         self.target_vocab_size = target_vocab_size
         self.top_n = top_n
+        # staged speculative decoding's second stage (Spector and Re 2023, arXiv 2308.04623, section 3.2): the draft
+        # model's own steps speculated by n-gram lookup over the context, checked in one draft pass (`_staged`)
+        self.lookup = lookup
+        self.lookup_steps = [0, 0]  # [draft passes, draft tokens they made] with the second stage
         # structured outputs: the draft's own matcher per sequence, so its drafts stay in the grammar and are
         # accepted; None: drafts unmasked (the target's mask alone keeps the output right)
         self.grammars = grammars
@@ -52,6 +57,9 @@ class DraftModelProposer:
         matchers = self._matchers(requests)
         if self._feeds_on_device(requests, matchers):
             return self._on_device(requests, feeds, stop)
+        if self.lookup is not None and all(r.processing is None and not r.tree for r in requests) \
+                and all(m is None for m in matchers):
+            return self._staged(requests, feeds, stop)
         batch, k_max = len(requests), max(r.k for r in requests)
         token_ids = torch.full((batch, k_max), -1, dtype=torch.long)
         num_tokens = torch.tensor([r.k for r in requests], dtype=torch.long)
@@ -107,6 +115,60 @@ class DraftModelProposer:
         return Proposal(token_ids=token_ids, num_tokens=num_tokens,
                         proposals=proposals if any(p is not None for p in proposals) else None,
                         trees=trees if any(t is not None for t in trees) else None)
+
+    def _staged(self, requests: Sequence[DraftRequest], feeds: list[list[int]],
+                stop: Callable[[], bool] | None) -> Proposal:
+        """Drafts whose steps are themselves speculated (staged speculative decoding's second stage): each pass feeds
+        a row's pending token and the n-gram lookup's guess of the draft's next tokens (over the row's context and
+        its drafts so far), and keeps the draft's own picks up to the first that differs from the guess, that one
+        included: one pass makes one or more drafts. Every pick is the draft's choice at its position by the row's
+        scheme (engine/spec/proposal.py: argmax, coupled, or drawn with the position's counter uniforms), so the
+        drafts and compact proposals are those of one step at a time; only the number of passes changes."""
+        batch, k_max = len(requests), max(r.k for r in requests)
+        n = min(self.top_n, self.target_vocab_size)
+        token_ids = torch.full((batch, k_max), -1, dtype=torch.long)
+        num_tokens = torch.tensor([r.k for r in requests], dtype=torch.long)
+        top_ids = torch.zeros(batch, k_max, n, dtype=torch.int32)
+        top_probs = torch.zeros(batch, k_max, n)
+        drafted: list[list[int]] = [[] for _ in requests]
+        active = list(range(batch))
+        while active:
+            guesses = []
+            for i in active:
+                left = requests[i].k - len(drafted[i]) - 1  # the pass's own pick comes on top of the guess
+                found = self.lookup.lookup(list(requests[i].tokens) + drafted[i], left) if left > 0 else []
+                guesses.append(found[:max(left, 0)])
+            logits = self.runner.forward([requests[i].seq_id for i in active],
+                                         [feeds[i] + g for i, g in zip(active, guesses)],
+                                         [len(g) + 1 for g in guesses])  # [A, W, V_draft]
+            sampling = BatchSampling.from_params([requests[i].sampling for i in active])
+            probs = fit_vocab(logits_to_probs(logits[:, :, : self.target_vocab_size], sampling),
+                              self.target_vocab_size)  # [A, W, V]
+            self.lookup_steps[0] += 1
+            for j in range(probs.shape[1]):  # position j: the pick after the guess's first j tokens
+                rows = [a for a, g in enumerate(guesses) if j <= len(g)]  # rows whose guess held before j
+                if not rows:
+                    break
+                schemes = [requests[active[a]].scheme(len(drafted[active[a]])) for a in rows]
+                picks, ids, values = choose_draft_tokens(probs[rows, j], schemes, n)
+                for a, pick, row_ids, row_values in zip(rows, picks.tolist(), ids.cpu(), values.cpu()):
+                    i = active[a]
+                    step = len(drafted[i])
+                    token_ids[i, step], top_ids[i, step], top_probs[i, step] = pick, row_ids, row_values
+                    drafted[i].append(pick)
+                    self.lookup_steps[1] += 1
+                    if j < len(guesses[a]) and guesses[a][j] != pick:
+                        guesses[a] = guesses[a][:j]  # the guess failed here: this pick ends the row's pass
+            for i in active:  # the cache rolls back past what the pass fed beyond the kept picks
+                feeds[i] = self.runner.sync(requests[i].seq_id, list(requests[i].tokens) + drafted[i])
+            active = [i for i in active if len(drafted[i]) < requests[i].k]
+            if active and stop is not None and stop():
+                num_tokens = torch.tensor([len(d) for d in drafted], dtype=torch.long)
+                break
+        proposals = [CompactProposal(top_ids[b], top_probs[b]) if r.ships_proposal else None
+                     for b, r in enumerate(requests)]
+        return Proposal(token_ids=token_ids, num_tokens=num_tokens,
+                        proposals=proposals if any(p is not None for p in proposals) else None)
 
     def _feeds_on_device(self, requests: Sequence[DraftRequest], matchers: list) -> bool:
         """Whether this round's steps can feed each other on the device (`_on_device`): no row processed or under a

@@ -17,6 +17,7 @@ class SpeculationOptions:
     k: int | None = None  # drafts per round; None: the server's K; 0: plain decoding
     adaptive: bool | None = None  # None: the server's K policy; False: exactly k drafts every round
     overlap: bool | None = None  # None: the server's setting; False: no drafting ahead for this request
+    tree: bool | None = None  # None: the server's setting (speculation.tree); False: this request's drafts stay chains
 
     def __post_init__(self) -> None:
         if self.k is not None and self.k < 0:

@@ -57,10 +57,11 @@ class SpecRow:
         return (self.tree_tracker,) if tree_population is None else (self.tree_tracker, tree_population)
 
     def takes_tree(self) -> bool:
-        """Whether the row's drafts may be a tree: not where its history differs per node (logits processors,
-        a grammar) or prompt tokens are still scored."""
+        """Whether the row's drafts may be a tree: not where the request turned trees off, its history differs per
+        node (logits processors, a grammar) or prompt tokens are still scored."""
         seq = self.seq
-        return seq.params.grammar is None and not seq.processors and not seq.wants_prompt_logprobs()
+        return (self.options.tree is not False and seq.params.grammar is None and not seq.processors
+                and not seq.wants_prompt_logprobs())
 
     def outlook(self, cap: int, reads_context: bool) -> RowOutlook:
         """The row as the plan sees it: at most `cap` drafts; `reads_context`: its draft reads the tokens it lacks

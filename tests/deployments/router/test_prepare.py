@@ -18,6 +18,8 @@ def test_the_api_field_becomes_one_value_that_the_row_keeps(tiny_model_dirs):
     [pinned] = router.prepare_completion(CompletionRequest(**body, speculative={"k": 2, "adaptive": False,
                                                                                  "overlap": False}))
     assert pinned.speculation == SpeculationOptions(2, False, False)
+    [chains] = router.prepare_completion(CompletionRequest(**body, speculative={"tree": False}))
+    assert chains.speculation == SpeculationOptions(tree=False), "a request may keep its drafts chains"
 
     async def rows_options():
         stream = router.scheduler.generate(pinned.prompt_ids, pinned.params, pinned.speculation)

@@ -96,3 +96,53 @@ def test_rows_that_differ_keep_the_host_loop(model, change):
                                                                               **change)]
     got = fed.propose(requests)
     assert got.num_tokens.tolist() == [3, change.get("k", 3)]
+
+
+class GuessFrom:
+    """A second-stage lookup that guesses from a table of known continuations (right where the table holds the
+    draft's own picks), or a fixed wrong guess."""
+
+    def __init__(self, table=None, wrong=False):
+        self.table, self.wrong, self.asked = table or {}, wrong, 0
+
+    def lookup(self, tokens, k):
+        self.asked += 1
+        if self.wrong:
+            return [1] * k
+        for prefix, continuation in self.table.items():
+            if list(tokens[:len(prefix)]) == list(prefix) and len(tokens) >= len(prefix):
+                done = len(tokens) - len(prefix)
+                return continuation[done:done + k]
+        return []
+
+
+@pytest.mark.parametrize("kind", sorted(ROWS))
+@pytest.mark.parametrize("guess", ["right", "wrong", "ngram"])
+def test_the_second_stage_makes_the_same_drafts_in_fewer_passes(model, kind, guess):
+    """Staged speculative decoding's second stage: a pass checks the lookup's guess of the draft's next tokens and
+    keeps its picks up to the first miss. Drafts are the step loop's and each compact proposal is the distribution its
+    draft was drawn from (the step loop's up to a wider pass's rounding), for every scheme."""
+    from engine.proposers.ngram import NgramProposer
+
+    host = proposer(HostFedRunner, model)
+    staged = proposer(HostFedRunner, model)
+    committed = {"a": [5, 6, 7, 8, 5, 6, 7], "b": [20, 21, 22, 23, 20, 21]}
+    requests = [_request(seq_id, tokens, 4, params, seed=11 * b, coupled=coupled)
+                for b, ((seq_id, tokens), (params, coupled)) in enumerate(zip(committed.items(), ROWS[kind]))]
+    want = host.propose(requests)
+    table = {tuple(r.tokens): want.token_ids[b].tolist() for b, r in enumerate(requests)}
+    staged.lookup = {"right": GuessFrom(table), "wrong": GuessFrom(wrong=True), "ngram": NgramProposer(1, 3)}[guess]
+    got = staged.propose(requests)
+    assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.num_tokens, want.num_tokens)
+    assert (got.proposals is None) == (want.proposals is None)
+    for mine, theirs in zip(got.proposals or [], want.proposals or []):  # a wider pass rounds its sums differently
+        assert torch.equal(mine.token_ids, theirs.token_ids)
+        torch.testing.assert_close(mine.probs, theirs.probs, rtol=1e-4, atol=1e-6)
+    passes, made = staged.lookup_steps
+    assert made == 8
+    if guess == "right":
+        assert passes == 1, "a guess that holds makes all four drafts in one pass"
+    if guess == "wrong":
+        assert passes == 4
+    for seq_id in committed:  # the cache keeps the drafts but the last (not fed yet), as the step loop's
+        assert staged.runner._seqs[seq_id].tokens == host.runner._seqs[seq_id].tokens

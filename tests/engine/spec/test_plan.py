@@ -168,3 +168,11 @@ def test_a_tree_holds_no_more_nodes_a_level_than_a_drafter_offers():
     from engine.spec.tree import TOP_CANDIDATES
     rows = _tree_rows([0.6, 0.6])
     assert plan_trees(TREE_PROFILE, rows, [1, 3], 2, TreeSettings("on", 15)) == [TOP_CANDIDATES, 3 * TOP_CANDIDATES]
+
+
+def test_a_request_that_turned_trees_off_keeps_chains():
+    from engine.spec.options import SpeculationOptions
+    from engine.spec.plan import TreeSettings, plan_trees
+    rows = _tree_rows([0.6, 0.6])
+    rows[0].options = SpeculationOptions(tree=False)
+    assert plan_trees(TREE_PROFILE, rows, [3, 3], 2, TreeSettings("on", 8)) == [0, 8]

@@ -78,9 +78,11 @@ def script(runner):
     return out
 
 
-def _greedy(target, draft_model, k):
+def _greedy(target, draft_model, k, trees=False):
     proposer = None if draft_model is None else DraftModelProposer(ModelRunner(draft_model), target.vocab_size)
-    engine = SpeculativeEngine(target, make_tiny_tokenizer(), proposer, k)
+    from engine.spec.plan import TreeSettings
+    engine = SpeculativeEngine(target, make_tiny_tokenizer(), proposer, k,
+                               tree=TreeSettings("on", 6) if trees else TreeSettings())
     tokens = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
     return tokens, engine.stats.acceptance_rate if proposer is not None else None
 
@@ -119,6 +121,7 @@ def _rank_worker(rank, world, port, dirs, results):
         target = StaticRunner(load_shard(resolve(directory), "float32", "cpu", rank, world), budget=BUDGET,
                               compile=False, prefill_chunk=CHUNK)
         results[("spec", rank)] = _greedy(target, draft, 3)
+        results[("trees", rank)] = _greedy(target, draft, 3, trees=True)  # token trees over the shards
         results[("plain", rank)] = _greedy(target, None, 0)
         # the runner a shard gets, by config
         config = EngineConfig(target=directory, kv_cache_gib=0.001, compile=False)
@@ -190,8 +193,10 @@ def test_greedy_speculative_decoding_over_two_ranks_equals_plain_decoding(model_
     for rank in range(WORLD):
         spec, acceptance = two_ranks[("spec", rank)]
         plain, _ = two_ranks[("plain", rank)]
-        assert spec == plain == want
+        trees, tree_acceptance = two_ranks[("trees", rank)]
+        assert spec == plain == trees == want
         assert 0.0 < acceptance < 1.0  # drafts were accepted and rejected: the caches were rolled back
+        assert tree_acceptance > 0.0  # tree rounds kept accepted paths over the shards
 
 
 def test_the_runner_a_shard_gets(two_ranks):

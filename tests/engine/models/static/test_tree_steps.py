@@ -110,3 +110,55 @@ def test_verify_with_trees_emits_plain_greedy_decoding(model):
         rounds += 1
     assert out[:20] == want[:20]
     assert accepted >= rounds  # the right branch was taken where it was offered
+
+
+def test_a_side_that_does_not_sample_keeps_the_same_path_from_the_committed_tokens(model):
+    """A tensor-parallel rank other than 0 computes every tree step but gets no verdict: it keeps the accepted path
+    when the row's next call brings the committed tokens (walking the tree by them). Its cache then holds what the
+    sampling side's holds, and both score the next step alike."""
+    want = greedy_continuation(model, PROMPT, 16)
+    sampler, follower = TargetVerifier(_runner(model), None), TargetVerifier(_runner(model), None, samples=False)
+    delta = first_delta("a", PROMPT)
+    out = []
+    while len(out) < 12:
+        nxt = want[len(out):len(out) + 3]
+        tree = DraftTree.from_paths([[(t + 1) % 60 for t in nxt], nxt, [nxt[0], (nxt[1] + 2) % 60]])
+        rows = [VerifyRow(delta, tree.tokens, tree=tree)]
+        verdict = sampler.verify(rows).verdicts[0]
+        assert follower.verify(rows) is None
+        out += verdict.tokens
+        delta = SeqDelta("a", len(PROMPT) + len(out) - len(verdict.tokens), verdict.tokens)
+    last = [VerifyRow(delta)]
+    sampler.verify(last)
+    follower.verify(last)
+    assert sampler.runner.cached_tokens("a") == follower.runner.cached_tokens("a") == PROMPT + out
+    assert out == want[:len(out)]
+
+
+def test_a_sequence_decoded_with_trees_leaves_a_prefix_the_cache_can_serve(model):
+    """With the prefix cache, a released sequence's keys and values serve the next that starts the same way: after
+    tree rounds they are the accepted path's, so a later prompt over that text scores as plain decoding does."""
+    runner = _runner(model, weight_dtype=torch.bfloat16, dtype=torch.float32)  # bf16 products: exact prefix hits
+    if runner.prefix_cache is None:
+        pytest.skip("no layout-invariant forward here (the prefix cache needs AVX512_BF16)")
+    verifier = TargetVerifier(runner, None)
+    plain, want = TargetVerifier(_runner(model, weight_dtype=torch.bfloat16, dtype=torch.float32), None), []
+    delta = first_delta("p", PROMPT)
+    while len(want) < 40:  # plain greedy decoding on the same kernels
+        tokens = plain.verify([VerifyRow(delta)]).verdicts[0].tokens
+        delta = SeqDelta("p", len(PROMPT) + len(want), tokens)
+        want += tokens
+    delta, out = first_delta("a", PROMPT), []
+    while len(out) < 30:
+        nxt = want[len(out):len(out) + 3]
+        tree = DraftTree.from_paths([[(t + 1) % 60 for t in nxt], nxt])
+        verdict = verifier.verify([VerifyRow(delta, tree.tokens, tree=tree)]).verdicts[0]
+        out += verdict.tokens
+        delta = SeqDelta("a", len(PROMPT) + len(out) - len(verdict.tokens), verdict.tokens)
+    verifier.release("a")
+    text = PROMPT + want[:30]
+    runner.add("b")
+    hit = runner.forward(["b"], [text], [1])[0, 0]
+    assert runner.last_prefix_hits, "the released sequence's prefix was reused"
+    plain = _plain_logits(runner, "c", text[:-1], [text[-1]])[-1]
+    _same(hit, plain)
