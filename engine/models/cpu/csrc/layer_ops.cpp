@@ -439,6 +439,64 @@ inline int64_t tile_queries(const std::vector<int64_t>& lengths, int64_t j, int6
   return std::max<int64_t>(rows, 1);
 }
 
+// scores[j][t] for t < lengths[j] of queries j < `queries` (q at qp + at[j]) over `keys` (as stored), KEY_BLOCK keys at
+// a time, each block widened once and scored for up to QUERY_TILE queries per register tile where they all read it
+// (`tile_queries`), else one by one up to each query's length; the values' first keys are prefetched as the keys end
+template <typename T>
+void score_keys(const float* qp, const int64_t* at, const std::vector<int64_t>& lengths, int64_t queries, int64_t longest,
+                const T* keys, const T* values, int64_t dim, float s, float* scores, int64_t stride, float* buffer) {
+  for (int64_t t = 0; t < longest; t += KEY_BLOCK) {
+    const int64_t n = std::min(KEY_BLOCK, longest - t);
+    if (t + PREFETCH_KEYS < longest)
+      prefetch(keys + (t + PREFETCH_KEYS) * dim, std::min(KEY_BLOCK, longest - t - PREFETCH_KEYS) * dim * sizeof(T));
+    else if (t + PREFETCH_KEYS < longest + KEY_BLOCK)  // the values' first keys
+      prefetch(values, std::min(PREFETCH_KEYS, longest) * dim * sizeof(T));
+    const float* block = as_floats(keys + t * dim, n, dim, buffer);
+    for (int64_t j = 0, rows; j < queries; j += rows) {
+      rows = n == KEY_BLOCK ? tile_queries(lengths, j, queries, t + KEY_BLOCK) : 1;
+      if (rows == 1) {
+        if (t < lengths[j])
+          key_scores(qp + at[j], block, dim, std::min(n, lengths[j] - t), s, scores + j * stride + t);
+        continue;
+      }
+      const float* qs[QUERY_TILE];
+      float* out[QUERY_TILE];
+      for (int64_t i = 0; i < rows; ++i) qs[i] = qp + at[j + i], out[i] = scores + (j + i) * stride + t;
+      for (int64_t half = 0; half < KEY_BLOCK; half += 4) {
+        if (rows == 3) key_scores_tile<3>(qs, block + half * dim, dim, s, out);
+        else key_scores_tile<2>(qs, block + half * dim, dim, s, out);
+        for (int64_t i = 0; i < rows; ++i) out[i] += 4;
+      }
+    }
+  }
+}
+
+// op + at[j] += the weights scores[j][t] times values t, t < lengths[j], in ascending t (one FMA chain per lane, carried
+// in the output), VALUE_BLOCK values widened at a time and weighed for up to QUERY_TILE queries per register tile
+template <typename T>
+void weigh_values(const int64_t* at, const std::vector<int64_t>& lengths, int64_t queries, int64_t longest,
+                  const T* values, int64_t dim, const float* scores, int64_t stride, float* op, float* buffer) {
+  for (int64_t t = 0; t < longest; t += VALUE_BLOCK) {
+    const int64_t n = std::min(VALUE_BLOCK, longest - t);
+    if (t + PREFETCH_KEYS < longest)
+      prefetch(values + (t + PREFETCH_KEYS) * dim, std::min(VALUE_BLOCK, longest - t - PREFETCH_KEYS) * dim * sizeof(T));
+    const float* block = as_floats(values + t * dim, n, dim, buffer);
+    for (int64_t j = 0, rows; j < queries; j += rows) {
+      rows = tile_queries(lengths, j, queries, t + n);
+      if (rows == 1) {
+        if (t < lengths[j])
+          add_weighted_values(scores + j * stride + t, block, dim, std::min(n, lengths[j] - t), op + at[j]);
+        continue;
+      }
+      const float* w[QUERY_TILE];
+      float* out[QUERY_TILE];
+      for (int64_t i = 0; i < rows; ++i) w[i] = scores + (j + i) * stride + t, out[i] = op + at[j + i];
+      if (rows == 3) add_weighted_values_tile<3>(w, block, dim, n, out);
+      else add_weighted_values_tile<2>(w, block, dim, n, out);
+    }
+  }
+}
+
 template <typename T>
 void attend(const float* qp, const T* kp, const T* vp, const int64_t* pos, int64_t batch, int64_t heads,
             int64_t kv_heads, int64_t width, int64_t dim, int64_t capacity, int64_t first_slot, int64_t kv_len,
@@ -465,53 +523,12 @@ void attend(const float* qp, const T* kp, const T* vp, const int64_t* pos, int64
           at[queries] = ((b * heads + h) * width + w) * dim;
           longest = std::max(longest, lengths[queries]);
         }
-      for (int64_t t = 0; t < longest; t += KEY_BLOCK) {
-        const int64_t n = std::min(KEY_BLOCK, longest - t);
-        if (t + PREFETCH_KEYS < longest)
-          prefetch(keys + (t + PREFETCH_KEYS) * dim, std::min(KEY_BLOCK, longest - t - PREFETCH_KEYS) * dim * sizeof(T));
-        else if (t + PREFETCH_KEYS < longest + KEY_BLOCK)  // the values' first keys
-          prefetch(values, std::min(PREFETCH_KEYS, longest) * dim * sizeof(T));
-        const float* block = as_floats(keys + t * dim, n, dim, buffer.get());
-        for (int64_t j = 0, rows; j < queries; j += rows) {
-          rows = n == KEY_BLOCK ? tile_queries(lengths, j, queries, t + KEY_BLOCK) : 1;
-          if (rows == 1) {
-            if (t < lengths[j])
-              key_scores(qp + at[j], block, dim, std::min(n, lengths[j] - t), s, scores.get() + j * kv_len + t);
-            continue;
-          }
-          const float* qs[QUERY_TILE];
-          float* out[QUERY_TILE];
-          for (int64_t i = 0; i < rows; ++i) qs[i] = qp + at[j + i], out[i] = scores.get() + (j + i) * kv_len + t;
-          for (int64_t half = 0; half < KEY_BLOCK; half += 4) {
-            if (rows == 3) key_scores_tile<3>(qs, block + half * dim, dim, s, out);
-            else key_scores_tile<2>(qs, block + half * dim, dim, s, out);
-            for (int64_t i = 0; i < rows; ++i) out[i] += 4;
-          }
-        }
-      }
+      score_keys(qp, at.data(), lengths, queries, longest, keys, values, dim, s, scores.get(), kv_len, buffer.get());
       for (int64_t j = 0; j < queries; ++j) {
         softmax_in_place(scores.get() + j * kv_len, lengths[j]);
         std::fill(op + at[j], op + at[j] + dim, 0.0f);
       }
-      for (int64_t t = 0; t < longest; t += VALUE_BLOCK) {
-        const int64_t n = std::min(VALUE_BLOCK, longest - t);
-        if (t + PREFETCH_KEYS < longest)
-          prefetch(values + (t + PREFETCH_KEYS) * dim, std::min(VALUE_BLOCK, longest - t - PREFETCH_KEYS) * dim * sizeof(T));
-        const float* block = as_floats(values + t * dim, n, dim, buffer.get());
-        for (int64_t j = 0, rows; j < queries; j += rows) {
-          rows = tile_queries(lengths, j, queries, t + n);
-          if (rows == 1) {
-            if (t < lengths[j])
-              add_weighted_values(scores.get() + j * kv_len + t, block, dim, std::min(n, lengths[j] - t), op + at[j]);
-            continue;
-          }
-          const float* w[QUERY_TILE];
-          float* out[QUERY_TILE];
-          for (int64_t i = 0; i < rows; ++i) w[i] = scores.get() + (j + i) * kv_len + t, out[i] = op + at[j + i];
-          if (rows == 3) add_weighted_values_tile<3>(w, block, dim, n, out);
-          else add_weighted_values_tile<2>(w, block, dim, n, out);
-        }
-      }
+      weigh_values(at.data(), lengths, queries, longest, values, dim, scores.get(), kv_len, op, buffer.get());
     }
   });
 }
@@ -539,7 +556,7 @@ void attend_tree(const float* qp, const T* kp, const T* vp, const int64_t* pos, 
     const int64_t most = heads_per_task * QUERY_BLOCK;
     std::unique_ptr<float[]> scores(new float[most * kv_len]), buffer(new float[VALUE_BLOCK * dim]);  // uninitialized
     std::unique_ptr<float[]> step_buffer(new float[width * dim]);  // the step's keys, then its values, as floats
-    std::vector<int64_t> at(most);
+    std::vector<int64_t> lengths(most), at(most);
     for (int64_t task = first; task < last; ++task) {
       const int64_t b = task / tasks_per_row, h0 = (task % tasks_per_row) / blocks * heads_per_task;
       const int64_t w0 = (task % blocks) * QUERY_BLOCK, w1 = std::min(width, w0 + QUERY_BLOCK);
@@ -552,31 +569,12 @@ void attend_tree(const float* qp, const T* kp, const T* vp, const int64_t* pos, 
       const int64_t steps = std::max<int64_t>(0, std::min(w1, kv_len - start));
       int64_t queries = 0;
       for (int64_t w = w0; w < w1; ++w)  // position-major, as attend orders them
-        for (int64_t h = h0; h < h0 + heads_per_task; ++h, ++queries) at[queries] = ((b * heads + h) * width + w) * dim;
-      // the committed keys' scores: every query reads all of them, up to QUERY_TILE queries at a time
-      for (int64_t t = 0; t < committed; t += KEY_BLOCK) {
-        const int64_t n = std::min(KEY_BLOCK, committed - t);
-        if (t + PREFETCH_KEYS < committed)
-          prefetch(keys + (t + PREFETCH_KEYS) * dim, std::min(KEY_BLOCK, committed - t - PREFETCH_KEYS) * dim * sizeof(T));
-        else if (t + PREFETCH_KEYS < committed + KEY_BLOCK)  // the values' first keys
-          prefetch(values, std::min(PREFETCH_KEYS, committed) * dim * sizeof(T));
-        const float* block = as_floats(keys + t * dim, n, dim, buffer.get());
-        for (int64_t j = 0, rows; j < queries; j += rows) {
-          rows = n == KEY_BLOCK ? std::min(QUERY_TILE, queries - j) : 1;
-          if (rows == 1) {
-            key_scores(qp + at[j], block, dim, n, s, scores.get() + j * kv_len + t);
-            continue;
-          }
-          const float* qs[QUERY_TILE];
-          float* out[QUERY_TILE];
-          for (int64_t i = 0; i < rows; ++i) qs[i] = qp + at[j + i], out[i] = scores.get() + (j + i) * kv_len + t;
-          for (int64_t half = 0; half < KEY_BLOCK; half += 4) {
-            if (rows == 3) key_scores_tile<3>(qs, block + half * dim, dim, s, out);
-            else key_scores_tile<2>(qs, block + half * dim, dim, s, out);
-            for (int64_t i = 0; i < rows; ++i) out[i] += 4;
-          }
+        for (int64_t h = h0; h < h0 + heads_per_task; ++h, ++queries) {
+          at[queries] = ((b * heads + h) * width + w) * dim;
+          lengths[queries] = committed;  // the keys score_keys and weigh_values give every query
         }
-      }
+      // the committed keys' scores: every query reads all of them, as attend scores them
+      score_keys(qp, at.data(), lengths, queries, committed, keys, values, dim, s, scores.get(), kv_len, buffer.get());
       // each query's path keys' scores after them, root first, then its softmax over the whole path
       const float* step_keys = as_floats(keys + start * dim, steps, dim, step_buffer.get());
       for (int64_t j = 0; j < queries; ++j) {
@@ -591,25 +589,8 @@ void attend_tree(const float* qp, const T* kp, const T* vp, const int64_t* pos, 
         softmax_in_place(row_scores, length);
         std::fill(op + at[j], op + at[j] + dim, 0.0f);
       }
-      // the committed values, weighed for every query
-      for (int64_t t = 0; t < committed; t += VALUE_BLOCK) {
-        const int64_t n = std::min(VALUE_BLOCK, committed - t);
-        if (t + PREFETCH_KEYS < committed)
-          prefetch(values + (t + PREFETCH_KEYS) * dim, std::min(VALUE_BLOCK, committed - t - PREFETCH_KEYS) * dim * sizeof(T));
-        const float* block = as_floats(values + t * dim, n, dim, buffer.get());
-        for (int64_t j = 0, rows; j < queries; j += rows) {
-          rows = std::min(QUERY_TILE, queries - j);
-          if (rows == 1) {
-            add_weighted_values(scores.get() + j * kv_len + t, block, dim, n, op + at[j]);
-            continue;
-          }
-          const float* w[QUERY_TILE];
-          float* out[QUERY_TILE];
-          for (int64_t i = 0; i < rows; ++i) w[i] = scores.get() + (j + i) * kv_len + t, out[i] = op + at[j + i];
-          if (rows == 3) add_weighted_values_tile<3>(w, block, dim, n, out);
-          else add_weighted_values_tile<2>(w, block, dim, n, out);
-        }
-      }
+      // the committed values, weighed for every query as attend weighs them
+      weigh_values(at.data(), lengths, queries, committed, values, dim, scores.get(), kv_len, op, buffer.get());
       // then each query's path values in path order, the chains carried on in `out`
       const float* step_values = as_floats(values + start * dim, steps, dim, step_buffer.get());
       for (int64_t j = 0; j < queries; ++j) {
