@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
             t["drafting_rounds"] += stats.num_drafts
             t["accepted"] += stats.num_accepted_tokens
         same += outputs[first] == outputs[second]
-    report = {"compare": args.compare, "draft": args.draft, "k": args.k, "nodes": args.nodes, "dtype": args.dtype, "prompts": len(prompts),
+    report = {"compare": args.compare, "draft": args.draft, "k": args.k, "nodes": args.nodes, "dtype": args.dtype,
+              "prompts": len(prompts),
               "max_tokens": args.max_tokens, "same_output": f"{same}/{len(prompts)}", "shapes": {}}
     for name, t in totals.items():
         report["shapes"][name] = {

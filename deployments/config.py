@@ -296,7 +296,8 @@ class SpecServeConfig(StrictModel):
         return EngineConfig(
             target=m.target, target_dtype=m.target_dtype, draft=m.draft, draft_dtype=m.draft_dtype,
             num_speculative_tokens=s.num_speculative_tokens, ngram_min=s.ngram_min, ngram_max=s.ngram_max,
-            tree=s.tree, tree_nodes=s.tree_nodes, staged=s.staged, max_batch_for_speculation=s.max_batch_for_speculation,
+            tree=s.tree, tree_nodes=s.tree_nodes, staged=s.staged,
+            max_batch_for_speculation=s.max_batch_for_speculation,
             max_model_len=m.max_model_len, device=m.device, trust_remote_code=m.trust_remote_code,
             runner=self.runner.kind, compile=self.runner.compile, kv_cache_gib=self.runner.kv_cache_gib,
             kv_cache_fraction=self.runner.kv_cache_fraction, max_num_seqs=self.runner.max_num_seqs,

@@ -214,9 +214,10 @@ OWN_TREE_ROUNDS = 4  # a request's own tree rounds before its tree acceptance is
 def _tree_acceptance(row: SpecRow, population: AcceptanceTracker | None) -> float:
     """The row's tree acceptance per level: its own once measured over a few rounds, else the population's, else
     (nothing measured yet) its chain's with half the misses."""
-    if row.tree_tracker.rounds >= OWN_TREE_ROUNDS or (row.tree_tracker.rounds and not (population and population.rounds)):
+    own, measured = row.tree_tracker.rounds, population is not None and population.rounds > 0
+    if own >= OWN_TREE_ROUNDS or (own and not measured):
         return row.tree_tracker.acceptance
-    if population is not None and population.rounds:
+    if measured:
         return population.acceptance
     chain = row.tracker.acceptance
     return chain + (1.0 - chain) / 2

@@ -166,8 +166,12 @@ class TargetVerifier:
             k = min(row.target_k, self.runner.max_model_len - len(committed))
             if k > 0:
                 self.runner.sync(seq_id, committed)
-                # the window offset that predicted the last token: the last accepted node of a tree
-                at = verdict.path[-1] if verdict.path else verdict.num_accepted if verdict.path is None else 0
+                # the window offset that predicted the last token: the accepted drafts' count in a chain, the last
+                # accepted node in a tree (its root, 0, when none was)
+                if verdict.path is None:
+                    at = verdict.num_accepted
+                else:
+                    at = verdict.path[-1] if verdict.path else 0
                 starts.append(DraftFrom(seq_id, b, at, len(committed), committed[-1], k,
                                         min(row.target_tree, self.runner.max_model_len - len(committed))))
         if starts:
