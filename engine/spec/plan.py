@@ -185,8 +185,10 @@ def plan_trees(profile: CostProfile | None, rows: Sequence[SpecRow], ks: Sequenc
     eligible = [b for b, (row, k) in enumerate(zip(rows, ks)) if k > 0 and row.takes_tree()]
     if settings.mode == "off" or not eligible:
         return out
-    # a tree as deep as the row's K holds at most TOP_CANDIDATES nodes a level (a drafter offers no more)
-    nodes = [min(settings.nodes, k * TOP_CANDIDATES) for k in ks]
+    # a tree as deep as the row's K holds at most TOP_CANDIDATES nodes a level (a drafter offers no more), and no
+    # more nodes than the context window has positions after the row's tokens (each node takes one in the pass)
+    nodes = [min(settings.nodes, k * TOP_CANDIDATES, row.seq.max_model_len - row.seq.num_tokens)
+             for row, k in zip(rows, ks)]
     if settings.mode == "auto" and profile is not None:
         k_max = max(ks)
         drafting = sum(1 for k in ks if k > 0)

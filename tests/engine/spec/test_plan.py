@@ -176,3 +176,10 @@ def test_a_request_that_turned_trees_off_keeps_chains():
     rows = _tree_rows([0.6, 0.6])
     rows[0].options = SpeculationOptions(tree=False)
     assert plan_trees(TREE_PROFILE, rows, [3, 3], 2, TreeSettings("on", 8)) == [0, 8]
+
+
+def test_a_tree_takes_no_more_positions_than_the_context_window_has_left():
+    from engine.spec.plan import TreeSettings, plan_trees
+    rows = _tree_rows([0.6])
+    rows[0].seq.max_model_len = rows[0].seq.num_tokens + 5
+    assert plan_trees(TREE_PROFILE, rows, [3], 1, TreeSettings("on", 8)) == [5]
