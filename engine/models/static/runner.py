@@ -54,6 +54,7 @@ from engine.models.static.steps import (
     step_mode,
 )
 from engine.models.static.tp import agree_num_slots, shard_of
+from engine.models.static.tree_steps import graph_masks, keep_path, step_masks, tree_shape
 from engine.models.static.warm_up import warm_up
 
 MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks first
@@ -248,20 +249,9 @@ class StaticRunner(SlotTableAccess):
             state.tokens.extend(chunk)
 
     def keep_path(self, seq_id: str, width: int, path: Sequence[int]) -> None:
-        """After a tree step whose last `width` tokens were a tree's nodes: keep the root and the accepted draft nodes
-        `path` (root's child first), their keys and values moved to the positions after the root, and drop the
-        other nodes."""
-        state = self._seqs[seq_id]
-        root = len(state.tokens) - width
-        assert root >= 0 and all(0 < i < width for i in path)
-        src = [root + i for i in path]
-        dst = list(range(root + 1, root + 1 + len(path)))
-        if src != dst:
-            self.model.move_positions(state.slot, src, dst)
-        kept = [state.tokens[i] for i in src]
-        del state.tokens[root + 1:]
-        state.tokens.extend(kept)
-        self.pass_states.keep_path(seq_id, root, path)
+        """After a tree step: the accepted path's keys and values kept, the other nodes dropped
+        (engine/models/static/tree_steps.py)."""
+        keep_path(self.model, self.pass_states, self._seqs[seq_id], width, path)
 
     def _batched_step(self, states: list[SeqSlot], tails: list[list[int]], num_logits: list[int],
                       shapes: list | None = None,  # per row its tree's (depths, ancestors), or None (a chain)
@@ -283,12 +273,8 @@ class StaticRunner(SlotTableAccess):
         if shapes is None:
             logits = self._run(ids, starts, lo, self._kv_len(need), last_only=False)  # [rows, width, V]
         else:  # a tree step: eager (compiled steps take chains only), each row's depths and ancestor masks
-            depths, ancestors = chain_shape(rows, width)
-            for state, shape in zip(states, shapes):
-                if shape is not None:
-                    r = state.slot - lo
-                    depths[r, : len(shape[0])] = torch.tensor(shape[0])
-                    ancestors[r, : len(shape[1])] = torch.tensor(shape[1])
+            depths, ancestors = step_masks(rows, width, [(s.slot - lo, shape) for s, shape in zip(states, shapes)
+                                                         if shape is not None])
             device = self.device
             logits = self.model.forward(ids.to(device), starts.to(device), lo, self._kv_len(need), False, None,
                                         depths.to(device), ancestors.to(device))
@@ -305,12 +291,8 @@ class StaticRunner(SlotTableAccess):
         each row's depths and ancestor masks, so a tree replays the graph of its width bucket."""
         width = bucket(max(len(t) for t in tails), self.width_buckets)
         rows = bucket(len(states), self.batch_buckets)
-        trees = {}
-        if shapes is not None:
-            trees = {"depths": [None if s is None else s[0] for s in shapes],
-                     "ancestors": [None if s is None else s[1] for s in shapes]}
         logits = self.graphs.step([s.slot for s in states], [len(s.tokens) for s in states], tails, rows, width,
-                                  **trees)
+                                  **graph_masks(shapes))
         self.pass_states.after_step([s.seq_id for s in states], [len(s.tokens) for s in states],
                                     range(len(states)), tails, num_logits, width, graph=True)
         for state, toks in zip(states, tails):
@@ -338,19 +320,3 @@ class StaticRunner(SlotTableAccess):
         of shapes."""
         return warm_up(self, max_k, progress, exit_layers)
 
-
-
-def tree_shape(tree, tail: int) -> tuple[list[int], list[int]]:
-    """A row's depths and ancestor bitmasks over its `tail` step tokens, whose last tree.width are the tree's nodes
-    (the tokens before them, already committed, form a chain every node sees)."""
-    lead = tail - tree.width
-    assert lead >= 0, "a tree's nodes are the row's last fed tokens"
-    depths = list(range(lead)) + [lead + d for d in tree.depths]
-    ancestors = [(2 << w) - 1 for w in range(lead)] + [((1 << lead) - 1) | (m << lead) for m in tree.ancestors]
-    return depths, ancestors
-
-
-def chain_shape(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:  # depths, ancestors [rows, width]
-    """A chain's depths and ancestor bitmasks (causal): what rows without a tree, and padding, get in a tree step."""
-    w = torch.arange(width)
-    return w.repeat(rows, 1), ((2 << w) - 1).repeat(rows, 1)
