@@ -497,23 +497,43 @@ void weigh_values(const int64_t* at, const std::vector<int64_t>& lengths, int64_
   }
 }
 
+// How attend and attend_tree split a step: a task is one row, a block of up to QUERY_BLOCK of its positions and
+// `heads_per_task` heads sharing a key/value head (all of the group where there are enough tasks to go round, about
+// four a thread, else one)
+struct QueryTasks {
+  int64_t width, group, blocks, heads_per_task, per_row;
+
+  QueryTasks(int64_t batch, int64_t heads, int64_t kv_heads, int64_t width)
+      : width(width), group(heads / kv_heads), blocks((width + QUERY_BLOCK - 1) / QUERY_BLOCK) {
+    heads_per_task = batch * kv_heads * blocks >= 4 * at::get_num_threads() ? group : 1;
+    per_row = heads / heads_per_task * blocks;
+  }
+
+  int64_t most_queries() const { return heads_per_task * QUERY_BLOCK; }
+
+  struct Task {
+    int64_t b, h0, w0, w1, g;  // row, first head, positions [w0, w1), key/value head
+  };
+
+  Task operator[](int64_t task) const {
+    const int64_t b = task / per_row, h0 = (task % per_row) / blocks * heads_per_task;
+    const int64_t w0 = (task % blocks) * QUERY_BLOCK;
+    return {b, h0, w0, std::min(width, w0 + QUERY_BLOCK), h0 / group};
+  }
+};
+
 template <typename T>
 void attend(const float* qp, const T* kp, const T* vp, const int64_t* pos, int64_t batch, int64_t heads,
             int64_t kv_heads, int64_t width, int64_t dim, int64_t capacity, int64_t first_slot, int64_t kv_len,
             float s, float* op) {
-  const int64_t group = heads / kv_heads;
-  const int64_t blocks = (width + QUERY_BLOCK - 1) / QUERY_BLOCK;
-  // whole groups per task where that leaves about four tasks per thread, else a head per task
-  const int64_t heads_per_task = batch * kv_heads * blocks >= 4 * at::get_num_threads() ? group : 1;
-  const int64_t tasks_per_row = heads / heads_per_task * blocks;
-  specserve::parallel_for(0, batch * tasks_per_row, 1, [&](int64_t first, int64_t last) {
-    const int64_t most = heads_per_task * QUERY_BLOCK;
+  const QueryTasks tasks(batch, heads, kv_heads, width);
+  const int64_t heads_per_task = tasks.heads_per_task;
+  specserve::parallel_for(0, batch * tasks.per_row, 1, [&](int64_t first, int64_t last) {
+    const int64_t most = tasks.most_queries();
     std::unique_ptr<float[]> scores(new float[most * kv_len]), buffer(new float[VALUE_BLOCK * dim]);  // uninitialized
     std::vector<int64_t> lengths(most), at(most);
     for (int64_t task = first; task < last; ++task) {
-      const int64_t b = task / tasks_per_row, h0 = (task % tasks_per_row) / blocks * heads_per_task;
-      const int64_t w0 = (task % blocks) * QUERY_BLOCK, w1 = std::min(width, w0 + QUERY_BLOCK);
-      const int64_t g = h0 / group;
+      const auto [b, h0, w0, w1, g] = tasks[task];
       const T* keys = kp + ((first_slot + b) * kv_heads + g) * capacity * dim;
       const T* values = vp + ((first_slot + b) * kv_heads + g) * capacity * dim;
       int64_t queries = 0, longest = 0;
@@ -548,19 +568,15 @@ template <typename T>
 void attend_tree(const float* qp, const T* kp, const T* vp, const int64_t* pos, const int64_t* ancestors,
                  int64_t batch, int64_t heads, int64_t kv_heads, int64_t width, int64_t dim, int64_t capacity,
                  int64_t first_slot, int64_t kv_len, float s, float* op) {
-  const int64_t group = heads / kv_heads;
-  const int64_t blocks = (width + QUERY_BLOCK - 1) / QUERY_BLOCK;
-  const int64_t heads_per_task = batch * kv_heads * blocks >= 4 * at::get_num_threads() ? group : 1;
-  const int64_t tasks_per_row = heads / heads_per_task * blocks;
-  specserve::parallel_for(0, batch * tasks_per_row, 1, [&](int64_t first, int64_t last) {
-    const int64_t most = heads_per_task * QUERY_BLOCK;
+  const QueryTasks tasks(batch, heads, kv_heads, width);
+  const int64_t heads_per_task = tasks.heads_per_task;
+  specserve::parallel_for(0, batch * tasks.per_row, 1, [&](int64_t first, int64_t last) {
+    const int64_t most = tasks.most_queries();
     std::unique_ptr<float[]> scores(new float[most * kv_len]), buffer(new float[VALUE_BLOCK * dim]);  // uninitialized
     std::unique_ptr<float[]> step_buffer(new float[width * dim]);  // the step's keys, then its values, as floats
     std::vector<int64_t> lengths(most), at(most);
     for (int64_t task = first; task < last; ++task) {
-      const int64_t b = task / tasks_per_row, h0 = (task % tasks_per_row) / blocks * heads_per_task;
-      const int64_t w0 = (task % blocks) * QUERY_BLOCK, w1 = std::min(width, w0 + QUERY_BLOCK);
-      const int64_t g = h0 / group;
+      const auto [b, h0, w0, w1, g] = tasks[task];
       const T* keys = kp + ((first_slot + b) * kv_heads + g) * capacity * dim;
       const T* values = vp + ((first_slot + b) * kv_heads + g) * capacity * dim;
       const int64_t start = pos[b * width];  // s_b: the root's slot, the row's committed length
