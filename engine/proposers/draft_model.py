@@ -34,6 +34,28 @@ def fit_vocab(
     return torch.cat([probs, pad], dim=-1)
 
 
+
+def round_buffers(requests: Sequence[DraftRequest], n: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A round's outputs before drafting: token ids [B, K] (-1), counts [B] (each row's k), and the top-n ids
+    [B, K, n] int32 and probabilities [B, K, n] of its compact proposals (zeros)."""
+    batch, k_max = len(requests), max(r.k for r in requests)
+    return (torch.full((batch, k_max), -1, dtype=torch.long), torch.tensor([r.k for r in requests], dtype=torch.long),
+            torch.zeros(batch, k_max, n, dtype=torch.int32), torch.zeros(batch, k_max, n))
+
+
+def round_proposal(requests: Sequence[DraftRequest], token_ids: torch.Tensor, num_tokens: torch.Tensor,
+                   top_ids: torch.Tensor, top_probs: torch.Tensor,
+                   trees: list | None = None) -> Proposal:  # `round_buffers`' tensors, filled
+    """The round's Proposal: the compact proposals of unseeded sampled rows that drafted a chain (a tree's nodes are
+    candidates, not draws: it ships none), and the trees rows asked for."""
+    proposals = [CompactProposal(top_ids[b], top_probs[b]) if r.ships_proposal and not r.tree else None
+                 for b, r in enumerate(requests)]
+    return Proposal(token_ids=token_ids, num_tokens=num_tokens,
+                    proposals=proposals if any(p is not None for p in proposals) else None,
+                    trees=trees if trees and any(t is not None for t in trees) else None)
+
+
 class DraftModelProposer:
     """Proposes k tokens per sequence by running the draft model autoregressively, batched over sequences."""
 
@@ -60,14 +82,10 @@ class DraftModelProposer:
         if self.lookup is not None and all(r.processing is None and not r.tree for r in requests) \
                 and all(m is None for m in matchers):
             return self._staged(requests, feeds, stop)
-        batch, k_max = len(requests), max(r.k for r in requests)
-        token_ids = torch.full((batch, k_max), -1, dtype=torch.long)
-        num_tokens = torch.tensor([r.k for r in requests], dtype=torch.long)
         n = min(self.top_n, self.target_vocab_size)
-        top_ids = torch.zeros(batch, k_max, n, dtype=torch.int32)
-        top_probs = torch.zeros(batch, k_max, n)
+        token_ids, num_tokens, top_ids, top_probs = round_buffers(requests, n)
         steps: dict[int, list] = {b: [] for b, r in enumerate(requests) if r.tree}  # tree rows' candidates per step
-        active = list(range(batch))
+        k_max, active = token_ids.shape[1], list(range(len(requests)))
         for step in range(k_max):
             logits = self.runner.forward([requests[i].seq_id for i in active], [feeds[i] for i in active],
                                          [1] * len(active))  # [A, 1, V_draft]
@@ -108,13 +126,9 @@ class DraftModelProposer:
             if stop is not None and stop():
                 num_tokens = num_tokens.clamp(max=step + 1)
                 break
-        proposals = [CompactProposal(top_ids[b], top_probs[b]) if r.ships_proposal and not r.tree else None
-                     for b, r in enumerate(requests)]
         trees = [chain_with_siblings(steps[b][: int(num_tokens[b])], r.tree) if r.tree else None
                  for b, r in enumerate(requests)]
-        return Proposal(token_ids=token_ids, num_tokens=num_tokens,
-                        proposals=proposals if any(p is not None for p in proposals) else None,
-                        trees=trees if any(t is not None for t in trees) else None)
+        return round_proposal(requests, token_ids, num_tokens, top_ids, top_probs, trees)
 
     def _staged(self, requests: Sequence[DraftRequest], feeds: list[list[int]],
                 stop: Callable[[], bool] | None) -> Proposal:
@@ -124,14 +138,10 @@ class DraftModelProposer:
         included: one pass makes one or more drafts. Every pick is the draft's choice at its position by the row's
         scheme (engine/spec/proposal.py: argmax, coupled, or drawn with the position's counter uniforms), so the
         drafts and compact proposals are those of one step at a time; only the number of passes changes."""
-        batch, k_max = len(requests), max(r.k for r in requests)
         n = min(self.top_n, self.target_vocab_size)
-        token_ids = torch.full((batch, k_max), -1, dtype=torch.long)
-        num_tokens = torch.tensor([r.k for r in requests], dtype=torch.long)
-        top_ids = torch.zeros(batch, k_max, n, dtype=torch.int32)
-        top_probs = torch.zeros(batch, k_max, n)
+        token_ids, num_tokens, top_ids, top_probs = round_buffers(requests, n)
         drafted: list[list[int]] = [[] for _ in requests]
-        active = list(range(batch))
+        active = list(range(len(requests)))
         while active:
             guesses = []
             for i in active:
@@ -165,10 +175,7 @@ class DraftModelProposer:
             if active and stop is not None and stop():
                 num_tokens = torch.tensor([len(d) for d in drafted], dtype=torch.long)
                 break
-        proposals = [CompactProposal(top_ids[b], top_probs[b]) if r.ships_proposal else None
-                     for b, r in enumerate(requests)]
-        return Proposal(token_ids=token_ids, num_tokens=num_tokens,
-                        proposals=proposals if any(p is not None for p in proposals) else None)
+        return round_proposal(requests, token_ids, num_tokens, top_ids, top_probs)
 
     def _feeds_on_device(self, requests: Sequence[DraftRequest], matchers: list) -> bool:
         """Whether this round's steps can feed each other on the device (`_on_device`): no row processed or under a

@@ -6,7 +6,7 @@ speculator).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -28,35 +28,30 @@ class NgramProposer:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+    def continuations(self, tokens: Sequence[int], k: int) -> Iterator[list[int]]:
+        """What followed each earlier occurrence of the sequence's last n tokens (at most k tokens each), n = max_n
+        down to min_n, the most recent occurrence first, computed as they are asked for."""
         arr = np.asarray(tokens, dtype=np.int64)
         length = len(arr)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             suffix = arr[length - n :]
             # windows starting at 0 .. length-n-1 (the suffix itself excluded)
             windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return arr[start : start + k].tolist()
-        return []
+            for hit in np.flatnonzero((windows == suffix).all(axis=1))[::-1]:
+                yield arr[int(hit) + n : int(hit) + n + k].tolist()
+
+    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+        return next(self.continuations(tokens, k), [])
 
     def lookup_tree(self, tokens: Sequence[int], k: int, budget: int, matches: int = MAX_MATCHES) -> DraftTree:
-        """Several matches as a tree: the continuations (at most k tokens) after the latest `matches` earlier
-        occurrences of the sequence's last n tokens, longest n first and the most recent first, merged on their common
-        prefixes, at most `budget` nodes (SpecInfer's token trees from several speculators, here several lookups)."""
-        arr = np.asarray(tokens, dtype=np.int64)
-        length = len(arr)
+        """Several matches as a tree: the first `matches` distinct `continuations`, merged on their common prefixes,
+        at most `budget` nodes (SpecInfer's token trees from several speculators, here several lookups)."""
         paths: list[list[int]] = []
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = arr[length - n :]
-            windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
-            for hit in np.flatnonzero((windows == suffix).all(axis=1))[::-1]:
-                path = arr[int(hit) + n : int(hit) + n + k].tolist()
-                if path and path not in paths:
-                    paths.append(path)
+        for path in self.continuations(tokens, k):
+            if path and path not in paths:
+                paths.append(path)
                 if len(paths) >= matches:
-                    return DraftTree.from_paths(paths, budget)
+                    break
         return DraftTree.from_paths(paths, budget)
 
     def propose(self, requests: Sequence[DraftRequest], stop: Callable[[], bool] | None = None) -> Proposal:

@@ -240,12 +240,12 @@ def commit(seq: SequenceState, num_draft: int, verdict: Verdict, stats: SpecStat
     """Append a row's verdict to its sequence (cut at EOS, max_tokens, the window and stop strings) and record the
     round: in the sequence's own statistics, the round's `stats`, and each acceptance tracker (the request's own
     and the population's, engine/spec/policy.py)."""
-    if verdict.depth is not None:  # a tree round counts as a chain as deep as the tree
+    tree = verdict.depth is not None
+    if tree:  # a tree round counts as a chain as deep as the tree
         num_draft = verdict.depth
     for tracker in trackers:
         tracker.record(num_draft, verdict.num_accepted)
     out = seq.commit(verdict.tokens, num_draft, verdict.num_accepted, verdict.logprobs)
     stats.record(num_draft, verdict.num_accepted, len(out.new_token_ids))
-    if verdict.depth is not None:
-        stats.tree_rounds += 1
+    stats.tree_rounds += tree
     return out

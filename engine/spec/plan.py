@@ -175,10 +175,9 @@ def plan_trees(profile: CostProfile | None, rows: Sequence[SpecRow], ks: Sequenc
 
     A tree of N nodes drafts as deep as the chain (its drafter's K steps, or the expansion's measured cost:
     `CostProfile.tree_draft`) but widens the verify pass from K+1 to N+1 positions per row, for every row of the
-    round. With a cost profile (`auto`) the round goes to trees when
-    the rows' expected tokens under their tree acceptance (per level of the tree, measured per request) over the
-    round's seconds at that verify width beat the chain's: trees where verifying more positions is nearly free (few
-    rows, memory-bound), chains under load. A request with few tree rounds of its own is taken at the `population`'s
+    round. With a cost profile (`auto`) the round goes to trees when the rows' expected tokens under their tree
+    acceptance (per level of the tree, measured per request) over the round's seconds at that verify width beat the
+    chain's: trees where verifying more positions is nearly free (few rows, memory-bound), chains under load. A request with few tree rounds of its own is taken at the `population`'s
     tree acceptance (every request's tree rounds); before any tree round was measured it is assumed to miss half as
     often as its chains (a probe: the first tree rounds measure it). Without a profile `auto` is `on`."""
     out = [0] * len(rows)

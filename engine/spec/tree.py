@@ -172,7 +172,7 @@ def best_tree(pool: Sequence[Candidate], budget: int) -> tuple[DraftTree, list[i
     depth = []
     for c in pool:
         depth.append(0 if c.parent < 0 else depth[c.parent] + 1)
-    order = heapq.nsmallest(len(pool), range(len(pool)), key=lambda i: (-pool[i].score, depth[i], i))
+    order = sorted(range(len(pool)), key=lambda i: (-pool[i].score, depth[i], i))
     kept: set[int] = set()
     for i in order:
         if len(kept) >= budget:

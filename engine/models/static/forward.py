@@ -253,8 +253,8 @@ class StaticLlama(nn.Module):
         """A step of `W` tokens per row. A tree step (`depths`, `ancestors`) writes token w at starts[b] + w, rotates
         it at starts[b] + depths[b, w] and lets it see the committed keys and its own path only (tree attention)."""
         positions = starts[:, None] + torch.arange(tokens.shape[1], device=tokens.device)[None, :]  # [B, W]
-        tree = {} if depths is None else {"depths": depths, "ancestors": ancestors}
-        ops = LayerOps.for_step(self.layer_shape, self.cos, self.sin, positions, first_slot, kv_len, **tree)
+        ops = LayerOps.for_step(self.layer_shape, self.cos, self.sin, positions, first_slot, kv_len, depths=depths,
+                                ancestors=ancestors)
         return self._layers(tokens, ops, last_only, num_layers)
 
     def forward_rows(

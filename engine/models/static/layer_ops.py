@@ -178,8 +178,8 @@ class LayerOps:
         if self._cache_rows is None:
             starts = self.positions[:, 0].contiguous()
             slots = torch.arange(self.first_slot, self.first_slot + starts.shape[0], device=starts.device)
-            tree = {} if self.depths is None else {"depths": self.depths, "ancestors": self.ancestors}
-            self._cache_rows = RowIndex(slots=slots, starts=starts, limits=starts + self.positions.shape[1], **tree)
+            self._cache_rows = RowIndex(slots=slots, starts=starts, limits=starts + self.positions.shape[1],
+                                        depths=self.depths, ancestors=self.ancestors)
         return self._cache_rows
 
     def visible(self) -> torch.Tensor:  # [B, 1, W, L]: built once per step, and only where a path masks
@@ -221,12 +221,9 @@ class LayerOps:
         first, kv_len = self.first_slot, self.kv_len
         if self.rows is not None:
             return attention_kernels.cache_attention(q, k_cache, v_cache, self.rows, m.scale)
-        if self.fused is not None and m.head_dim % 8 == 0:
-            if self.ancestors is not None:  # each tree node over its own path, the same bits as decoding that path
-                return self.fused["cache_attention"](q.contiguous(), k_cache, v_cache, first, self.positions, kv_len,
-                                                     m.scale, self.ancestors)
+        if self.fused is not None and m.head_dim % 8 == 0:  # a tree node over its own path: decoding that path's bits
             return self.fused["cache_attention"](q.contiguous(), k_cache, v_cache, first, self.positions, kv_len,
-                                                 m.scale)
+                                                 m.scale, self.ancestors)
         keys = k_cache[first : first + batch, :, :kv_len].to(q.dtype)
         values = v_cache[first : first + batch, :, :kv_len].to(q.dtype)
         if self.fused is not None and batch > 1:
@@ -250,14 +247,11 @@ class LayerOps:
             return fused_ops.rope_to_cache(qkv, self.cos, self.sin, self.cache_rows(), k_cache, v_cache, m.num_heads,
                                            m.num_kv_heads)
         if self.fused is not None:
-            if self.depths is not None:
-                return self.fused["rope_to_cache"](qkv.contiguous(), self.cos, self.sin, positions, k_cache, v_cache,
-                                                   first_slot, m.num_heads, m.num_kv_heads, self.rope_positions)
+            rotate_at = None if self.depths is None else self.rope_positions  # a chain rotates where it writes
             return self.fused["rope_to_cache"](qkv.contiguous(), self.cos, self.sin, positions, k_cache, v_cache,
-                                               first_slot, m.num_heads, m.num_kv_heads)
+                                               first_slot, m.num_heads, m.num_kv_heads, rotate_at)
         batch, width = positions.shape
-        rotate_at = self.rope_positions
-        cos, sin = self.cos[rotate_at][:, None], self.sin[rotate_at][:, None]  # [B, 1, W, D]
+        cos, sin = self.cos[self.rope_positions][:, None], self.sin[self.rope_positions][:, None]  # [B, 1, W, D]
         q = qkv[..., : m.q_size].view(batch, width, -1, m.head_dim).transpose(1, 2)
         k = qkv[..., m.q_size : m.q_size + m.kv_size].view(batch, width, -1, m.head_dim)
         v = qkv[..., m.q_size + m.kv_size :].view(batch, width, -1, m.head_dim)

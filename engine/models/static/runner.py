@@ -54,7 +54,7 @@ from engine.models.static.steps import (
     step_mode,
 )
 from engine.models.static.tp import agree_num_slots, shard_of
-from engine.models.static.tree_steps import graph_masks, keep_path, step_masks, tree_shape
+from engine.models.static.tree_steps import graph_masks, keep_path, row_shapes, step_masks
 from engine.models.static.warm_up import warm_up
 
 MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks first
@@ -162,11 +162,8 @@ class StaticRunner(SlotTableAccess):
                 num_logits: Sequence[int],
                 trees: Sequence | None = None,  # per row a DraftTree (its nodes: the row's last tree.width tokens)
                 ) -> torch.Tensor:  # [B, max(num_logits), V] float32
-        """Runner.forward; a row with a tree (engine/spec/tree.py) feeds the tree's nodes last, in node order, and
-        each node sees its own path only (tree attention), rotated at its depth; `keep_path` then keeps the
-        accepted path's keys and values."""
-        assert len(seq_ids) == len(new_tokens) == len(num_logits)
-        assert trees is None or len(trees) == len(seq_ids)
+        """Runner.forward; a row's tree's nodes are its last tokens, each sees its own path (tree attention)."""
+        assert len(seq_ids) == len(new_tokens) == len(num_logits) == len(trees or seq_ids)
         states = [self._seqs[s] for s in seq_ids]
         for state, toks, k in zip(states, new_tokens, num_logits):
             if not 0 < k <= len(toks):
@@ -181,9 +178,7 @@ class StaticRunner(SlotTableAccess):
         # batch
         heads, tails = split_heads(new_tokens, num_logits, MAX_WIDTH)
         prefill_heads(states, heads, self.prefill_chunk, self._prefill_rows, self.model.move_slot)
-        shapes = None if trees is None or all(t is None for t in trees) else [
-            None if tree is None else tree_shape(tree, len(tail)) for tree, tail in zip(trees, tails)]
-        logits = self._batched_step(states, tails, list(num_logits), shapes)
+        logits = self._batched_step(states, tails, list(num_logits), row_shapes(trees, tails))
         self.forward_calls += 1
         self.forward_rows += len(states)
         return logits
@@ -249,8 +244,7 @@ class StaticRunner(SlotTableAccess):
             state.tokens.extend(chunk)
 
     def keep_path(self, seq_id: str, width: int, path: Sequence[int]) -> None:
-        """After a tree step: the accepted path's keys and values kept, the other nodes dropped
-        (engine/models/static/tree_steps.py)."""
+        """After a tree step: the accepted path's keys and values kept, the rest dropped (tree_steps.keep_path)."""
         keep_path(self.model, self.pass_states, self._seqs[seq_id], width, path)
 
     def _batched_step(self, states: list[SeqSlot], tails: list[list[int]], num_logits: list[int],
@@ -270,14 +264,11 @@ class StaticRunner(SlotTableAccess):
             ids[r, : len(toks)] = torch.tensor(toks)
             starts[r] = len(state.tokens)
             need = max(need, len(state.tokens) + width)
-        if shapes is None:
-            logits = self._run(ids, starts, lo, self._kv_len(need), last_only=False)  # [rows, width, V]
-        else:  # a tree step: eager (compiled steps take chains only), each row's depths and ancestor masks
-            depths, ancestors = step_masks(rows, width, [(s.slot - lo, shape) for s, shape in zip(states, shapes)
-                                                         if shape is not None])
-            device = self.device
-            logits = self.model.forward(ids.to(device), starts.to(device), lo, self._kv_len(need), False, None,
-                                        depths.to(device), ancestors.to(device))
+        # a tree step runs eagerly (compiled steps take chains only), with each row's depths and ancestor masks
+        masks = {} if shapes is None else step_masks(rows, width, [(s.slot - lo, shape)
+                                                                   for s, shape in zip(states, shapes) if shape])
+        logits = self._run(ids, starts, lo, self._kv_len(need), False, self.model.forward if masks else None,
+                           **masks)  # [rows, width, V]
         self.pass_states.after_step([s.seq_id for s in states], [len(s.tokens) for s in states],
                                     [s.slot - lo for s in states], tails, num_logits, width, graph=False)
         for state, toks in zip(states, tails):
@@ -308,10 +299,11 @@ class StaticRunner(SlotTableAccess):
         return min(self.model.capacity, -(-need // 64) * 64)
 
     def _run(self, ids: torch.Tensor, starts: torch.Tensor, first_slot: int, kv_len: int,
-             last_only: bool, step: Callable | None = None) -> torch.Tensor:
+             last_only: bool, step: Callable | None = None, **masks: torch.Tensor) -> torch.Tensor:
         ids = ids.to(self.device, non_blocking=True)
         starts = starts.to(self.device, non_blocking=True)
-        return (step or self._step)(ids, starts, first_slot, kv_len, last_only)
+        masks = {name: mask.to(self.device, non_blocking=True) for name, mask in masks.items()}
+        return (step or self._step)(ids, starts, first_slot, kv_len, last_only, **masks)
 
     # ---- start-up -------------------------------------------------------------------------------------------
     def warm_up(self, max_k: int, progress: Callable[[str], None] | None = None,

@@ -25,16 +25,23 @@ def tree_shape(tree, tail: int) -> Shape:
     return depths, ancestors
 
 
+def row_shapes(trees: Sequence | None, tails: Sequence[Sequence[int]]) -> list[Shape | None] | None:
+    """Each row's shape over its step tokens `tails` (None: a chain), or None when no row has a tree."""
+    if trees is None or all(tree is None for tree in trees):
+        return None
+    return [None if tree is None else tree_shape(tree, len(tail)) for tree, tail in zip(trees, tails)]
+
+
 def step_masks(rows: int, width: int, placed: Iterable[tuple[int, Shape]]
-               ) -> tuple[torch.Tensor, torch.Tensor]:  # depths, ancestors [rows, width] int64
-    """An eager tree step's depths and ancestor bitmasks: each placed row (step row, its shape) its own, every other
-    row (chains, padding) the chain's."""
+               ) -> dict[str, torch.Tensor]:  # "depths", "ancestors": [rows, width] int64
+    """An eager tree step's depths and ancestor bitmasks (StaticLlama.forward's keyword arguments): each placed row
+    (step row, its shape) its own, every other row (chains, padding) the chain's."""
     depths = torch.tensor(chain_depths(width)).repeat(rows, 1)
     ancestors = torch.tensor(chain_ancestors(width)).repeat(rows, 1)
     for r, (row_depths, row_ancestors) in placed:
         depths[r, : len(row_depths)] = torch.tensor(row_depths)
         ancestors[r, : len(row_ancestors)] = torch.tensor(row_ancestors)
-    return depths, ancestors
+    return {"depths": depths, "ancestors": ancestors}
 
 
 def graph_masks(shapes: Sequence[Shape | None] | None) -> dict:

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from engine.models.cpu import extension as cpu_extension
+from tests.engine.models.cpu.test_extension import rope_inputs
+from tests.engine.models.cpu.test_pool import on_threads
 
 
 @pytest.fixture(scope="module")
@@ -17,17 +19,6 @@ def ops():
     if attention is None or rope is None:
         pytest.skip(f"the CPU operators are unavailable: {cpu_extension.why_unavailable()}")
     return attention, rope
-
-
-def rope_inputs(heads, kv_heads, width, dim, slots, capacity, last_start):
-    """qkv [3, W, (H + 2 KVH) D], cos/sin tables [capacity, D], positions [3, W] (rows starting at 7, 0 and
-    `last_start`), fp32 K/V caches [slots, KVH, capacity, D] of random values (test_extension.py's)."""
-    qkv = torch.randn(3, width, (heads + 2 * kv_heads) * dim)
-    angles = torch.rand(capacity, dim // 2) * 6
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    positions = torch.tensor([[7], [0], [last_start]]) + torch.arange(width)
-    caches = torch.randn(slots, kv_heads, capacity, dim), torch.randn(slots, kv_heads, capacity, dim)
-    return qkv, cos, sin, positions, caches
 
 
 def chain(width):
@@ -62,15 +53,6 @@ def depths_of(parents):
     return depths
 
 
-def with_threads(threads, f):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return f()
-    finally:
-        torch.set_num_threads(saved)
-
-
 def plain_path_attention(attention, q_node, k_cache, v_cache, slot, scratch, start, path, scale):
     """What plain decoding of the path computes for its last node: the committed keys [0, start) and the path's keys
     copied contiguously into `scratch`, one query at position start + len(path) - 1, the op without ancestors."""
@@ -103,8 +85,8 @@ def test_a_tree_node_is_the_same_bits_as_plain_decoding_of_its_path(ops, dtype, 
     ancestors = torch.tensor(masks)
     scale = dim ** -0.5
 
-    got = with_threads(2, lambda: attention(q, k_cache, v_cache, first_slot, positions, kv_len, scale, ancestors))
-    alone = with_threads(1, lambda: attention(q, k_cache, v_cache, first_slot, positions, kv_len, scale, ancestors))
+    got = on_threads(2, lambda: attention(q, k_cache, v_cache, first_slot, positions, kv_len, scale, ancestors))
+    alone = on_threads(1, lambda: attention(q, k_cache, v_cache, first_slot, positions, kv_len, scale, ancestors))
     assert torch.equal(got, alone), "the threads' split changes nothing"
     assert got[-1].isfinite().all()  # the padding row reads kv_len committed keys, its output unused
     for b, (start, row_masks) in enumerate(zip(starts, masks)):
@@ -129,8 +111,8 @@ def test_a_causal_mask_gives_the_plain_operator_s_bits(ops, dtype, heads, kv_hea
     positions[1] = 60  # a padding row: reads kv_len keys either way
     causal = torch.tensor([[(2 << w) - 1 for w in range(width)]] * batch)
     for threads in (1, 2):
-        plain = with_threads(threads, lambda: attention(q, k_cache, v_cache, first_slot, positions, kv_len, 0.3))
-        tree = with_threads(threads, lambda: attention(q, k_cache, v_cache, first_slot, positions, kv_len, 0.3,
+        plain = on_threads(threads, lambda: attention(q, k_cache, v_cache, first_slot, positions, kv_len, 0.3))
+        tree = on_threads(threads, lambda: attention(q, k_cache, v_cache, first_slot, positions, kv_len, 0.3,
                                                        causal))
         assert torch.equal(tree, plain), threads
 

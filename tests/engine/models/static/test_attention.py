@@ -7,11 +7,9 @@ import torch
 
 from engine.models.static import attention
 from engine.models.static.attention import RowIndex, cache_attention, reference_attention
+from tests.engine.models.static.attention_cases import DEVICE, attention_case
 
 pytest.importorskip("triton")
-
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # without a GPU: Triton's interpreter (tests/conftest.py)
 
 
 @pytest.fixture
@@ -19,17 +17,6 @@ def interpreted():
     """The Triton kernel runs here: on a GPU, or on the CPU in Triton's interpreter."""
     if not attention.available():
         pytest.skip("Triton cannot run here (no GPU and TRITON_INTERPRET unset)")
-
-
-def _case(batch, heads, kv_heads, width, dim, slots, capacity, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, width, heads, dim, generator=gen).to(dtype).transpose(1, 2)  # as the forward's view
-    k = torch.randn(slots, kv_heads, capacity, dim, generator=gen).to(dtype)
-    v = torch.randn(slots, kv_heads, capacity, dim, generator=gen).to(dtype)
-    slot = torch.randperm(slots, generator=gen)[:batch]
-    starts = torch.randint(0, capacity - width - 1, (batch,), generator=gen)
-    q, k, v, slot, starts = (t.to(DEVICE) for t in (q, k, v, slot, starts))
-    return q, k, v, RowIndex(slots=slot, starts=starts, limits=starts + width)
 
 
 @pytest.mark.parametrize("shape", [
@@ -41,20 +28,20 @@ def _case(batch, heads, kv_heads, width, dim, slots, capacity, dtype, seed=0):
 ])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_the_kernel_gives_the_reference_attention(interpreted, shape, splits):
-    q, k, v, rows = _case(*shape, dtype=torch.float32)
+    q, k, v, rows = attention_case(*shape, dtype=torch.float32)
     got = cache_attention(q, k, v, rows, 0.3, splits=splits)
     torch.testing.assert_close(got, reference_attention(q, k, v, rows, 0.3), atol=2e-6, rtol=2e-5)
 
 
 def test_bf16_inputs_within_bf16_precision(interpreted):
-    q, k, v, rows = _case(3, 8, 2, 5, 64, 4, 256, torch.bfloat16)
+    q, k, v, rows = attention_case(3, 8, 2, 5, 64, 4, 256, torch.bfloat16)
     got = cache_attention(q, k, v, rows, 0.125, splits=2)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), reference_attention(q, k, v, rows, 0.125).float(), atol=2e-2, rtol=1e-2)
 
 
 def test_a_row_reads_only_its_slot_below_its_limit_and_padding_rows_are_zero(interpreted):
-    q, k, v, rows = _case(3, 4, 2, 2, 32, 5, 260, torch.float32, seed=3)
+    q, k, v, rows = attention_case(3, 4, 2, 2, 32, 5, 260, torch.float32, seed=3)
     want = reference_attention(q, k, v, rows, 0.2)
     poisoned_k, poisoned_v = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
     for b in range(3):  # only the keys and values each row may read are real; every other entry is NaN
@@ -71,13 +58,13 @@ def test_a_row_reads_only_its_slot_below_its_limit_and_padding_rows_are_zero(int
 
 def test_without_triton_the_reference_runs(monkeypatch):
     monkeypatch.setattr(attention, "triton", None)
-    q, k, v, rows = _case(2, 4, 2, 3, 16, 2, 100, torch.float32)
+    q, k, v, rows = attention_case(2, 4, 2, 3, 16, 2, 100, torch.float32)
     assert not attention.available()
     torch.testing.assert_close(cache_attention(q, k, v, rows, 0.5), reference_attention(q, k, v, rows, 0.5))
 
 
 def test_the_reference_is_causal_attention_over_each_row_prefix():
-    q, k, v, rows = _case(2, 4, 2, 3, 16, 3, 64, torch.float32, seed=7)
+    q, k, v, rows = attention_case(2, 4, 2, 3, 16, 3, 64, torch.float32, seed=7)
     got = reference_attention(q, k, v, rows, 0.25)
     for b in range(2):
         s, start = int(rows.slots[b]), int(rows.starts[b])

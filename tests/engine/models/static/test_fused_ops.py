@@ -98,8 +98,8 @@ def test_eager_steps_on_a_triton_device_run_the_kernels_and_give_the_aten_logits
     build = lambda: StaticRunner(model, budget=KVBudget(gib=0.05, max_num_seqs=4), compile="off",  # noqa: E731
                                  prefill_chunk=16)
     monkeypatch.setattr(layer_ops.LayerOps, "for_step", classmethod(  # no CPU operators
-        lambda cls, shape, cos, sin, positions, first_slot, kv_len: cls(shape, cos, sin, None, positions, first_slot,
-                                                                        kv_len)))
+        lambda cls, shape, cos, sin, positions, first_slot, kv_len, **tree: cls(shape, cos, sin, None, positions,
+                                                                                first_slot, kv_len, **tree)))
     monkeypatch.setattr(layer_ops, "TRITON_EAGER_DEVICES", set())  # the reference: ATen's operators
     aten = scripted(build(), ROUNDS)
     calls = []

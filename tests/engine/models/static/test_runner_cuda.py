@@ -107,10 +107,15 @@ def test_tree_steps_replay_the_captured_graphs_and_score_each_node_as_its_path()
     """A token tree's step (engine/spec/tree.py) replays the graph of its width bucket (every graph reads each row's
     depths and ancestor masks) and scores every node as decoding its path does (fp32: to the rounding of the
     kernels); the verify step with trees emits plain greedy decoding's tokens."""
-    from engine.request.delta import SeqDelta, first_delta
     from engine.spec.tree import DraftTree
-    from engine.spec.verify import TargetVerifier, VerifyRow
-    from tests.engine.models.static.test_tree_steps import PROMPT, _plain_logits, greedy_continuation
+    from engine.spec.verify import TargetVerifier
+    from tests.engine.models.static.test_tree_steps import (
+        PROMPT,
+        _plain_logits,
+        greedy_continuation,
+        tree_rounds,
+        wrong,
+    )
 
     model = make_tiny_model("llama", seed=4).to("cuda")
     runner = StaticRunner(model, budget=SLOTS, compile="auto", prefill_chunk=32)
@@ -129,11 +134,6 @@ def test_tree_steps_replay_the_captured_graphs_and_score_each_node_as_its_path()
     want = greedy_continuation(model.cpu(), PROMPT, 12)
     model.to("cuda")
     verifier = TargetVerifier(runner, None)
-    out, delta = [], first_delta("a", PROMPT)
-    while len(out) < 12:
-        nxt = want[len(out):len(out) + 3]
-        tree = DraftTree.from_paths([[(t + 1) % 60 for t in nxt], nxt])
-        verdict = verifier.verify([VerifyRow(delta, tree.tokens, tree=tree)]).verdicts[0]
-        out += verdict.tokens
-        delta = SeqDelta("a", len(PROMPT) + len(out) - len(verdict.tokens), verdict.tokens)
+    out, _, _ = tree_rounds(lambda rows: verifier.verify(rows).verdicts[0], want, 12,
+                            lambda r, nxt: DraftTree.from_paths([wrong(nxt), nxt]))
     assert out[:12] == want

@@ -3,6 +3,7 @@ own path (`RowIndex.ancestors`) against the reference, the reference against att
 contiguously, chain masks against the causal kernel; RoPE at each node's depth with its key written at its step
 index (`RowIndex.depths`); the graphs' staging buffer with and without trees."""
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -12,8 +13,8 @@ import torch
 from engine.models.static import attention, fused_ops
 from engine.models.static.attention import RowIndex, cache_attention, reference_attention
 from engine.models.static.cuda_graphs import GraphSteps, Staging, chain_ancestors, chain_depths
+from tests.engine.models.static.attention_cases import DEVICE, attention_case
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # without a GPU: Triton's interpreter (tests/conftest.py)
 FP32 = {"atol": 2e-6, "rtol": 2e-5}  # test_attention.py's tolerances
 BF16 = {"atol": 2e-2, "rtol": 1e-2}
 
@@ -49,15 +50,10 @@ def _trees(batch: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _case(batch, heads, kv_heads, width, dim, slots, capacity, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, width, heads, dim, generator=gen).to(dtype).transpose(1, 2)  # as the forward's view
-    k = torch.randn(slots, kv_heads, capacity, dim, generator=gen).to(dtype)
-    v = torch.randn(slots, kv_heads, capacity, dim, generator=gen).to(dtype)
-    slot = torch.randperm(slots, generator=gen)[:batch]
-    starts = torch.randint(0, capacity - width - 1, (batch,), generator=gen)
-    q, k, v, slot, starts = (t.to(DEVICE) for t in (q, k, v, slot, starts))
+    """test_attention.py's case, its rows given trees."""
+    q, k, v, rows = attention_case(batch, heads, kv_heads, width, dim, slots, capacity, dtype, seed)
     depths, ancestors = _trees(batch, width, seed)
-    return q, k, v, RowIndex(slots=slot, starts=starts, limits=starts + width, depths=depths, ancestors=ancestors)
+    return q, k, v, dataclasses.replace(rows, depths=depths, ancestors=ancestors)
 
 
 def _chain_rows(rows: RowIndex) -> RowIndex:

@@ -89,27 +89,36 @@ def greedy_continuation(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+def tree_rounds(verify, want, n, offer, seq="a"):
+    """Rounds from PROMPT until `n` tokens are out: round r offers the tree `offer(r, next three wanted tokens)` (None:
+    no drafts) through `verify(rows) -> verdict`. The tokens out, the verdicts and the next round's delta."""
+    out, verdicts, delta = [], [], first_delta(seq, PROMPT)
+    while len(out) < n:
+        tree = offer(len(verdicts), want[len(out):len(out) + 3])
+        verdict = verify([VerifyRow(delta) if tree is None else VerifyRow(delta, tree.tokens, tree=tree)])
+        verdicts.append(verdict)
+        out += verdict.tokens
+        delta = SeqDelta(seq, len(PROMPT) + len(out) - len(verdict.tokens), verdict.tokens)
+    return out, verdicts, delta
+
+
+def wrong(tokens):
+    return [(t + 1) % 60 for t in tokens]
+
+
 def test_verify_with_trees_emits_plain_greedy_decoding(model):
     """Rounds of trees holding the right continuation on one branch among wrong ones, and trees that miss."""
     want = greedy_continuation(model, PROMPT, 24)
     verifier = TargetVerifier(_runner(model), None)
-    out, delta = [], first_delta("a", PROMPT)
-    rounds = accepted = 0
-    while len(out) < 20:
-        nxt = want[len(out):len(out) + 3]
-        wrong = [(t + 1) % 60 for t in nxt]
-        if rounds % 3 == 2:
-            tree = DraftTree.from_paths([wrong, [wrong[0], nxt[1]]])  # misses at the root
-        else:
-            tree = DraftTree.from_paths([[nxt[0], wrong[1]], wrong[:2], nxt])  # the right path is the last branch
-        outcome = verifier.verify([VerifyRow(delta, tree.tokens, tree=tree)])
-        verdict = outcome.verdicts[0]
-        accepted += verdict.num_accepted
-        out += verdict.tokens
-        delta = SeqDelta("a", len(PROMPT) + len(out) - len(verdict.tokens), verdict.tokens)
-        rounds += 1
+
+    def offer(r, nxt):
+        if r % 3 == 2:
+            return DraftTree.from_paths([wrong(nxt), [wrong(nxt)[0], nxt[1]]])  # misses at the root
+        return DraftTree.from_paths([[nxt[0], wrong(nxt)[1]], wrong(nxt)[:2], nxt])  # the right path: the last branch
+
+    out, verdicts, _ = tree_rounds(lambda rows: verifier.verify(rows).verdicts[0], want, 20, offer)
     assert out[:20] == want[:20]
-    assert accepted >= rounds  # the right branch was taken where it was offered
+    assert sum(v.num_accepted for v in verdicts) >= len(verdicts)  # the right branch was taken where offered
 
 
 def test_a_side_that_does_not_sample_keeps_the_same_path_from_the_committed_tokens(model):
@@ -118,16 +127,14 @@ def test_a_side_that_does_not_sample_keeps_the_same_path_from_the_committed_toke
     sampling side's holds, and both score the next step alike."""
     want = greedy_continuation(model, PROMPT, 16)
     sampler, follower = TargetVerifier(_runner(model), None), TargetVerifier(_runner(model), None, samples=False)
-    delta = first_delta("a", PROMPT)
-    out = []
-    while len(out) < 12:
-        nxt = want[len(out):len(out) + 3]
-        tree = DraftTree.from_paths([[(t + 1) % 60 for t in nxt], nxt, [nxt[0], (nxt[1] + 2) % 60]])
-        rows = [VerifyRow(delta, tree.tokens, tree=tree)]
+
+    def both(rows):
         verdict = sampler.verify(rows).verdicts[0]
         assert follower.verify(rows) is None
-        out += verdict.tokens
-        delta = SeqDelta("a", len(PROMPT) + len(out) - len(verdict.tokens), verdict.tokens)
+        return verdict
+
+    out, _, delta = tree_rounds(both, want, 12, lambda r, nxt: DraftTree.from_paths(
+        [wrong(nxt), nxt, [nxt[0], (nxt[1] + 2) % 60]]))
     last = [VerifyRow(delta)]
     sampler.verify(last)
     follower.verify(last)
@@ -142,19 +149,10 @@ def test_a_sequence_decoded_with_trees_leaves_a_prefix_the_cache_can_serve(model
     if runner.prefix_cache is None:
         pytest.skip("no layout-invariant forward here (the prefix cache needs AVX512_BF16)")
     verifier = TargetVerifier(runner, None)
-    plain, want = TargetVerifier(_runner(model, weight_dtype=torch.bfloat16, dtype=torch.float32), None), []
-    delta = first_delta("p", PROMPT)
-    while len(want) < 40:  # plain greedy decoding on the same kernels
-        tokens = plain.verify([VerifyRow(delta)]).verdicts[0].tokens
-        delta = SeqDelta("p", len(PROMPT) + len(want), tokens)
-        want += tokens
-    delta, out = first_delta("a", PROMPT), []
-    while len(out) < 30:
-        nxt = want[len(out):len(out) + 3]
-        tree = DraftTree.from_paths([[(t + 1) % 60 for t in nxt], nxt])
-        verdict = verifier.verify([VerifyRow(delta, tree.tokens, tree=tree)]).verdicts[0]
-        out += verdict.tokens
-        delta = SeqDelta("a", len(PROMPT) + len(out) - len(verdict.tokens), verdict.tokens)
+    plain = TargetVerifier(_runner(model, weight_dtype=torch.bfloat16, dtype=torch.float32), None)
+    want, _, _ = tree_rounds(lambda rows: plain.verify(rows).verdicts[0], [], 40, lambda r, nxt: None, seq="p")
+    tree_rounds(lambda rows: verifier.verify(rows).verdicts[0], want, 30,
+                lambda r, nxt: DraftTree.from_paths([wrong(nxt), nxt]))
     verifier.release("a")
     text = PROMPT + want[:30]
     runner.add("b")
