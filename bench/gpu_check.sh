@@ -17,13 +17,18 @@
 #     trees   the 8b stage with token trees (speculation.tree: on, 8 nodes; the draft model's chain with its best
 #             alternatives beside it) after the tree kernels' CUDA tests (issue 49: trees >= 1.2x the chain at
 #             one stream, never below it at 32; not yet run):                                                ~8 min
+#     amx     the device host's CPU, where it has AMX (Intel Sapphire Rapids and later; issue 50): the AMX product's
+#             tests on the CPU's own tiles (batch invariance over 1..64 rows, the product against the exact one, a
+#             bf16 runner's rows the same bits in any batch), its speed against VDPBF16PS, and what
+#             engine/models/cpu/bf16_products.py chooses for SmolLM2-135M's and Llama-3.1-8B's layer shapes (no
+#             GPU used; prints the CPU's AMX flags first, and says so where it has none):                  ~2 min
 # gpu_serve runs Serve as `make run` does (throughput mode behind HAProxy, whose wheel the pack carries); add
 # --ray-serve-proxy for Serve's own proxy. Measured (bench/RESULTS.md, sessions 26-27): tests 2.5 min, 8b 4.7-5.1, 1.5b 4.3, exact 4.0;
 # run back to back (the machine stays warm 30 s after a call), tests + 8b + one more stage fit a session's 15 minutes
 # with the machine's start. The servers' configs and logs come back as one runs.tgz (the device returns 8 files).
 # Record what they print in bench/RESULTS.md with the commit and the command.
 set -u
-STAGE=${1:?usage: gpu_check.sh tests|1.5b|8b|exact|eagle3|trees}
+STAGE=${1:?usage: gpu_check.sh tests|1.5b|8b|exact|eagle3|trees|amx}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 bash .gpu/unpack.sh || { echo "no .gpu/ carried: see this script's header"; exit 2; }
@@ -61,6 +66,15 @@ case "$STAGE" in
     timeout 480 python3 -m bench.gpu_serve --shape 8b --noise 0.02 --budget-s 420 --serve-cli python \
       --set speculation.tree=on --set speculation.tree_nodes=8 \
       --pair-root /tmp/pairs --out "$OUT/gpu_serve_8b_trees.json" 2>&1 | tee "$OUT/gpu_serve_8b_trees.txt"
+    ;;
+  amx)
+    (lscpu | grep -E "Model name|^CPU\(s\)"; grep -o -w -E "amx_[a-z0-9]+" /proc/cpuinfo | sort -u) | tee "$OUT/cpu.txt"
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/engine/models/cpu/test_amx_gemm.py \
+      tests/engine/models/cpu/test_bf16_products.py tests/engine/models/cpu/test_bf16_gemm.py \
+      "tests/engine/models/static/test_runner.py::test_a_bf16_rows_step_is_the_same_bits_in_any_batch" \
+      2>&1 | tee "$OUT/amx_tests.txt"
+    timeout 120 python3 -m bench.bf16_products matrix 2>&1 | tee "$OUT/amx_matrix.txt"
+    timeout 120 python3 -m bench.bf16_products choice 576x1536 4096x14336 2>&1 | tee "$OUT/amx_choice.txt"
     ;;
   *)
     echo "unknown stage $STAGE"; exit 2 ;;

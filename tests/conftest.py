@@ -13,6 +13,10 @@ import torch
 # from the environment when it is first imported: set here, before any test module imports engine
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite's references for bf16 products are VDPBF16PS's bits (tests/engine/bf16_reference.py): on a CPU with AMX
+# the process's measured choice (engine/models/cpu/bf16_products.py) could be AMX tiles instead, so tests fix
+# VDPBF16PS, and the tests of AMX choose it themselves where the CPU has it
+os.environ.setdefault("SPECSERVE_BF16_PRODUCT", "vdpbf16ps")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 

@@ -29,6 +29,7 @@ class RoundCosts:
         self.calibration = calibration
         self._measured: dict[tuple, CostProfile | None] = {}
         self._corrections: dict[tuple, CostCorrection] = {}
+        self._products: dict[tuple, dict] = {}  # per pairing: which operator computes each side's bf16 products
 
     @property
     def corrects(self) -> bool:
@@ -59,6 +60,8 @@ class RoundCosts:
             if profile is None:
                 logger.warning("no measured costs for replicas %s; K follows max_batch_for_speculation", key)
             self._measured[key] = profile
+            self._products[key] = {"target": (target.costs or {}).get("bf16_products"),
+                                   "draft": (draft.costs or {}).get("bf16_products") if draft is not None else None}
         return self._measured[key]
 
     def observe(self, seen: CostObservation) -> None:
@@ -83,7 +86,8 @@ class RoundCosts:
 
     def shown(self) -> dict[str, dict | None]:
         """The costs K is chosen by (for /stats), in milliseconds: the calibration file's, or per pairing the
-        measured ones with what steady rounds observed against them."""
+        measured ones with what steady rounds observed against them, and which operator computes the bf16 products
+        of each side (engine/models/cpu/bf16_products.py; None: no bf16 product there)."""
         def show(profile: CostProfile | None, correction: CostCorrection | None) -> dict | None:
             if profile is None:
                 return None
@@ -97,7 +101,8 @@ class RoundCosts:
                         "round_overhead_ms": round(1000 * correction.overhead, 2)}}
         if self.calibration is not None:
             return {"calibration file": show(self.calibration, None)}
-        return {f"{draft} / {target}": show(p, self._corrections.get((draft, target)))
+        return {f"{draft} / {target}": {**(show(p, self._corrections.get((draft, target))) or {}),
+                                        "bf16_products": self._products.get((draft, target))}
                 for (draft, target), p in self._measured.items()}
 
     def _correction(self, draft, target) -> CostCorrection:

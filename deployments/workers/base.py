@@ -28,6 +28,7 @@ from deployments.transport.channel import ChannelServer
 from deployments.transport.messages import Method
 from deployments.transport.wire import Endpoint
 from engine.factory import EngineConfig
+from engine.models.cpu import bf16_products
 from engine.models.loading import ModelLoadError
 from engine.models.runner import KVBudgetError, KVCacheFull, Runner
 from engine.request.delta import KnownSequences
@@ -266,7 +267,9 @@ class ModelWorker:
                 "prefix_cache": runner.prefix_cache_stats() if hasattr(runner, "prefix_cache_stats") else None,
                 # CUDA graphs: captured shapes, replays, pool memory, host vs device ms per step
                 # (engine/models/static/cuda_graphs.py)
-                "cuda_graphs": runner.graph_stats() if hasattr(runner, "graph_stats") else None}
+                "cuda_graphs": runner.graph_stats() if hasattr(runner, "graph_stats") else None,
+                # which operator computes bf16 products per shape class, and why (engine/models/cpu/bf16_products.py)
+                "bf16_products": bf16_products.stats()}
 
     def ping(self) -> float:
         """Seconds the current model call has been running (0: idle); served on the "control" thread."""

@@ -24,6 +24,7 @@ from deployments.workers.grammars import failed_grammars, prepare_grammars
 from engine.calibration.measure import measure_draft_costs
 from engine.calibration.store import cached_costs, costs_key
 from engine.factory import EngineConfig, build_proposer
+from engine.models.cpu import bf16_products
 from engine.models.loading import load_tokenizer, resolve
 from engine.models.runner import Runner
 from engine.proposers.base import DraftRequest
@@ -71,6 +72,8 @@ class DraftWorkerCore(ModelWorker):
             config.cost_cache, costs_key("draft", resolve(config.draft).directory, config.draft_dtype, runner,
                                          prefill_chunk=config.prefill_chunk),
             lambda: measure_draft_costs(runner))
+        if self.costs is not None:  # which operator computes bf16 products here (part of the cache's key)
+            self.costs = {**self.costs, "bf16_products": bf16_products.stats()}
 
     def cancel(self, ahead_id: int) -> None:
         with self._cancel_lock:

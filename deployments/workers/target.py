@@ -30,6 +30,7 @@ from deployments.workers.base import ModelWorker, cpu_startup_turn, startup_erro
 from deployments.workers.decode_ahead import DecodeAhead, merged, next_calls
 from deployments.workers.grammars import grammar_failure, prepare_grammars
 from engine.calibration.measure import measure_target_costs
+from engine.models.cpu import bf16_products
 from engine.calibration.store import cached_costs, costs_key
 from engine.factory import EngineConfig, build_target, build_target_drafter, check_trees, make_runner
 from engine.models.loading import eos_token_ids, load_tokenizer, resolve
@@ -141,6 +142,8 @@ class TargetWorkerCore(ModelWorker):
                     prefill_chunk=self.config.prefill_chunk,
                     drafter=None if self.drafter is None else f"{self.config.draft} ({self.drafter.name})"))
                 self.costs = cached_costs(self.config.cost_cache, key, measure)
+        # which operator computes bf16 products here (not part of the cached measurement: part of its key)
+        self.costs = {**self.costs, "bf16_products": bf16_products.stats()}
         return self.costs
 
     def _in_group(self, method: Method, args: tuple, run):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from engine.models.cpu import bf16_products
 from engine.models.cpu import extension as cpu_extension
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ def hardware_key(device: torch.device) -> dict:
            "cpus": len(os.sched_getaffinity(0)), "cpu": _cpu_model()}
     if device.type == "cpu":  # specserve's CPU operators, which version, or none (ATen's): a step's cost changes
         key["cpu_ops"] = cpu_extension.identity()
+        key["bf16_products"] = bf16_products.stats()["by_class"] if bf16_products.stats() else None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         key["gpu"] = {"name": props.name, "capability": [props.major, props.minor], "memory": props.total_memory}

@@ -1,4 +1,5 @@
-"""The arithmetic of engine/models/cpu/csrc/bf16_gemm.cpp in torch, for tests: what its products must equal bit for bit."""
+"""The arithmetic of engine/models/cpu/csrc/bf16_gemm.cpp (VDPBF16PS) and of amx_gemm.cpp's emulated tiles (TDPBF16PS) in
+torch, for tests: what their products must equal bit for bit."""
 
 import torch
 
@@ -16,4 +17,19 @@ def dpbf16_reference(
         for j in (k + 1, k):
             if j < x.shape[1]:
                 acc = acc + xs[:, j, None] * ws[None, :, j]
+    return acc if bias is None else acc + bias
+
+
+def tdpbf16_reference(
+    x: torch.Tensor,  # [M, K] float32
+    weight: torch.Tensor,  # [N, K] bf16 values
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [M, N] float32
+    """TDPBF16PS's arithmetic as the SDM's pseudocode (and engine/models/cpu/csrc/amx_gemm.cpp's emulated tiles) gives
+    it, for values without denormals: x rounded to bf16, exact products added to fp32 accumulators one k at a time,
+    the even k of a pair first, each addition rounded to nearest even; then the bias."""
+    xs, ws = x.bfloat16().float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for k in range(x.shape[1]):
+        acc = acc + xs[:, k, None] * ws[None, :, k]
     return acc if bias is None else acc + bias

@@ -6,6 +6,9 @@
   the narrow weights widened in registers so a memory-bound step reads their bytes only;
 - `bf16_gemm` (bf16_gemm.cpp): the bf16 product of bf16 models on CPUs with AVX512_BF16 (VDPBF16PS over weights
   packed once in its VNNI layout), batch invariant at any row count, prompt chunks included;
+- `amx_bf16_gemm` (amx_gemm.cpp): the same product by AMX tiles (TDPBF16PS) over the same packed weights, batch
+  invariant too, where the CPU has AMX and Linux grants the tile state (`amx_unavailable` says why not);
+  `amx_bf16_gemm_emulated` runs its tile program on tiles emulated in plain C++ (tests on CPUs without AMX);
 - `rms_norm`, `add_rms_norm`, `silu_mul`, `rope_to_cache`, `cache_attention` (layer_ops.cpp): fused fp32 operators
   for the static runner's eager layer, each replacing several ATen calls whose dispatch cost dominates at decode sizes
   (the KV cache they write and read holds fp32 or bf16).
@@ -55,7 +58,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # included by the sources: part of the cache key
-OPS = ("small_gemm", "bf16_gemm", "bf16_gemm_supported", "rms_norm", "add_rms_norm", "silu_mul", "rope_to_cache", "cache_attention")
+OPS = ("small_gemm", "bf16_gemm", "bf16_gemm_supported", "amx_bf16_gemm", "amx_bf16_gemm_emulated", "amx_status",
+       "rms_norm", "add_rms_norm", "silu_mul", "rope_to_cache", "cache_attention")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
 MAX_ROWS = 64  # callers that cannot tell steps from prompt chunks use the kernel up to here (it beat MKL there)
 DEFAULT_CACHE = "~/.cache/specserve/kernels"
@@ -157,6 +161,24 @@ def bf16_gemm() -> Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | Non
     linear.pack_bf16), or None where the library is unavailable or the CPU lacks AVX512_BF16."""
     supported = op("bf16_gemm_supported")
     return op("bf16_gemm") if supported is not None and supported() else None
+
+
+@functools.cache
+def amx_unavailable() -> str | None:
+    """None where amx_bf16_gemm can run here, else why not (no library, no AVX512_BF16, no AMX, Linux refused the tile
+    state)."""
+    status = op("amx_status")
+    if status is None:
+        return f"specserve's CPU operators are unavailable ({why_unavailable() or 'the build failed'})"
+    if bf16_gemm() is None:
+        return "the CPU lacks AVX512_BF16 (the packed bf16 weights)"
+    return status() or None
+
+
+def amx_bf16_gemm() -> Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor] | None:
+    """`amx_bf16_gemm(x [M, K], packed [N/16, K/2, 16, 2], n, bias [N] | None) -> [M, N]` (amx_gemm.cpp, the packed
+    weights bf16_gemm reads), or None where `amx_unavailable` gives a reason."""
+    return op("amx_bf16_gemm") if amx_unavailable() is None else None
 
 
 def main() -> int:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.cpu import bf16_products
 from engine.models.cpu import extension as cpu_extension
 from engine.models.cpu.linear import kernel_takes, linear, pack_bf16, small_gemm_for, unpack_bf16
 from engine.models.quantize import Int8WeightOnlyLinear
@@ -107,8 +108,9 @@ class Projection(nn.Module):
         super().__init__()
         weight, scales, bias = _fuse(modules, dtype, with_bias, weight_dtype)
         self.out_features, self.in_features = weight.shape
-        # a bf16 weight beside fp32 activations on a CPU with AVX512_BF16: packed once for bf16_gemm, which then
-        # computes every product of it (steps and prompt chunks); the [out, in] copy is not kept
+        # a bf16 weight beside fp32 activations on a CPU with AVX512_BF16: packed once for bf16_gemm (or AMX tiles,
+        # cpu/bf16_products.py), which then computes every product of it (steps and prompt chunks); the [out, in]
+        # copy is not kept
         self.packed = None
         if (scales is None and weight.dtype == torch.bfloat16 and dtype == torch.float32
                 and weight.device.type == "cpu" and cpu_extension.bf16_gemm() is not None):
@@ -136,7 +138,7 @@ class Projection(nn.Module):
         """`step`: a decode/verify step (True) or a prompt chunk (False); which CPU kernel runs (cpu/linear.py)."""
         if self.packed is not None:
             rows = x.reshape(-1, x.shape[-1]).contiguous()
-            return cpu_extension.bf16_gemm()(rows, self.packed, self.out_features, self.bias).reshape(
+            return bf16_products.current()(rows, self.packed, self.out_features, self.bias).reshape(
                 *x.shape[:-1], self.out_features)
         if self.scales is None:
             return linear(x, self.weight, self.bias, step)  # on CPU: specserve's kernel or ATen's, cpu/linear.py
@@ -179,7 +181,8 @@ class StaticLlama(nn.Module):
     product is a bf16 product (activations rounded to bf16, fp32 sums and output), so a step reads half the bytes of
     an fp32 model, and norms, residuals, RoPE and attention compute in fp32 (over a `cache_dtype` KV cache: fp32 or
     bf16, engine/factory.kv_cache_dtype_for). On CPUs with AVX512_BF16 the weights are packed once for
-    engine/models/cpu/csrc/bf16_gemm.cpp (VDPBF16PS); elsewhere engine/models/cpu/csrc/small_gemm.cpp widens
+    engine/models/cpu/csrc/bf16_gemm.cpp (VDPBF16PS) or amx_gemm.cpp (AMX tiles), whichever
+    engine/models/cpu/bf16_products.py measured faster; elsewhere engine/models/cpu/csrc/small_gemm.cpp widens
     them as they stream in."""
 
     def __init__(self, model: nn.Module, num_slots: int, capacity: int, dtype: torch.dtype | None = None,
@@ -210,6 +213,9 @@ class StaticLlama(nn.Module):
         if getattr(head, "weight", None) is base.embed_tokens.weight and self.lm_head.scales is None:
             self.lm_head.weight = self.embed  # tied: one copy
         self.vocab_size = self.lm_head.out_features * world
+        first = self.layers[0]
+        if first.qkv.packed is not None:  # which batch-invariant operator computes bf16 products here, measured
+            bf16_products.choose([(p.packed, p.out_features) for p in (first.qkv, first.o, first.gate_up, first.down)])
         cos, sin = rope_tables(base.rotary_emb, capacity, device)
         self.register_buffer("cos", cos.to(dtype), persistent=False)  # [capacity, D]
         self.register_buffer("sin", sin.to(dtype), persistent=False)

@@ -55,3 +55,11 @@ def test_a_draft_model_pairing_without_draft_costs_has_no_profile():
     assert costs.policy_profile(SimpleNamespace(key="d2", costs=None), TARGET) is None
     ngram = RoundCosts(adaptive=True, remote_draft=False)
     assert ngram.policy_profile(None, TARGET).draft(1, 3) == 0.0  # n-gram drafts cost nothing
+
+
+def test_stats_say_which_operator_computes_each_sides_bf16_products():
+    chosen = {"by_class": {"1 row": "amx"}, "mixed": False, "reason": "r", "ms": {}}
+    target = SimpleNamespace(key="t3", costs={**TARGET.costs, "bf16_products": chosen})
+    costs = RoundCosts(adaptive=True, remote_draft=True)
+    costs.measured(DRAFT, target)
+    assert costs.shown()["d1 / t3"]["bf16_products"] == {"target": chosen, "draft": None}

@@ -153,6 +153,7 @@ def test_adaptive_k_uses_costs_the_replicas_measured(tiny_model_dirs):
     [(pair, shown)] = router.scheduler.cost_profiles().items()
     assert pair == "draft-0 / target-0" and shown["batch_sizes"] == [1, 2, 4, 8, 16]
     assert len(shown["verify_ms"]) == 5 and all(t > 0 for t in shown["draft_step_ms"])
+    assert set(shown["bf16_products"]) == {"target", "draft"}  # which operator computes bf16 products, each side
 
 
 def test_a_calibration_file_that_is_not_a_profile_is_refused(tiny_model_dirs, tmp_path):

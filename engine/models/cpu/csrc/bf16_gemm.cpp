@@ -30,8 +30,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "bf16_pairs.h"
 #include "pool.h"
-#include "simd.h"
 
 namespace {
 
@@ -41,31 +41,6 @@ constexpr int64_t kLanes = 16;
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
-
-// rows [0, m) of x [m, k] fp32 as bf16 pairs [m, pairs] (uint32: k even in the low half), rounded to nearest even
-// as torch's .bfloat16() (NaN kept NaN); an odd K's last pair is padded with zero
-void to_bf16_pairs(const float* x, int64_t m, int64_t k, int64_t pairs, uint32_t* out) {
-  const __m512i round_bias = _mm512_set1_epi32(0x7fff);
-  const __m512i one = _mm512_set1_epi32(1);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-  const __m512i inf = _mm512_set1_epi32(0x7f800000);
-  uint16_t* halves = reinterpret_cast<uint16_t*>(out);
-  for (int64_t i = 0; i < m; ++i) {
-    const float* row = x + i * k;
-    uint16_t* dst = halves + i * 2 * pairs;
-    int64_t j = 0;
-    for (; j + kLanes <= k; j += kLanes) {
-      const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(row + j));
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(round_bias, lsb)), 16);
-      const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, abs_mask), inf);
-      const __m512i kept = _mm512_mask_mov_epi32(rounded, nan, _mm512_srli_epi32(bits, 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm512_cvtepi32_epi16(kept));
-    }
-    for (; j < k; ++j) dst[j] = specserve::bf16_bits(row[j]);  // the vector loop's rounding, one value at a time
-    if (k < 2 * pairs) dst[k] = 0;
-  }
-}
 
 // rows x cols tile: rows of x (bf16 pairs, stride `pairs`) times `cols` 16-column vectors of the packed weight
 template <int64_t rows, int64_t cols>
@@ -161,7 +136,7 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n_si
   at::Tensor y = at::empty({m_size, n_size}, x.options());
   if (m_size == 0) return y;
   std::vector<uint32_t> pairs_x(static_cast<size_t>(m_size * pairs));
-  to_bf16_pairs(x.data_ptr<float>(), m_size, k_size, pairs, pairs_x.data());
+  specserve::to_bf16_pairs(x.data_ptr<float>(), m_size, k_size, pairs, pairs_x.data());
   gemm(pairs_x.data(), reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()), b, y.data_ptr<float>(),
        m_size, pairs, n_size, vectors);
   return y;

@@ -169,9 +169,18 @@ def test_bf16_weights_with_fp32_activations_make_bf16_products_and_keep_the_rest
 
 
 @pytest.mark.skipif(not X86, reason="specserve's CPU operators are x86 code")
-def test_a_bf16_rows_step_is_the_same_bits_in_any_batch():
-    """Steps of every width and batch, and prompt chunks, run their products on the batch-invariant kernel: a row's
-    logits are the bits the same row gets alone, so batching never changes a greedy text."""
+@pytest.mark.parametrize("product", ["vdpbf16ps", "amx"])
+def test_a_bf16_rows_step_is_the_same_bits_in_any_batch(product, monkeypatch):
+    """Steps of every width and batch, and prompt chunks, run their products on a batch-invariant kernel (either one
+    engine/models/cpu/bf16_products.py may choose): a row's logits are the bits the same row gets alone, so batching
+    never changes a greedy text."""
+    from engine.models.cpu import bf16_products
+    from engine.models.cpu import extension as cpu_extension
+
+    if product == "amx" and cpu_extension.amx_unavailable() is not None:
+        pytest.skip(f"no AMX here: {cpu_extension.amx_unavailable()}")
+    monkeypatch.setattr(bf16_products, "_current", None)
+    monkeypatch.setenv("SPECSERVE_BF16_PRODUCT", product)
     model = make_tiny_model("llama", seed=1).to(torch.bfloat16)
 
     def run(rows):
