@@ -31,6 +31,9 @@ prompt being the messages rendered by the model's chat template (add_generation_
 render the whole message list so multi-message prompts keep their roles. The loader shuffles with --seed and
 oversamples with the same seed, so every server gets the same requests in the same order.
 
+`--perf-at C ...` records `perf record -a` over those concurrencies' client runs and adds each run's CPU samples by
+process role and, in the model's worker, by kind of work (bench/cpu_profile.py) to the report (`cpu_breakdown`).
+
 Prints a table (server x concurrency) and the issue's ratios with PASS/FAIL; writes JSON (--out), a PNG beside
 it, and the client's raw result files and server logs in `<out stem>_runs/`. Each run also records whether
 its greedy texts equal ours-plain's and vllm-plain's at the same concurrency (`same_text_as`) and how many
@@ -47,11 +50,13 @@ import os
 import subprocess
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
 import yaml
 
+from bench import cpu_profile
 from bench.load_bench import load_prompts
 from bench.peer_servers import (
     NGRAM_CONFIG,
@@ -260,7 +265,8 @@ def _measure_one(server: ManagedServer, args, c: int, dataset: Path, tokenizer_d
                        c if args.warmups is None else args.warmups, runs_dir, name, args.seed, args.backend,
                        args.temperature)
     print(f"== {server.name}: concurrency {c}, {n} prompts", flush=True)
-    with open(runs_dir / f"{server.name}_c{c}.client.log", "w") as log:
+    profile = cpu_profile.recorded(runs_dir / f"{server.name}_c{c}.perf.data") if c in args.perf_at else nullcontext()
+    with open(runs_dir / f"{server.name}_c{c}.client.log", "w") as log, profile as cpu:
         proc = subprocess.run(argv, cwd=ROOT, env=vllm_env(args.kv_cache_gib), stdout=log,
                               stderr=subprocess.STDOUT, timeout=args.client_timeout)
     if proc.returncode != 0 or not (runs_dir / name).is_file():
@@ -269,6 +275,10 @@ def _measure_one(server: ManagedServer, args, c: int, dataset: Path, tokenizer_d
     row = summarize(raw, args.max_tokens)
     row["prefix_cache"] = prefix_cache_delta(cache0, prefix_cache_counts(server))
     texts[(server.name, c)] = raw.get("generated_texts", [])
+    if cpu is not None:
+        row["cpu_breakdown"] = cpu
+        print(f"   {server.name} @{c}: CPU samples by role {cpu.get('roles')}; the model worker's by kind "
+              f"{cpu.get('model_worker_kinds')} {cpu.get('error', '')}", flush=True)
     if stats0 is not None:  # our acceptance, from the router's /stats (one router replica's view)
         stats1 = _ours_stats(server)
         spec0, spec1 = stats0.get("speculative") or {}, stats1.get("speculative") or {}
@@ -372,6 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                     help="an extra `vllm serve` argument for both vLLM servers (repeat; e.g. --vllm-arg=--block-size "
                          "--vllm-arg=32: vLLM's CPU backend caches prefixes in blocks of 128 tokens by default)")
+    ap.add_argument("--perf-at", type=int, nargs="*", default=[], metavar="C",
+                    help="record `perf record -a` during these concurrencies' runs: CPU samples by process role and, "
+                         "in the model's worker, by kind of work (bench/cpu_profile.py), in the report")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE unless set")
     ap.add_argument("--startup-timeout", type=float, default=600.0)

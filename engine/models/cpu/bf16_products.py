@@ -66,11 +66,13 @@ class ProductChoice:
 
 
 class Bf16Products:
-    """Calls the chosen operator for a product's row count."""
+    """Calls the chosen operator for a product's row count; `product` is what steps call: the operator itself where
+    one computes every class (no Python in between), else this dispatcher."""
 
     def __init__(self, choice: ProductChoice, operators: dict[str, Product]) -> None:
         self.choice = choice
         self._by_class = tuple(operators[name] for name in choice.by_class)
+        self.product: Product = self._by_class[0] if len(set(choice.by_class)) == 1 else self
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
         return self._by_class[_class_of(x.shape[0])](x, packed, n, bias)  # x [M, K], packed [N/16, K/2, 16, 2]
@@ -91,17 +93,18 @@ def operators() -> dict[str, Product]:
     return found
 
 
-def current() -> Bf16Products:
-    """The process's products: the choice once `choose` ran, else VDPBF16PS for every class."""
+def current() -> Product:
+    """The process's bf16 product, `(x [M, K], packed, n, bias) -> [M, N]`: the choice once `choose` ran, else
+    VDPBF16PS for every class."""
     global _fallback
     if _current is not None:
-        return _current
+        return _current.product
     if _fallback is None:
         found = operators()
         if "vdpbf16ps" not in found:
             raise RuntimeError("bf16 products need specserve's CPU operators on a CPU with AVX512_BF16")
         _fallback = Bf16Products(_single("vdpbf16ps", "no choice made in this process"), found)
-    return _fallback
+    return _fallback.product
 
 
 def stats() -> dict | None:

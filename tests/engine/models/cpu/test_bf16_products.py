@@ -68,9 +68,12 @@ def test_the_dispatcher_calls_each_classs_operator():
     choice = bf16_products.ProductChoice(("a", "b", "b", "a"), True, "", {})
     products = bf16_products.Bf16Products(choice, {"a": lambda x, *_: calls.append(("a", x.shape[0])),
                                                    "b": lambda x, *_: calls.append(("b", x.shape[0]))})
+    assert products.product is products
     for rows in (1, 4, 40, 300):
-        products(torch.zeros(rows, 2), None, 0, None)
+        products.product(torch.zeros(rows, 2), None, 0, None)
     assert calls == [("a", 1), ("b", 4), ("b", 40), ("a", 300)]
+    only = bf16_products.ProductChoice(("a",) * CLASSES, False, "", {})
+    assert bf16_products.Bf16Products(only, {"a": len}).product is len  # one operator: called directly
 
 
 @pytest.mark.skipif(not HAS_BF16, reason="the CPU lacks AVX512_BF16")
