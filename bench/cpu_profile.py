@@ -22,7 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 FREQUENCY_HZ = 499
-TOP_SYMBOLS = 15  # the model worker's busiest symbols kept in the breakdown (to check the sorting by)
+TOP_SYMBOLS = 15  # busiest symbols (and processes) kept in the breakdown, to check the sorting by
+KIND_ROLES = ("model worker", "scheduler")  # the roles whose samples are sorted by kind of work
 
 # (role, pattern over "comm | cmdline"), first match wins. vLLM: the API server, the engine core (its scheduler, a
 # process of its own) and the worker (the model's forward); ours: the router (scheduler and HTTP ingress), the Target
@@ -84,21 +85,26 @@ def parse_report(text: str) -> list[tuple[int, int, str, str, str]]:
 
 
 def breakdown(rows: list[tuple[int, int, str, str, str]], names: dict[int, str]) -> dict:
-    """Shares of all samples (every CPU, idle included) by role, and the model worker's by kind, in percent;
-    `names`: pid -> "comm | cmdline" for the processes alive at the run's end (others go by their comm)."""
+    """Shares of all samples (every CPU, idle included), in percent: by role, by process, and per server role (the
+    model worker, the scheduler) by kind of work with its busiest symbols; `names`: thread id -> "comm | cmdline"
+    (threads not in it go by their comm)."""
     total = sum(samples for samples, *_ in rows) or 1
-    roles, kinds, symbols, processes = Counter(), Counter(), Counter(), Counter()
+    roles, processes = Counter(), Counter()
+    kinds: dict[str, Counter] = {role: Counter() for role in KIND_ROLES}
+    symbols: dict[str, Counter] = {role: Counter() for role in KIND_ROLES}
     for samples, pid, comm, dso, symbol in rows:
         name = names.get(pid, comm)
         role = "idle" if pid == 0 else role_of(name)
         roles[role] += samples
         processes[f"{role}: {name[:90]}"] += samples
-        if role == "model worker":
-            kinds[kind_of(dso, symbol)] += samples
-            symbols[f"{kind_of(dso, symbol)}: {dso} {symbol[:100]}"] += samples
+        if role in kinds:
+            kind = kind_of(dso, symbol)
+            kinds[role][kind] += samples
+            symbols[role][f"{kind}: {dso} {symbol[:100]}"] += samples
     percent = lambda counter, n=None: {k: round(100 * v / total, 1) for k, v in counter.most_common(n)}  # noqa: E731
-    return {"samples": total, "roles": percent(roles), "model_worker_kinds": percent(kinds),
-            "processes": percent(processes, TOP_SYMBOLS), "model_worker_top": percent(symbols, TOP_SYMBOLS)}
+    return {"samples": total, "roles": percent(roles), "processes": percent(processes, TOP_SYMBOLS),
+            "kinds": {role: percent(kinds[role]) for role in KIND_ROLES},
+            "top": {role: percent(symbols[role], TOP_SYMBOLS) for role in KIND_ROLES}}
 
 
 def process_names() -> dict[int, str]:
@@ -118,6 +124,33 @@ def process_names() -> dict[int, str]:
     return out
 
 
+def process_cpu_seconds() -> dict[int, tuple[str, float]]:
+    """pid -> ("comm | cmdline", user + system CPU seconds so far, its threads' included) of every process now."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                comm = (entry / "comm").read_text().strip()
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            out[int(entry.name)] = (f"{comm} | {cmd}", (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def seconds_by_role(before: dict[int, tuple[str, float]], last: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per role between two `process_cpu_seconds` readings (`last`: each process's last reading, so one
+    that ended inside counts up to then; one that started inside counts from 0): a check on the sampled shares that
+    does not depend on perf."""
+    out: Counter = Counter()
+    for pid, (name, seconds) in last.items():
+        out[role_of(name)] += seconds - before.get(pid, (name, 0.0))[1]
+    return {role: round(value, 2) for role, value in out.most_common() if value > 0.005}
+
+
 @contextmanager
 def recorded(data: Path):
     """`perf record -a` over the block into `data`; yields a dict that holds the breakdown after the block (or
@@ -133,9 +166,22 @@ def recorded(data: Path):
     names: dict[int, str] = {}
     done = threading.Event()
 
+    def seen(now: dict[int, str]) -> None:  # the fullest name a thread had (an exited process loses its cmdline)
+        for tid, name in now.items():
+            if len(name) > len(names.get(tid, "")):
+                names[tid] = name
+
+    before = process_cpu_seconds()
+    last: dict[int, tuple[str, float]] = dict(before)
+
     def watch() -> None:  # processes that end inside the block (the client) are named while they run
         while True:
-            names.update(process_names())
+            seen(process_names())
+            for pid, (name, seconds) in process_cpu_seconds().items():
+                if len(name) >= len(last.get(pid, ("", 0.0))[0]):
+                    last[pid] = (name, seconds)
+                else:  # an exited process's last reading keeps its fuller name
+                    last[pid] = (last[pid][0], seconds)
             if done.wait(1.0):
                 return
 
@@ -146,7 +192,7 @@ def recorded(data: Path):
     finally:
         done.set()
         watcher.join()
-        names.update(process_names())
+        seen(process_names())
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     if proc.returncode not in (0, -signal.SIGINT) or not data.is_file():
@@ -155,4 +201,5 @@ def recorded(data: Path):
     report = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "-n", "--sort", "pid,dso,sym"],
                             capture_output=True, text=True, env={**os.environ, "PAGER": "cat"})
     result.update(breakdown(parse_report(report.stdout), names))
+    result["cpu_seconds_by_role"] = seconds_by_role(before, last)
     data.unlink(missing_ok=True)  # large; the breakdown is the record

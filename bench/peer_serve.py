@@ -277,8 +277,8 @@ def _measure_one(server: ManagedServer, args, c: int, dataset: Path, tokenizer_d
     texts[(server.name, c)] = raw.get("generated_texts", [])
     if cpu is not None:
         row["cpu_breakdown"] = cpu
-        print(f"   {server.name} @{c}: CPU samples by role {cpu.get('roles')}; the model worker's by kind "
-              f"{cpu.get('model_worker_kinds')} {cpu.get('error', '')}", flush=True)
+        print(f"   {server.name} @{c}: CPU samples by role {cpu.get('roles')}; by kind {cpu.get('kinds')} "
+              f"{cpu.get('error', '')}", flush=True)
     if stats0 is not None:  # our acceptance, from the router's /stats (one router replica's view)
         stats1 = _ours_stats(server)
         spec0, spec1 = stats0.get("speculative") or {}, stats1.get("speculative") or {}

@@ -168,6 +168,21 @@ def startup_errors(role: str):
         raise error from exc
 
 
+def show_startup_logs() -> None:
+    """The project's INFO lines (the runner's step shapes, which operator computes bf16 products, grammar tables, the
+    layers `self` drafts from) on this worker process's stderr, which Ray forwards to `serve run`'s output: Ray leaves
+    Python's root logger at WARNING, where they would vanish."""
+    for name in ("engine", "deployments.workers"):
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
+        if not any(getattr(h, "specserve", False) for h in logger.handlers):
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            handler.specserve = True
+            logger.addHandler(handler)
+
+
 class ModelWorker:
     """The base of DraftWorkerCore and TargetWorkerCore (deployments/workers/draft.py): a channel served on the model
     thread with the worker's `handlers` plus "release", torch's threads, the busy clock, the known tokens and the
@@ -176,6 +191,7 @@ class ModelWorker:
 
     def __init__(self, handlers: dict[str, Callable], torch_threads: int | None, concurrent_workers: int,
                  niceness: int | None = None) -> None:
+        show_startup_logs()
         self._model = ChannelServer({**handlers, Method.RELEASE: self.release}, node_address())
         # before torch's threads exist: the model thread's OpenMP team is created by it, with its niceness
         self.niceness = self._model.call(set_thread_niceness, niceness)

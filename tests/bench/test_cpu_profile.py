@@ -46,7 +46,9 @@ def test_the_breakdown_gives_shares_of_every_sample():
     assert got["samples"] == 1000
     assert got["roles"] == {"idle": 40.0, "model worker": 40.0, "scheduler": 10.0, "client": 7.0,
                             "HTTP server / proxy": 3.0}
-    assert got["model_worker_kinds"] == {"matrix products": 25.0, "attention": 10.0, "Python": 5.0}
+    assert got["kinds"]["model worker"] == {"matrix products": 25.0, "attention": 10.0, "Python": 5.0}
+    assert got["kinds"]["scheduler"] == {"JIT code": 6.0, "matrix products": 4.0}
+    assert list(got["top"]["model worker"])[0] == "matrix products: specserve_ops-abc.so (anonymous namespace)::tile<8l, 3l>"
 
 
 def test_every_thread_is_named_by_its_process():
@@ -59,3 +61,12 @@ def test_every_thread_is_named_by_its_process():
     helper.start()
     helper.join()
     assert "pytest" in names[threading.get_native_id()] or "python" in names[threading.get_native_id()]
+
+
+def test_cpu_seconds_by_role_count_from_start_or_zero():
+    from bench.cpu_profile import seconds_by_role
+
+    before = {1: ("ray::TargetWork | ray::TargetWorkerCore", 10.0), 2: ("haproxy | haproxy", 1.0)}
+    last = {1: ("ray::TargetWork | ray::TargetWorkerCore", 14.5), 2: ("haproxy | haproxy", 1.0),
+            3: ("python | python vllm_cli.py bench serve", 2.25)}  # started inside the block
+    assert seconds_by_role(before, last) == {"model worker": 4.5, "client": 2.25}

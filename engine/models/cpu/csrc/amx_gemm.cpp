@@ -72,6 +72,11 @@ TileConfig config_for(int64_t rows, int64_t pairs) {
 
 // ---- the CPU's tiles ----------------------------------------------------------------------------------------------
 
+// AMX intrinsics need GCC 11 or Clang 12; an older compiler builds the rest of the library, and amx_status says why
+// the tiles are absent
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define SPECSERVE_AMX_BUILT 1
+
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
 
@@ -102,6 +107,7 @@ template <> void HardwareTiles::dot<1, 5>() { _tile_dpbf16ps(1, 3, 5); }
 template <> void HardwareTiles::dot<2, 6>() { _tile_dpbf16ps(2, 3, 6); }
 
 #pragma GCC pop_options
+#endif  // SPECSERVE_AMX_BUILT
 
 // ---- tiles in plain C++ (tests on CPUs without AMX) ---------------------------------------------------------------
 
@@ -246,6 +252,9 @@ constexpr int kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXfeatureX
 // "" where the CPU's tiles can run in this process, else why not (asked once: the permission is the process's)
 const std::string& status() {
   static const std::string reason = []() -> std::string {
+#ifndef SPECSERVE_AMX_BUILT
+    return "built without AMX: the compiler is older than GCC 11 / Clang 12";
+#endif
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22)))
       return "the CPU lacks AMX-TILE/AMX-BF16";
@@ -295,8 +304,10 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t n_size
       TORCH_CHECK(false, error.what());
     }
   } else {
+#ifdef SPECSERVE_AMX_BUILT
     specserve::to_bf16_pairs(x.data_ptr<float>(), m_size, k_size, pairs, pairs_x.data());
     gemm<HardwareTiles>(pairs_x.data(), w, b, y.data_ptr<float>(), m_size, pairs, n_size, vectors, true);
+#endif
   }
   return y;
 }
