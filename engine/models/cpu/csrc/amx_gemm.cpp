@@ -3,7 +3,7 @@
 //
 // The packed weight (engine/models/cpu/linear.pack_bf16: [N/16, K/2, 16, 2]) is already what a B tile holds: for
 // one 16-column vector, 16 consecutive k pairs are 16 rows of 64 bytes. An A tile is up to 16 activation rows by
-// 16 k pairs of bf16_pairs.h's layout; a C tile 16 rows by 16 fp32 columns. A panel is one A tile (tmm3) against
+// 16 k pairs of packed_bf16.h's layout; a C tile 16 rows by 16 fp32 columns. A panel is one A tile (tmm3) against
 // up to three column vectors (B tiles tmm4-6 into C tiles tmm0-2): K/32 steps of four tile loads and three
 // TDPBF16PS, then the C tiles go through a small buffer into Y with the bias.
 //
@@ -37,7 +37,7 @@
 #include <string>
 #include <vector>
 
-#include "bf16_pairs.h"
+#include "packed_bf16.h"
 #include "pool.h"
 
 namespace {
@@ -275,38 +275,22 @@ std::string amx_status() { return status(); }
 at::Tensor product(const at::Tensor& x, const at::Tensor& packed, int64_t n_size,
                    const std::optional<at::Tensor>& bias, bool emulated) {
   TORCH_CHECK(emulated || status().empty(), "amx_bf16_gemm: ", status());
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "amx_bf16_gemm: x must be a contiguous float32 CPU [M, K]");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == kLanes && packed.size(3) == 2 && packed.device().is_cpu(),
-              "amx_bf16_gemm: packed must be a contiguous bfloat16 CPU [N/16, K/2, 16, 2] (linear.pack_bf16)");
-  const int64_t m_size = x.size(0), k_size = x.size(1), vectors = packed.size(0), pairs = packed.size(1);
-  TORCH_CHECK(k_size == 2 * pairs || k_size == 2 * pairs - 1, "amx_bf16_gemm: x has ", k_size,
-              " columns, the packed weight ", 2 * pairs);
-  TORCH_CHECK(n_size > (vectors - 1) * kLanes && n_size <= vectors * kLanes, "amx_bf16_gemm: n = ", n_size,
-              " does not fit the packed weight's ", vectors, " column vectors");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_size,
-                "amx_bf16_gemm: bias must be a contiguous float32 [N]");
-    b = bias->data_ptr<float>();
-  }
-  at::Tensor y = at::empty({m_size, n_size}, x.options());
-  if (m_size == 0) return y;
-  std::vector<uint32_t> pairs_x(static_cast<size_t>(m_size * pairs));
-  const auto* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  const auto p = specserve::PackedProduct::checked("amx_bf16_gemm", x, packed, n_size, bias);
+  at::Tensor y = at::empty({p.m, p.n}, x.options());
+  if (p.m == 0) return y;
+  std::vector<uint32_t> pairs_x(static_cast<size_t>(p.m * p.pairs));
   if (emulated) {
-    specserve::to_bf16_pairs_scalar(x.data_ptr<float>(), m_size, k_size, pairs, pairs_x.data());
+    specserve::to_bf16_pairs_scalar(x.data_ptr<float>(), p.m, p.k, p.pairs, pairs_x.data());
     try {
-      gemm<EmulatedTiles>(pairs_x.data(), w, b, y.data_ptr<float>(), m_size, pairs, n_size, vectors, false);
+      gemm<EmulatedTiles>(pairs_x.data(), p.weight, p.bias, y.data_ptr<float>(), p.m, p.pairs, p.n, p.vectors, false);
     } catch (const std::logic_error& error) {
       EmulatedTiles::release();
       TORCH_CHECK(false, error.what());
     }
   } else {
 #ifdef SPECSERVE_AMX_BUILT
-    specserve::to_bf16_pairs(x.data_ptr<float>(), m_size, k_size, pairs, pairs_x.data());
-    gemm<HardwareTiles>(pairs_x.data(), w, b, y.data_ptr<float>(), m_size, pairs, n_size, vectors, true);
+    specserve::to_bf16_pairs(x.data_ptr<float>(), p.m, p.k, p.pairs, pairs_x.data());
+    gemm<HardwareTiles>(pairs_x.data(), p.weight, p.bias, y.data_ptr<float>(), p.m, p.pairs, p.n, p.vectors, true);
 #endif
   }
   return y;

@@ -30,7 +30,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "bf16_pairs.h"
+#include "packed_bf16.h"
 #include "pool.h"
 
 namespace {
@@ -117,28 +117,12 @@ bool bf16_gemm_supported() { return __builtin_cpu_supports("avx512bf16") && __bu
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n_size,
                      const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(bf16_gemm_supported(), "bf16_gemm: this CPU lacks AVX512_BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "bf16_gemm: x must be a contiguous float32 CPU [M, K]");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == kLanes && packed.size(3) == 2 && packed.device().is_cpu(),
-              "bf16_gemm: packed must be a contiguous bfloat16 CPU [N/16, K/2, 16, 2] (cpu_kernels.pack_bf16)");
-  const int64_t m_size = x.size(0), k_size = x.size(1), vectors = packed.size(0), pairs = packed.size(1);
-  TORCH_CHECK(k_size == 2 * pairs || k_size == 2 * pairs - 1, "bf16_gemm: x has ", k_size,
-              " columns, the packed weight ", 2 * pairs);
-  TORCH_CHECK(n_size > (vectors - 1) * kLanes && n_size <= vectors * kLanes, "bf16_gemm: n = ", n_size,
-              " does not fit the packed weight's ", vectors, " column vectors");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_size,
-                "bf16_gemm: bias must be a contiguous float32 [N]");
-    b = bias->data_ptr<float>();
-  }
-  at::Tensor y = at::empty({m_size, n_size}, x.options());
-  if (m_size == 0) return y;
-  std::vector<uint32_t> pairs_x(static_cast<size_t>(m_size * pairs));
-  specserve::to_bf16_pairs(x.data_ptr<float>(), m_size, k_size, pairs, pairs_x.data());
-  gemm(pairs_x.data(), reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()), b, y.data_ptr<float>(),
-       m_size, pairs, n_size, vectors);
+  const auto p = specserve::PackedProduct::checked("bf16_gemm", x, packed, n_size, bias);
+  at::Tensor y = at::empty({p.m, p.n}, x.options());
+  if (p.m == 0) return y;
+  std::vector<uint32_t> pairs_x(static_cast<size_t>(p.m * p.pairs));
+  specserve::to_bf16_pairs(x.data_ptr<float>(), p.m, p.k, p.pairs, pairs_x.data());
+  gemm(pairs_x.data(), p.weight, p.bias, y.data_ptr<float>(), p.m, p.pairs, p.n, p.vectors);
   return y;
 }
 
