@@ -18,7 +18,7 @@ at::parallel_for: the calling thread claims chunks along with helper threads and
 claimed, so a helper that another process displaced from its core does not hold the step up (on this
 project's 2-core machine, alternating server runs, it served more tokens/s than at::parallel_for in most runs at
 8 and 16 streams: bench/RESULTS.md). `SPECSERVE_POOL=openmp` chooses at::parallel_for
-(A/B measurements), `SPECSERVE_POOL_SPIN_US` how long idle helpers spin (default 200); the results are the same
+(A/B measurements), `SPECSERVE_POOL_SPIN_US` how long idle helpers spin (default 50); the results are the same
 bits.
 
 Decode and verify steps multiply a few rows (1..16) by every weight matrix. MKL's sgemm is slow at these shapes on

@@ -139,9 +139,11 @@ class Pool {
   }
 
   // how long a helper spins after a region before it sleeps (SPECSERVE_POOL_SPIN_US, default kSpinUs): longer than
-  // the gaps between one step's regions (tens of microseconds of Python, more when other processes hold the cores),
-  // short enough that an idle worker frees its cores soon after a round (a draft model on the same cores computes
-  // while the target waits, and the other way round)
+  // the gaps between one step's regions (tens of microseconds of Python), short enough that an idle worker frees its
+  // cores soon after a round (a draft model on the same cores computes while the target waits, and the other way
+  // round) and that the router, the proxy and the clients, at a lower priority on the same cores, are not kept
+  // waiting while a helper spins (50 us served more tokens/s than 200 at 16 streams and no fewer at 1 and 8:
+  // bench/RESULTS.md, issue 50)
   static std::chrono::microseconds spin() {
     static const std::chrono::microseconds us{[] {
       const char* v = std::getenv("SPECSERVE_POOL_SPIN_US");
@@ -149,7 +151,7 @@ class Pool {
     }()};
     return us;
   }
-  static constexpr long kSpinUs = 200;
+  static constexpr long kSpinUs = 50;
   static constexpr uint64_t kClosed = 0xffffffffu;  // a ticket's index once its region has ended
 
   static inline thread_local bool inside = false;  // in a chunk: work it splits again is computed on this thread
