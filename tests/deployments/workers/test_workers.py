@@ -410,3 +410,19 @@ def test_the_workers_channel_methods_are_the_wire_s_one_list(draft, target):
     served = set(draft._model.handlers) | set(target._model.handlers)
     assert served == set(Method), served ^ set(Method)
     assert all(isinstance(name, Method) for name in served)
+
+
+def test_a_worker_shows_the_projects_startup_lines_on_stderr(capfd):
+    """Ray leaves Python's root logger at WARNING; a worker's INFO lines (which operator computes bf16 products, the
+    runner's shapes) go to its stderr, which Ray forwards to `serve run`'s output, once however often it is set up."""
+    import logging
+
+    from deployments.workers.base import show_startup_logs
+
+    show_startup_logs()
+    show_startup_logs()
+    logging.getLogger("engine.models.cpu.bf16_products").info("bf16 products: a line")
+    logging.getLogger("deployments.router.prepare").info("not a worker's line")
+    err = capfd.readouterr().err
+    assert err.count("INFO engine.models.cpu.bf16_products: bf16 products: a line") == 1
+    assert "not a worker's line" not in err
