@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -168,6 +169,18 @@ def startup_errors(role: str):
         raise error from exc
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a line is logged (as logging's last-resort handler does)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def show_startup_logs() -> None:
     """The project's INFO lines (the runner's step shapes, which operator computes bf16 products, grammar tables, the
     layers `self` drafts from) on this worker process's stderr, which Ray forwards to `serve run`'s output: Ray leaves
@@ -177,7 +190,7 @@ def show_startup_logs() -> None:
         if logger.level == logging.NOTSET:
             logger.setLevel(logging.INFO)
         if not any(getattr(h, "specserve", False) for h in logger.handlers):
-            handler = logging.StreamHandler()
+            handler = _StderrHandler()
             handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
             handler.specserve = True
             logger.addHandler(handler)
