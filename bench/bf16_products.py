@@ -51,6 +51,27 @@ def matrix() -> None:
               f"{onednn:.3f}")
 
 
+def steps(rounds: int) -> None:
+    from bench.dtype_steps import SHAPES, step_ms
+    from engine.factory import EngineConfig, build_target
+
+    config = EngineConfig(target="smollm2", target_dtype="bfloat16", max_model_len=2048)
+    packed = build_target(config)[0]
+    real = cpu_extension.bf16_gemm
+    cpu_extension.bf16_gemm = lambda: None  # projections built now keep [out, in] bf16 weights: the widening kernel
+    try:
+        widening = build_target(config)[0]
+    finally:
+        cpu_extension.bf16_gemm = real
+    rng = random.Random(0)
+    print("round batch width bf16_gemm:(step ms, prefill ms) widening:(step ms, prefill ms)")
+    for r in range(rounds):
+        for batch, width in SHAPES + [(16, 4)]:
+            order = [("new", packed), ("old", widening)] if r % 2 == 0 else [("old", widening), ("new", packed)]
+            got = {name: step_ms(runner, batch, width, rng) for name, runner in order}
+            print(r, batch, width, got["new"], got["old"], flush=True)
+
+
 def choice(shapes: list[str]) -> None:
     """The choice bf16_products makes for one layer of each shape (hidden x intermediate: qkv roughly 1.5 hidden wide,
     o, gate_up, down; SmolLM2-135M's 576 x 1536 by default), with SPECSERVE_BF16_PRODUCT=auto."""
