@@ -174,11 +174,23 @@ struct EmulatedTiles {
 
 // ---- the tile program ---------------------------------------------------------------------------------------------
 
+// the tiles configured for `rows` activation rows by `pairs` k pairs, unless the thread's tiles are already
+// (`current`: the configuration loaded, -1 none): LDTILECFG takes time and zeroes every tile, so a run of panels of
+// one shape loads it once
+template <class Tiles>
+void configure(int64_t& current, int64_t rows, int64_t pairs) {
+  const int64_t key = rows * (kTilePairs + 1) + pairs;
+  if (key != current) {
+    Tiles::configure(config_for(rows, pairs));
+    current = key;
+  }
+}
+
 // rows [m0, m0 + rows) of Y's columns [v0 * 16, (v0 + cols) * 16) (clipped to N): K / 32 steps of one A tile
 // against `cols` B tiles, then the C tiles through `out` into Y with the bias
 template <class Tiles>
 void panel(const uint32_t* x, const uint32_t* w, const float* bias, float* y, int64_t m0, int64_t rows, int64_t v0,
-           int64_t cols, int64_t pairs, int64_t n_size) {
+           int64_t cols, int64_t pairs, int64_t n_size, int64_t& configured) {
   alignas(64) float out[kCols][kTileRows][kLanes];
   const int64_t whole = pairs / kTilePairs * kTilePairs, tail = pairs - whole;
   const int64_t vector_stride = pairs * kLanes;  // uint32 per packed column vector
@@ -201,15 +213,15 @@ void panel(const uint32_t* x, const uint32_t* w, const float* bias, float* y, in
     if (cols > 1) Tiles::template store<1>(out[1], kLanes * 4);
     if (cols > 2) Tiles::template store<2>(out[2], kLanes * 4);
   };
-  Tiles::configure(config_for(rows, whole > 0 ? kTilePairs : tail));
+  configure<Tiles>(configured, rows, whole > 0 ? kTilePairs : tail);
+  Tiles::template zero<0>();  // a configuration kept from the panel before holds that panel's sums
+  Tiles::template zero<1>();
+  Tiles::template zero<2>();
   if (whole > 0) {
-    Tiles::template zero<0>();
-    Tiles::template zero<1>();
-    Tiles::template zero<2>();
     for (int64_t p = 0; p < whole; p += kTilePairs) step(p);
     if (tail > 0) {  // a new configuration zeroes the tiles: the sums so far wait in `out`
       store();
-      Tiles::configure(config_for(rows, tail));
+      configure<Tiles>(configured, rows, tail);
       Tiles::template load<0>(out[0], kLanes * 4);
       if (cols > 1) Tiles::template load<1>(out[1], kLanes * 4);
       if (cols > 2) Tiles::template load<2>(out[2], kLanes * 4);
@@ -231,10 +243,11 @@ void gemm(const uint32_t* x, const uint32_t* w, const float* bias, float* y, int
           int64_t n_size, int64_t vectors, bool threaded) {
   const int64_t panels = (vectors + kCols - 1) / kCols, row_blocks = (m_size + kTileRows - 1) / kTileRows;
   auto run = [&](int64_t first, int64_t last) {
+    int64_t configured = -1;  // this thread's tile configuration, loaded by the first panel that needs it
     for (int64_t t = first; t < last; ++t) {
       const int64_t v0 = t / row_blocks * kCols, m0 = t % row_blocks * kTileRows;
       panel<Tiles>(x, w, bias, y, m0, std::min(kTileRows, m_size - m0), v0, std::min(kCols, vectors - v0), pairs,
-                   n_size);
+                   n_size, configured);
     }
     Tiles::release();
   };
