@@ -19,6 +19,7 @@ import subprocess
 import threading
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 FREQUENCY_HZ = 499
@@ -107,25 +108,15 @@ def breakdown(rows: list[tuple[int, int, str, str, str]], names: dict[int, str])
             "top": {role: percent(symbols[role], TOP_SYMBOLS) for role in KIND_ROLES}}
 
 
-def process_names() -> dict[int, str]:
-    """thread id -> "comm | cmdline" of the process it belongs to, for every thread now (perf's "pid" is the thread:
-    a worker's compute threads carry their own names, their process's command line says what they work for)."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                comm = (entry / "comm").read_text().strip()
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
-                threads = [int(t.name) for t in (entry / "task").iterdir()]
-            except OSError:
-                continue
-            for tid in threads:
-                out[tid] = f"{comm} | {cmd}"
-    return out
+@dataclass(frozen=True)
+class Process:
+    name: str  # "comm | cmdline"
+    seconds: float  # user + system CPU seconds so far, its threads' included
+    threads: tuple[int, ...]  # its thread ids
 
 
-def process_cpu_seconds() -> dict[int, tuple[str, float]]:
-    """pid -> ("comm | cmdline", user + system CPU seconds so far, its threads' included) of every process now."""
+def processes() -> dict[int, Process]:
+    """Every process now, by pid, in one walk of /proc."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for entry in Path("/proc").iterdir():
@@ -134,15 +125,22 @@ def process_cpu_seconds() -> dict[int, tuple[str, float]]:
                 stat = (entry / "stat").read_text()
                 comm = (entry / "comm").read_text().strip()
                 cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+                threads = tuple(int(t.name) for t in (entry / "task").iterdir())
             except OSError:
                 continue
             fields = stat.rsplit(")", 1)[1].split()
-            out[int(entry.name)] = (f"{comm} | {cmd}", (int(fields[11]) + int(fields[12])) / tick)
+            out[int(entry.name)] = Process(f"{comm} | {cmd}", (int(fields[11]) + int(fields[12])) / tick, threads)
     return out
 
 
+def thread_names(now: dict[int, Process]) -> dict[int, str]:
+    """thread id -> its process's "comm | cmdline" (perf's "pid" is the thread: a worker's compute threads carry their
+    own names, their process's command line says what they work for)."""
+    return {tid: process.name for process in now.values() for tid in process.threads}
+
+
 def seconds_by_role(before: dict[int, tuple[str, float]], last: dict[int, tuple[str, float]]) -> dict[str, float]:
-    """CPU seconds per role between two `process_cpu_seconds` readings (`last`: each process's last reading, so one
+    """CPU seconds per role between two readings of pid -> (name, CPU seconds) (`last`: each process's last reading, so one
     that ended inside counts up to then; one that started inside counts from 0): a check on the sampled shares that
     does not depend on perf."""
     out: Counter = Counter()
@@ -165,23 +163,22 @@ def recorded(data: Path):
         return
     names: dict[int, str] = {}
     done = threading.Event()
+    first = processes()
+    before = {pid: (process.name, process.seconds) for pid, process in first.items()}
+    last: dict[int, tuple[str, float]] = dict(before)
 
-    def seen(now: dict[int, str]) -> None:  # the fullest name a thread had (an exited process loses its cmdline)
-        for tid, name in now.items():
+    def read() -> None:  # the fullest name a thread or process had (an exited process loses its cmdline)
+        now = processes()
+        for tid, name in thread_names(now).items():
             if len(name) > len(names.get(tid, "")):
                 names[tid] = name
-
-    before = process_cpu_seconds()
-    last: dict[int, tuple[str, float]] = dict(before)
+        for pid, process in now.items():
+            name = process.name if len(process.name) >= len(last.get(pid, ("", 0.0))[0]) else last[pid][0]
+            last[pid] = (name, process.seconds)
 
     def watch() -> None:  # processes that end inside the block (the client) are named while they run
         while True:
-            seen(process_names())
-            for pid, (name, seconds) in process_cpu_seconds().items():
-                if len(name) >= len(last.get(pid, ("", 0.0))[0]):
-                    last[pid] = (name, seconds)
-                else:  # an exited process's last reading keeps its fuller name
-                    last[pid] = (last[pid][0], seconds)
+            read()
             if done.wait(1.0):
                 return
 
@@ -192,7 +189,7 @@ def recorded(data: Path):
     finally:
         done.set()
         watcher.join()
-        seen(process_names())
+        read()
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     if proc.returncode not in (0, -signal.SIGINT) or not data.is_file():

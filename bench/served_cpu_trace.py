@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from bench.cpu_profile import processes
 from bench.load_bench import load_prompts
 from bench.peer_serve import round_timings
 from bench.peer_servers import ManagedServer, serve_run_argv
@@ -38,24 +39,6 @@ from bench.prefill_stall import stream
 from deployments.ray_env import SERVE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_seconds() -> dict[int, tuple[float, str]]:
-    """pid -> (user + system CPU seconds so far, "comm | cmdline") for every process."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:80]
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        out[int(entry.name)] = ((int(fields[11]) + int(fields[12])) / tick, stat.split("(", 1)[1].rsplit(")", 1)[0]
-                                + " | " + cmd)
-    return out
 
 
 async def stream_one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
@@ -109,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             n = max(2 * c, 8)
             asyncio.run(drive(base_url, model, prompts, c, c, args.max_tokens))  # warm-up wave
             for rep in range(args.reps):
-                stats0, cpu0, t0 = httpx.get(base_url + "/stats").json(), cpu_seconds(), time.perf_counter()
+                stats0, cpu0, t0 = httpx.get(base_url + "/stats").json(), processes(), time.perf_counter()
                 records = asyncio.run(drive(base_url, model, prompts, c, n, args.max_tokens))
                 wall = time.perf_counter() - t0
-                cpu1, stats1 = cpu_seconds(), httpx.get(base_url + "/stats").json()
+                cpu1, stats1 = processes(), httpx.get(base_url + "/stats").json()
                 tokens = sum(len(arrivals) for _, arrivals in records)
                 gaps = sorted(b - a for _, arrivals in records for a, b in zip(arrivals, arrivals[1:]))
                 ttft = [arrivals[0] - start for start, arrivals in records]
@@ -124,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{1e3 * statistics.mean(gaps):.1f} p50 {1e3 * gaps[len(gaps) // 2]:.1f} "
                       f"p90 {1e3 * gaps[int(0.9 * len(gaps))]:.1f} ms", flush=True)
                 print(f"  rounds {json.dumps(rounds)}; rounds filled {filled:.2f} s of the wall time")
-                used = sorted(((cpu1[p][0] - cpu0.get(p, (0.0,))[0], cpu1[p][1]) for p in cpu1), reverse=True)
+                used = sorted(((cpu1[p].seconds - (cpu0[p].seconds if p in cpu0 else 0.0), cpu1[p].name[:80])
+                               for p in cpu1), reverse=True)
                 total = sum(s for s, _ in used)
                 print(f"  CPU seconds: {total:.2f} of the machine's {os.cpu_count() * wall:.2f}")
                 for seconds, name in used[:10]:

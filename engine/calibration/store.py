@@ -35,7 +35,8 @@ def hardware_key(device: torch.device) -> dict:
            "cpus": len(os.sched_getaffinity(0)), "cpu": _cpu_model()}
     if device.type == "cpu":  # specserve's CPU operators, which version, or none (ATen's): a step's cost changes
         key["cpu_ops"] = cpu_extension.identity()
-        key["bf16_products"] = bf16_products.stats()["by_class"] if bf16_products.stats() else None
+        products = bf16_products.stats()  # which operator computes bf16 products changes a step's cost too
+        key["bf16_products"] = products["by_class"] if products else None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         key["gpu"] = {"name": props.name, "capability": [props.major, props.minor], "memory": props.total_memory}

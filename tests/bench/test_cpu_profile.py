@@ -54,9 +54,9 @@ def test_the_breakdown_gives_shares_of_every_sample():
 def test_every_thread_is_named_by_its_process():
     import threading
 
-    from bench.cpu_profile import process_names
+    from bench.cpu_profile import processes, thread_names
 
-    helper = threading.Thread(target=lambda: names.update(process_names()))
+    helper = threading.Thread(target=lambda: names.update(thread_names(processes())))
     names: dict = {}
     helper.start()
     helper.join()
