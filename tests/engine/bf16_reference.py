@@ -33,3 +33,13 @@ def tdpbf16_reference(
     for k in range(x.shape[1]):
         acc = acc + xs[:, k, None] * ws[None, :, k]
     return acc if bias is None else acc + bias
+
+
+def random_product(
+    rows: int, out_features: int, in_features: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # x [rows, in] fp32, weight [out, in] bf16, bias [out] fp32
+    """A product's random operands, drawn from `seed`, for the products' bit-for-bit tests."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    return x, weight, torch.randn(out_features, generator=generator)

@@ -12,7 +12,7 @@ import torch
 
 from engine.models.cpu import extension as cpu_extension
 from engine.models.cpu.linear import pack_bf16
-from tests.engine.bf16_reference import tdpbf16_reference
+from tests.engine.bf16_reference import random_product, tdpbf16_reference
 from tests.engine.models.cpu.test_bf16_gemm import HAS_BF16
 
 
@@ -31,10 +31,7 @@ SHAPES = [(1, 2), (17, 7), (50, 70), (48, 64), (961, 576)]
 @pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 33, 70])
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 def test_the_tile_program_computes_tdpbf16ps_sums_bit_for_bit(emulated, rows, out_features, in_features):
-    generator = torch.Generator().manual_seed(rows * 7 + out_features)
-    x = torch.randn(rows, in_features, generator=generator)
-    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
-    bias = torch.randn(out_features, generator=generator)
+    x, weight, bias = random_product(rows, out_features, in_features, seed=rows * 7 + out_features)
     packed = pack_bf16(weight)
     assert torch.equal(emulated(x, packed, out_features, bias), tdpbf16_reference(x, weight, bias))
     assert torch.equal(emulated(x, packed, out_features, None), tdpbf16_reference(x, weight, None))

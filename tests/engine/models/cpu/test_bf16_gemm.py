@@ -10,7 +10,7 @@ import torch
 
 from engine.models.cpu import extension as cpu_extension
 from engine.models.cpu.linear import pack_bf16
-from tests.engine.bf16_reference import dpbf16_reference
+from tests.engine.bf16_reference import dpbf16_reference, random_product
 
 
 def _cpu_flags() -> set[str]:
@@ -44,10 +44,7 @@ def test_pack_puts_16_columns_by_a_pair_of_inputs_in_each_vector():
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 33, 130])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1, 2), (17, 7), (48, 64), (961, 576)])
 def test_sums_are_vdpbf16ps_bit_for_bit(gemm, rows, out_features, in_features):
-    generator = torch.Generator().manual_seed(rows * 13 + out_features)
-    x = torch.randn(rows, in_features, generator=generator)
-    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
-    bias = torch.randn(out_features, generator=generator)
+    x, weight, bias = random_product(rows, out_features, in_features, seed=rows * 13 + out_features)
     packed = pack_bf16(weight)
     assert torch.equal(gemm(x, packed, out_features, bias), dpbf16_reference(x, weight, bias))
     assert torch.equal(gemm(x, packed, out_features, None), dpbf16_reference(x, weight, None))
