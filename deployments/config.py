@@ -249,6 +249,9 @@ class SpecServeConfig(StrictModel):
     api_key_file: str | None = Field(None, description="file holding the API key (e.g. a mounted Kubernetes "
                                                        "Secret); used when the env var is unset")
     log_prompts: bool = Field(False, description="debug only: log prompt and completion text")
+    dev_endpoints: bool = Field(
+        False, description="tests and operators only: POST /pause and /resume, GET /is_paused on each Router replica "
+                           "(vLLM's VLLM_SERVER_DEV_MODE routes: deployments/api/dev_routes.py); behind the API key")
 
     @field_validator("router", "draft", "target", mode="before")
     @classmethod

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: the FastAPI app over a `Router`.
 
 Routes: POST /v1/completions and /v1/chat/completions (deployments/api/generation.py), GET /v1/models, POST
-/tokenize and /detokenize (vLLM's shapes), GET /health (200 once completions can run, 503 before), GET /stats. Here:
+/tokenize and /detokenize (vLLM's shapes), GET /health (200 once completions can run, 503 before), GET /stats; with
+`dev_endpoints`, /pause, /resume and /is_paused (deployments/api/dev_routes.py). Here:
 the app, its error answers (OpenAI's error JSON, deployments/api/errors.py), the middleware that checks and admits a
 request before its body is read, and the small routes. Request models: deployments/api/request_models.py; response
 shapes: deployments/api/responses.py.
@@ -13,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.api.dev_routes import DEV_ROUTES, add_dev_routes
 from deployments.api.errors import APIError
 from deployments.api.generation import add_generation_routes
 from deployments.api.request_models import DetokenizeRequest, TokenizeRequest
@@ -20,7 +22,8 @@ from deployments.api.request_models import DetokenizeRequest, TokenizeRequest
 __all__ = ["create_app"]
 
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/stats", "/tokenize", "/detokenize")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/stats", "/tokenize", "/detokenize",
+          *DEV_ROUTES)
 
 
 def _route_label(path: str) -> str:
@@ -106,4 +109,6 @@ def create_app(router) -> FastAPI:
         return {"prompt": router.detokenize(body)}
 
     add_generation_routes(app, router)
+    if router.config.dev_endpoints:
+        add_dev_routes(app, router)
     return app

@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 
 from deployments.api.chat_template import chat_template_for
+from deployments.api.dev_routes import DEV_ROUTES
 from deployments.api.errors import APIError
 from deployments.api.readiness import DeploymentState, DeploymentStatuses, Readiness, serve_statuses
 from deployments.api.request_models import ChatCompletionRequest, CompletionRequest
@@ -95,14 +96,15 @@ class Router:
 
     # ---- HTTP-level checks (before the body is parsed) ------------------------------------------------------
     def check_http(self, request) -> None:
-        if not request.url.path.startswith("/v1"):
+        api = request.url.path.startswith("/v1")
+        if not api and request.url.path not in DEV_ROUTES:
             return
         if self.api_key is not None:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 raise APIError(401, "missing or invalid API key (Authorization: Bearer ...)",
                                type_="authentication_error", code="invalid_api_key")
-        if request.method == "POST":
+        if api and request.method == "POST":
             length = request.headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > self.config.limits.max_body_bytes:
                 raise APIError(413, f"request body over {self.config.limits.max_body_bytes} bytes",

@@ -53,8 +53,11 @@ def config_variant(base: Path, overrides: dict, out: Path) -> Path:
 
 
 # serve_config.yaml drafts by n-gram lookup (the faster default on this CPU); the tests that exercise Draft replicas
-# start it with the embedded model's int8 copy as the draft, every other setting as the README's
-DRAFT_MODEL_PAIR = {"model": {"draft": "smollm2", "draft_dtype": "int8"}}
+# start it with the embedded model's int8 copy as the draft, every other setting as the README's but two: the dev
+# routes (test_serve_e2e pauses the router to kill a worker between two rounds of a request) and one Router replica,
+# so that a /pause reaches the replica holding the request
+DRAFT_MODEL_PAIR = {"model": {"draft": "smollm2", "draft_dtype": "int8"}, "dev_endpoints": True,
+                    "router": {"max_replicas": 1}}
 
 
 def readme_config_with_draft_model(out_dir: Path) -> str:
