@@ -274,10 +274,6 @@ class SpecServeConfig(StrictModel):
                 raise ValueError(f"speculation.calibration {self.speculation.calibration!r} is not a readable cost "
                                  f"profile: {exc}") from exc
         if self.draft_source().in_target:
-            if self.tp_size > 1:
-                raise ValueError(f"model.draft: {self.model.draft!r} drafts inside the target worker, which runs it "
-                                 f"on one rank only so far: set tp_size 1 (got {self.tp_size}), or use "
-                                 f"a draft model or ngram")
             if self.runner.kind == "transformers":
                 raise ValueError(f"model.draft: {self.model.draft!r} drafts inside the static runner's steps: set "
                                  f"runner.kind auto or static (got transformers)")

@@ -237,8 +237,9 @@ def draft_source(config: EngineConfig) -> DraftSource:
 
 def build_target_drafter(config: EngineConfig, runner: Runner, tokenizer=None):
     """The draft source inside the target for the config's `self`, `medusa:DIR` or `eagle3:DIR` (None for other
-    methods): it runs
-    on the static runner only (its KV cache and hidden states), and on one rank (tensor_parallel_size 1)."""
+    methods): it runs on the static runner only (its KV cache and hidden states). On a tensor-parallel shard every
+    rank builds it at the same time (`self`'s start-up choice of L runs the shard's collectives, and rank 0's L is
+    taken by all)."""
     method, arg = parse_draft(config.draft)
     if not method.in_target:
         return None
@@ -261,6 +262,10 @@ def build_target_drafter(config: EngineConfig, runner: Runner, tokenizer=None):
     total = len(runner.model.layers)
     if arg is None:
         layers = auto_exit_layer(runner, tokenizer, config.num_speculative_tokens)
+        if runner.model.shard is not None:  # measured on each rank: rank 0's choice for all
+            from engine.models.static.tp import first_rank_value
+
+            layers = first_rank_value(layers, runner.model.shard, runner.device)
     else:
         layers = int(arg)
         if layers >= total:

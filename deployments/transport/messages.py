@@ -32,6 +32,7 @@ import torch
 from engine.request.delta import SeqDelta
 from engine.request.prompt_logprobs import PromptLogprobs
 from engine.spec.accept import TokenLogprob, Verdict
+from engine.spec.target_drafts import DraftFrom
 from engine.spec.tree import DraftTree
 from engine.spec.proposal import CompactProposal
 
@@ -48,6 +49,9 @@ class Method(str, enum.Enum):
     VERIFY = "verify"  # router -> target rank 0 (and rank 0 -> the other ranks): VerifyCalls -> a VerifyResult
     VERIFY_CHAINED = "verify_chained"  # draft -> target rank 0: VerifyCalls, members, a DraftResult
     VERIFY_AHEAD = "verify_ahead"  # target rank 0 -> its other ranks: a step decoded ahead
+    # target rank 0 -> its other ranks, with a drafter inside the target (engine/spec/target_drafts.DraftPeers):
+    TARGET_DRAFTING = "target_drafting"  # the rows its drafter drafts from and their verdicts' tokens
+    TARGET_DRAFTS = "target_drafts"  # the drafts it made, kept for the rows' next calls
     RELEASE = "release"  # router -> worker: sequence ids whose requests ended
 
 
@@ -233,3 +237,21 @@ class CostObservation:
     calls: list  # the call's DraftCalls or VerifyCalls (a prompt among them makes it no steady-state round)
     k: int  # the call's longest draft
     seconds: float  # the worker's own compute
+
+
+def draft_starts_to_wire(rows: list[DraftFrom]) -> list[tuple]:
+    """Where a target drafter's rows start (TARGET_DRAFTING, TARGET_DRAFTS), as plain tuples."""
+    return [(r.seq_id, r.index, r.position, r.committed, r.last, r.k, r.tree) for r in rows]
+
+
+def draft_starts_from_wire(wire: list[tuple]) -> list[DraftFrom]:
+    return [DraftFrom(*row) for row in wire]
+
+
+def target_drafts_to_wire(drafts: list[list[int] | DraftTree]) -> list[tuple]:
+    """A target drafter's drafts per row: (tokens, None) for a chain, (tokens, parents) for a tree."""
+    return [(list(d.tokens), list(d.parents)) if isinstance(d, DraftTree) else (list(d), None) for d in drafts]
+
+
+def target_drafts_from_wire(wire: list[tuple]) -> list[list[int] | DraftTree]:
+    return [tokens if parents is None else DraftTree(tuple(tokens), tuple(parents)) for tokens, parents in wire]

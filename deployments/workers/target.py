@@ -9,7 +9,10 @@ decoded one step ahead while the router handles the reply (deployments/workers/d
 Tensor parallelism: rank 0 is the target's only entry point. It forwards each verify and release to the other
 ranks over one ordered channel connection each, then runs its own share, so every rank applies the same calls in
 the same order (rows are paired by position in the collectives) however many routers call the replica at once.
-A collective that fails (a peer died) marks the rank broken: its calls and health pings fail from then on.
+A collective that fails (a peer died) marks the rank broken: its calls and health pings fail from then on. With a
+drafter inside the target (`self`, Medusa, EAGLE-3), rank 0 alone knows the verdicts: it tells the other ranks where
+its drafter starts (they step with it where the drafter's steps hold collectives) and the drafts it made, so every
+rank verifies the same drafts at the row's next call (TargetDraftPeers).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from collections.abc import Callable
 
 from deployments.errors import TensorParallelBroken
 from deployments.transport.channel import ChannelSender
-from deployments.transport.messages import (DraftResult, Method, VerifyCall, VerifyResult, calls_with_drafts, chained_reply,
-                                             proposal_from_wire)
+from deployments.transport.messages import (DraftResult, Method, VerifyCall, VerifyResult, calls_with_drafts,
+                                             chained_reply, draft_starts_from_wire, draft_starts_to_wire,
+                                             proposal_from_wire, target_drafts_from_wire, target_drafts_to_wire)
 from deployments.transport.wire import ChannelClosed, Endpoint
 from deployments.workers.base import ModelWorker, cpu_startup_turn, startup_errors, warm_up
 from deployments.workers.decode_ahead import DecodeAhead, merged, next_calls
@@ -49,7 +53,9 @@ class TargetWorkerCore(ModelWorker):
     def __init__(self, config: EngineConfig, rank: int = 0, world: int = 1, torch_threads: int | None = None,
                  concurrent_workers: int | None = None, niceness: int | None = None) -> None:
         super().__init__({Method.VERIFY: self.verify, Method.VERIFY_CHAINED: self.verify_chained,
-                          Method.VERIFY_AHEAD: self.verify_ahead}, torch_threads, concurrent_workers or world, niceness)
+                          Method.VERIFY_AHEAD: self.verify_ahead, Method.TARGET_DRAFTING: self.target_drafting,
+                          Method.TARGET_DRAFTS: self.target_drafts}, torch_threads, concurrent_workers or world,
+                         niceness)
         self.ahead = DecodeAhead()  # rows decoded ahead of the router's next call (deployments/workers/decode_ahead.py)
         self._peers: list[ChannelSender] = []  # rank 0 only: the other ranks, in rank order
         self.broken: str | None = None  # why this rank's group can no longer compute
@@ -95,9 +101,6 @@ class TargetWorkerCore(ModelWorker):
             warm_up(self.runner, self.config.widest_verify, "target", self.drafter)
             self.verifier = TargetVerifier(self.runner, self.grammars, self._known, drafter=self.drafter)
             return
-        if self.config.draft_method.in_target:  # refused by the config too (deployments/config.py)
-            raise ValueError(f"model.draft: {self.config.draft!r} drafts inside the target, which needs "
-                             f"tensor_parallel_size 1")
         # a shard runs on the static runner (its heads' fused weights and KV cache, collectives inside the step:
         # engine/models/static/tp.py) where the family is covered and runner is auto/static; on transformers' otherwise.
         # Every rank builds the same runner at the same time (the static one agrees on its slot count).
@@ -106,13 +109,19 @@ class TargetWorkerCore(ModelWorker):
                            trust_remote_code=self.config.trust_remote_code)
         self.full_parameters = full_num_parameters(model, self.world)
         self.runner = make_runner(model, self.config, vocab_size=model.config.vocab_size)
+        tokenizer = load_tokenizer(resolve(self.config.target), self.config.trust_remote_code)
+        # a drafter inside the target: every rank builds it (and `self` chooses its L) at the same time
+        self.drafter = build_target_drafter(self.config, self.runner, tokenizer)
         # every rank captures its CUDA graphs now, the same shapes in the same order (their collectives pair up)
         check_trees(self.config, self.runner)
-        warm_up(self.runner, self.config.widest_verify, "target")
+        warm_up(self.runner, self.config.widest_verify, "target", self.drafter)
         if self.rank == 0:
-            self._start_grammars(load_tokenizer(resolve(self.config.target), self.config.trust_remote_code))
-        # every rank applies the calls and runs the forward; rank 0 alone samples and answers
-        self.verifier = TargetVerifier(self.runner, self.grammars, self._known, samples=self.rank == 0)
+            self._start_grammars(tokenizer)
+        # every rank applies the calls and runs the forward; rank 0 alone samples and answers, and tells the others
+        # what its drafter does (TargetDraftPeers)
+        self.verifier = TargetVerifier(self.runner, self.grammars, self._known, samples=self.rank == 0,
+                                       drafter=self.drafter, peers=TargetDraftPeers(self._peers) if self.rank == 0
+                                       and self.drafter is not None else None)
 
     def _start_grammars(self, tokenizer) -> None:
         """Rank 0's structured-output matchers, their tokenizer table built now (prepare_grammars)."""
@@ -123,7 +132,7 @@ class TargetWorkerCore(ModelWorker):
     def connect_peers(self, endpoints: list[Endpoint]) -> None:
         """Rank 0: connect to ranks 1.. (in order), which from then on take their calls from rank 0 alone."""
         assert self.rank == 0 and len(endpoints) == self.world - 1
-        self._peers = [ChannelSender(e) for e in endpoints]
+        self._peers[:] = [ChannelSender(e) for e in endpoints]  # in place: the verifier's TargetDraftPeers holds it
 
     def calibrate(self, max_k: int, widest: int | None = None) -> dict:
         """Verify costs by batch size and draft count (every rank must run it at once: collectives; at start-up,
@@ -204,6 +213,16 @@ class TargetWorkerCore(ModelWorker):
         """A step decoded ahead (rank 0 runs it and forwards it to the other ranks, in order with the verifies)."""
         self._in_group(Method.VERIFY_AHEAD, (calls,), self._timed_ahead)
 
+    def target_drafting(self, starts: list[tuple], accepted: list[list[int]]) -> None:
+        """A rank but the first: run a collective drafter's steps with rank 0's (TargetDraftPeers)."""
+        self._in_group(Method.TARGET_DRAFTING, (starts, accepted), lambda starts, accepted: (
+            self.verifier.draft_with_first_rank(draft_starts_from_wire(starts), accepted)))
+
+    def target_drafts(self, starts: list[tuple], drafts: list[tuple]) -> None:
+        """A rank but the first: keep the drafts rank 0's drafter made, for the rows' next calls."""
+        self._in_group(Method.TARGET_DRAFTS, (starts, drafts), lambda starts, drafts: (
+            self.verifier.hold(draft_starts_from_wire(starts), target_drafts_from_wire(drafts))))
+
     def _timed_ahead(self, calls: list[tuple]) -> None:
         with self.busy:
             start = time.perf_counter()
@@ -244,6 +263,27 @@ class TargetWorkerCore(ModelWorker):
         if self.broken is not None:
             raise TensorParallelBroken(self.broken)
         return super().ping()
+
+
+class TargetDraftPeers:
+    """engine/spec/target_drafts.DraftPeers over rank 0's channels to the other ranks: sent from rank 0's model thread
+    inside its verify call, so they arrive in order with the calls it forwards (before the rows' next verify). Where
+    the drafter runs: on every rank when its steps hold collectives (`self`'s layers; a head reading the sharded
+    embedding or LM head), else on rank 0 alone (Medusa heads of their own, whole on every rank); the drafts rank 0
+    made travel either way (a few tokens per row), so every rank verifies exactly rank 0's drafts."""
+
+    def __init__(self, peers: list[ChannelSender]) -> None:
+        self.peers = peers  # the worker's list, filled by connect_peers
+
+    def drafting(self, rows, accepted) -> None:
+        wire = draft_starts_to_wire(list(rows))
+        for peer in self.peers:
+            peer.send(Method.TARGET_DRAFTING, wire, [list(tokens) for tokens in accepted])
+
+    def made(self, rows, drafts) -> None:
+        wire, made = draft_starts_to_wire(list(rows)), target_drafts_to_wire(list(drafts))
+        for peer in self.peers:
+            peer.send(Method.TARGET_DRAFTS, wire, made)
 
 
 def join_process_group(device: str, rank: int, world: int, address: str, port: int, timeout_s: float | None,

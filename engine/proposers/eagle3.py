@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from engine.models.static.forward import STEP_MAX_WIDTH, Projection
 from engine.models.static.rope import apply_rope, rope_tables
+from engine.models.static.tp import embed
 from engine.proposers.eagle3_head import Eagle3Head, attend
 from engine.spec.target_drafts import DraftFrom
 from engine.spec.tree import TOP_CANDIDATES, Candidate, DraftTree, best_tree
@@ -60,6 +61,10 @@ class Eagle3Drafter:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         own = getattr(head, "embed_tokens", None)
         self.embed = own.weight.detach().to(self.device) if own is not None else model.embed
+        # a head without its own embedding reads the target's: on a tensor-parallel shard that is this rank's
+        # vocabulary rows, looked up with the other ranks (an all-reduce), so every rank steps the head with rank 0
+        self.shard = model.shard if own is None else None
+        self.collective = self.shard is not None
         head.to(self.device)  # its norms and d2t are used as they are (fp32 weights, the activations' dtype out)
         cos, sin = rope_tables(head.rotary, model.capacity, self.device)
         self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)  # [capacity, D]
@@ -172,7 +177,8 @@ class Eagle3Drafter:
         step = width <= STEP_MAX_WIDTH  # which CPU kernel runs, as for the target's steps and prompt chunks
         if fused:
             states = self.fc(states, step)
-        embeds = F.embedding(ids, self.embed).to(self.dtype)
+        embeds = F.embedding(ids, self.embed) if self.shard is None else embed(ids, self.embed, self.shard)
+        embeds = embeds.to(self.dtype)
         x, residual = self.head.layer.attention_input(embeds, states)
         qkv = self.qkv(x.to(self.dtype), step)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

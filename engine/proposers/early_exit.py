@@ -35,6 +35,7 @@ class EarlyExitDrafter:
         self.num_layers = num_layers
         self.name = f"self:{num_layers}"
         self.needs_hidden = False  # it reads the KV cache the verify pass wrote
+        self.collective = True  # on a shard its steps are the shard's layers: every rank steps with rank 0
 
     def draft(self, runner, rows: Sequence[DraftFrom], hidden: torch.Tensor | None) -> list[list[int] | DraftTree]:
         drafts: list[list[int]] = [[] for _ in rows]

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from engine.models.static.forward import Projection
+from engine.models.static.tp import gather_vocab
 from engine.spec.target_drafts import DraftFrom
 from engine.spec.tree import DraftTree, independent_heads, top_candidates
 
@@ -190,6 +191,10 @@ class MedusaDrafter:
                       for head in heads.heads]
         self.vocab_ids = None if config.draft_vocab is None else torch.tensor(config.draft_vocab)
         self.lm_head = model.lm_head if config.shared_lm_head else None
+        if config.shared_lm_head and self.vocab_ids is not None and model.shard is not None:
+            raise MedusaError("Medusa heads with shared_lm_head and a draft_vocab read rows of the target's LM head, "
+                              "which a tensor-parallel rank holds a slice of: use tp_size 1 or heads without "
+                              "draft_vocab")
         if config.shared_lm_head and self.vocab_ids is not None:  # the target's LM head, its draft vocabulary's rows
             rows = nn.Linear(config.hidden_size, len(config.draft_vocab), bias=False)
             rows.weight = nn.Parameter(model.lm_head.rows(self.vocab_ids.to(model.device)), requires_grad=False)
@@ -197,6 +202,10 @@ class MedusaDrafter:
         self.own_heads = None if config.shared_lm_head else [
             Projection([head[config.num_layers]], dtype, weight_dtype=weight_dtype) for head in heads.heads]
         self.dtype = dtype
+        # on a tensor-parallel shard, heads of their own are whole on every rank and rank 0 drafts alone; shared
+        # heads end in the shard's slice of the target's LM head, gathered with the other ranks, which draft with it
+        self.shard = model.shard if config.shared_lm_head else None
+        self.collective = self.shard is not None
 
     @torch.inference_mode()
     def draft(self, runner, rows: Sequence[DraftFrom], hidden: torch.Tensor | None) -> list[list[int] | DraftTree]:
@@ -208,7 +217,9 @@ class MedusaDrafter:
         h = hidden[index, position].to(self.dtype)  # [N, H]
         states = self._states(h, k)  # [N, k, H]
         if self.lm_head is not None:
-            logits = self.lm_head(states, True)  # [N, k, V]
+            logits = self.lm_head(states, True)  # [N, k, V] (a shard's [N, k, V / world], then gathered)
+            if self.shard is not None:
+                logits = gather_vocab(logits, self.shard)
         else:
             logits = torch.stack([self.own_heads[i](states[:, i], True) for i in range(k)], dim=1)
         picked = logits.reshape(-1, logits.shape[-1]).argmax(dim=-1)

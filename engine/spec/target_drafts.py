@@ -43,10 +43,28 @@ class TargetDrafter(Protocol):
 
     name: str  # for /stats and logs: "self:L", "medusa"
     needs_hidden: bool  # it reads the verify pass's final hidden states (the runner keeps them: keep_hidden)
+    # on a tensor-parallel shard: its steps run the shard's collectives (the layers, a vocabulary-parallel embedding
+    # or LM head), so every rank must draft with rank 0 (`DraftPeers`); False: rank 0 drafts alone
+    collective: bool
 
     def draft(self, runner, rows: Sequence[DraftFrom],
               hidden: torch.Tensor | None) -> list[list[int] | DraftTree]:  # hidden [B, W, H]: the pass's final states
         """Each row's drafts: at most rows[i].k tokens, or with rows[i].tree a tree of at most that many nodes."""
+
+
+class DraftPeers(Protocol):
+    """Tensor parallelism: the ranks but the first, as rank 0's verifier tells them what its drafter does
+    (deployments/workers/target.py sends it over the ranks' ordered channel). Only rank 0 samples, so only it knows
+    the verdicts: it sends the rows its drafter drafts from, with the tokens each accepted, before a collective
+    drafter's steps (the others run them with it: `TargetVerifier.draft_with_first_rank`), then the drafts it made,
+    which every rank keeps (`HeldDrafts`) and takes at the row's next call by the same rule, so every rank scores the
+    same drafts."""
+
+    def drafting(self, rows: Sequence[DraftFrom], accepted: Sequence[list[int]]) -> None:
+        """Before a collective drafter's steps: where each row's drafts start, and the tokens its verdict added."""
+
+    def made(self, rows: Sequence[DraftFrom], drafts: Sequence[list[int] | DraftTree]) -> None:
+        """After: the drafts rank 0 made for each row."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from engine.request.grammar import GrammarError, SequenceGrammars
 from engine.request.prompt_logprobs import PromptLogprobs, score_tokens, verify_feed
 from engine.spec.accept import RowVerify, Verdict, verify_rows
 from engine.spec.proposal import CompactProposal
-from engine.spec.target_drafts import DraftFrom, HeldDrafts, TargetDrafter
+from engine.spec.target_drafts import DraftFrom, DraftPeers, HeldDrafts, TargetDrafter
 from engine.spec.tree import DraftTree
 
 
@@ -66,12 +66,13 @@ class TargetVerifier:
     """The target's side of every round: its runner, the sequences' known tokens and settings, their grammars."""
 
     def __init__(self, runner, grammars: SequenceGrammars | None, known: KnownSequences | None = None,
-                 samples: bool = True, drafter: TargetDrafter | None = None) -> None:
+                 samples: bool = True, drafter: TargetDrafter | None = None, peers: DraftPeers | None = None) -> None:
         self.runner = runner
         self.grammars = grammars  # structured outputs' matchers (None: this side has no grammar compiler)
         self.known = KnownSequences() if known is None else known
         self.samples = samples  # False on tensor-parallel ranks other than 0: they only compute
         self.drafter = drafter  # a draft source inside the target (engine/spec/target_drafts.py), or None
+        self.peers = peers  # tensor parallelism, on rank 0: the other ranks, told what its drafter does
         self.held = HeldDrafts()
         if drafter is not None and getattr(drafter, "needs_hidden", False):
             runner.keep_hidden()
@@ -156,7 +157,7 @@ class TargetVerifier:
         """The target drafter's drafts for the next round of every row that wants them, kept until its next call:
         each from the position that predicted the row's last token, its cache rolled back to the committed tokens
         first (the rejected drafts' keys and values go)."""
-        starts = []
+        starts, accepted = [], []
         for b, row in enumerate(rows):
             verdict = outcome.verdicts[b]
             if not row.target_k or verdict is None:
@@ -174,12 +175,30 @@ class TargetVerifier:
                     at = verdict.path[-1] if verdict.path else 0
                 starts.append(DraftFrom(seq_id, b, at, len(committed), committed[-1], k,
                                         min(row.target_tree, self.runner.max_model_len - len(committed))))
+                accepted.append(list(verdict.tokens))
         if starts:
             began = time.perf_counter()
+            if self.peers is not None and self.drafter.collective:
+                self.peers.drafting(starts, accepted)
             drafted = self.drafter.draft(self.runner, starts, getattr(self.runner, "last_hidden", None))
             outcome.draft_seconds = time.perf_counter() - began
             for start, drafts in zip(starts, drafted):
                 self.held.keep(start.seq_id, start.committed, start.last, drafts)
+            if self.peers is not None:
+                self.peers.made(starts, drafted)
+
+    def draft_with_first_rank(self, starts: Sequence[DraftFrom], accepted: Sequence[list[int]]) -> None:
+        """A tensor-parallel rank but the first: run a collective drafter's steps with rank 0's (`DraftPeers`), from
+        each row's committed tokens (its known ones and what rank 0's verdict added), the drafts discarded: rank 0
+        sends the ones it made (`hold`)."""
+        for start, tokens in zip(starts, accepted):
+            self.runner.sync(start.seq_id, self.known.tokens[start.seq_id] + tokens)
+        self.drafter.draft(self.runner, starts, getattr(self.runner, "last_hidden", None))
+
+    def hold(self, starts: Sequence[DraftFrom], drafts: Sequence[list[int] | DraftTree]) -> None:
+        """A tensor-parallel rank but the first: keep the drafts rank 0 made, for the rows' next calls."""
+        for start, made in zip(starts, drafts):
+            self.held.keep(start.seq_id, start.committed, start.last, made)
 
     def _settle_tree(self, seq_id: str, known: Sequence[int]) -> None:
         """On a side that does not sample: the tree this row verified last is walked by the tokens committed since

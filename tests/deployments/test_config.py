@@ -33,13 +33,17 @@ def test_a_partial_section_keeps_its_role_s_defaults():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"tp_size": 2}, "tp_size 1"), ({"runner": {"kind": "transformers"}}, "runner.kind"),
-    ({"model": {"draft": "self:0"}}, "layer count")])
+    ({"runner": {"kind": "transformers"}}, "runner.kind"), ({"model": {"draft": "self:0"}}, "layer count")])
 def test_a_drafter_inside_the_target_that_cannot_run_is_refused_naming_the_field(overrides, message):
     config = {"model": {"draft": "self"}, **overrides}
     config["model"] = {"draft": "self", **overrides.get("model", {})}
     with pytest.raises(ValueError, match=message):
         SpecServeConfig.model_validate(config)
+
+
+def test_a_drafter_inside_the_target_runs_with_tensor_parallelism():
+    config = SpecServeConfig.model_validate({"model": {"draft": "self:2"}, "tp_size": 2})
+    assert config.draft_source().in_target and config.tp_size == 2
 
 
 def test_the_default_drafts_by_n_gram_lookup_in_the_router():

@@ -117,3 +117,14 @@ def agree_num_slots(num_slots: int, shard: Shard, device: torch.device) -> int:
     except RuntimeError as exc:
         raise CollectiveError(f"all_reduce of the KV-cache slot count failed: {exc}") from exc
     return int(t.item())
+
+
+def first_rank_value(value: int, shard: Shard, device: torch.device) -> int:
+    """Rank 0's `value` on every rank (a choice made from timings, which differ between ranks, must be one)."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    try:
+        dist.broadcast(t, src=dist.get_global_rank(shard.group, 0) if shard.group is not None else 0,
+                       group=shard.group)
+    except RuntimeError as exc:
+        raise CollectiveError(f"broadcast of rank 0's choice failed: {exc}") from exc
+    return int(t.item())

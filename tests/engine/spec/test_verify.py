@@ -62,6 +62,7 @@ class ScriptedDrafter:
 
     name = "scripted"
     needs_hidden = False
+    collective = False
 
     def __init__(self, script):
         self.script, self.seen = list(script), []
