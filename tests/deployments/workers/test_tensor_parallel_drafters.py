@@ -3,7 +3,8 @@ rank 1 where its drafter starts and what it drafted (deployments/workers/target.
 single-rank target with the same drafter given the same calls: the same drafts verified and the same tokens, round
 after round, for greedy, seeded and unseeded rows. `self` steps the shard's layers on both ranks (collectives) and
 chooses its L on both (rank 0's taken); an EAGLE-3 head without an embedding of its own looks tokens up in the
-sharded embedding (collective); Medusa heads of their own draft on rank 0 alone."""
+sharded embedding (collective); Medusa heads of their own draft on rank 0 alone, shared ones gather the sharded
+LM head's logits with rank 1 (collective)."""
 
 import asyncio
 import random
@@ -26,12 +27,12 @@ SEQUENCES = 3  # greedy, seeded, unseeded
 K = 3
 
 
-def _medusa(target_dir, out):
+def _medusa(target_dir, out, shared=False):
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(target_dir)
     torch.manual_seed(1)
-    heads = MedusaHeads(MedusaConfig(K, 1, c.hidden_size, c.vocab_size))
+    heads = MedusaHeads(MedusaConfig(K, 1, c.hidden_size, c.vocab_size, shared))
     with torch.no_grad():
         for p in heads.parameters():
             p.normal_(0, 0.3)
@@ -73,9 +74,10 @@ async def _rounds(call) -> tuple[dict[str, list[int]], list[dict[int, list[int]]
     return live, verified
 
 
-@pytest.mark.parametrize("source", ["self", "medusa", "eagle3"])
+@pytest.mark.parametrize("source", ["self", "medusa", "medusa-shared", "eagle3"])
 def test_a_tensor_parallel_target_drafts_and_verifies_like_one_rank(tiny_model_dirs, tmp_path, source):
     draft = {"self": lambda: "self", "medusa": lambda: _medusa(tiny_model_dirs[0], tmp_path / "medusa"),
+             "medusa-shared": lambda: _medusa(tiny_model_dirs[0], tmp_path / "medusa", shared=True),
              "eagle3": lambda: _eagle3(tiny_model_dirs[0], tmp_path / "eagle3")}[source]()
     config = tiny_config(tiny_model_dirs, model={"draft": draft},
                          speculation={"num_speculative_tokens": K}).engine_config()
