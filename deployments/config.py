@@ -115,6 +115,11 @@ class SpeculationSection(StrictModel):
     overlap: bool = Field(
         False, description="draft round r+1 while the target verifies round r, assuming round r is fully "
                            "accepted (used when the guess is right, discarded otherwise)")
+    draft_after_reply: bool = Field(
+        False, description="with a drafter inside the target (self, medusa, eagle3): make each row's next drafts "
+                           "after the verify call's answer has gone (on the worker's model thread, before its next "
+                           "call), so drafting overlaps the router's hop; off: before answering. The drafts and the "
+                           "output are the same either way (bench/RESULTS.md compares the two)")
     decode_ahead: bool = Field(
         True, description="for rounds without drafts (plain decoding, or rounds the plan left plain at this load), "
                           "the target decodes each row's next token right after answering, while the router handles "
@@ -302,6 +307,7 @@ class SpecServeConfig(StrictModel):
             kv_cache_fraction=self.runner.kv_cache_fraction, max_num_seqs=self.runner.max_num_seqs,
             prefill_chunk=self.runner.prefill_chunk, prefix_caching=self.runner.prefix_caching,
             kv_cache_dtype=self.runner.kv_cache_dtype, cost_cache=s.cost_cache,
+            draft_after_reply=s.draft_after_reply,
         )
 
 

@@ -109,6 +109,8 @@ class EngineConfig:
     # steps compute in fp32 on CPU), "float32", "bfloat16"
     kv_cache_dtype: str = "auto"
     cost_cache: str | None = None  # where workers keep their start-up cost measurements (engine/calibration/store.py)
+    # a drafter inside the target drafts after the verify call's answer has gone instead of before (the served worker)
+    draft_after_reply: bool = False
 
     @property
     def draft_method(self) -> DraftMethod:

@@ -66,6 +66,7 @@ class TargetWorkerCore(ModelWorker):
         self.grammars: SequenceGrammars | None = None  # rank 0: structured outputs' matchers (made at load)
         self.verifier: TargetVerifier | None = None  # the verify step over the runner (engine/spec/verify.py)
         self.drafter = None  # a draft source inside the target (engine/spec/target_drafts.py), or None
+        self._pending_draft = None  # drafting after the reply, not yet run (`_flush_drafting`)
         if world == 1:
             with startup_errors("target"), cpu_startup_turn(config):
                 self.on_model_thread(self.load)
@@ -99,7 +100,8 @@ class TargetWorkerCore(ModelWorker):
             self.drafter = build_target_drafter(self.config, self.runner, tokenizer)
             check_trees(self.config, self.runner)
             warm_up(self.runner, self.config.widest_verify, "target", self.drafter)
-            self.verifier = TargetVerifier(self.runner, self.grammars, self._known, drafter=self.drafter)
+            self.verifier = TargetVerifier(self.runner, self.grammars, self._known, drafter=self.drafter,
+                                           draft_after_reply=self.config.draft_after_reply)
             return
         # a shard runs on the static runner (its heads' fused weights and KV cache, collectives inside the step:
         # engine/models/static/tp.py) where the family is covered and runner is auto/static; on transformers' otherwise.
@@ -121,7 +123,8 @@ class TargetWorkerCore(ModelWorker):
         # what its drafter does (TargetDraftPeers)
         self.verifier = TargetVerifier(self.runner, self.grammars, self._known, samples=self.rank == 0,
                                        drafter=self.drafter, peers=TargetDraftPeers(self._peers) if self.rank == 0
-                                       and self.drafter is not None else None)
+                                       and self.drafter is not None else None,
+                                       draft_after_reply=self.config.draft_after_reply)
 
     def _start_grammars(self, tokenizer) -> None:
         """Rank 0's structured-output matchers, their tokenizer table built now (prepare_grammars)."""
@@ -161,6 +164,7 @@ class TargetWorkerCore(ModelWorker):
         return self.on_model_thread(self._forward_and_run, method, args, run)
 
     def _forward_and_run(self, method: Method, args: tuple, run):
+        self._flush_drafting()
         if self.broken is not None:
             raise TensorParallelBroken(self.broken)
         try:
@@ -223,6 +227,21 @@ class TargetWorkerCore(ModelWorker):
         self._in_group(Method.TARGET_DRAFTS, (starts, drafts), lambda starts, drafts: (
             self.verifier.hold(draft_starts_from_wire(starts), target_drafts_from_wire(drafts))))
 
+    def _flush_drafting(self) -> None:
+        """Drafting after the reply (`draft_after_reply`): the last verify's next drafts
+        (engine/spec/verify.VerifyOutcome.draft_next), run once the answer has gone, or first thing in whatever call
+        reaches the model thread before that (another router's): no other pass ever runs between a verify and its
+        drafting, and the other ranks get its messages before any call forwarded after. A failed collective or peer
+        channel breaks the group as inside a call."""
+        draft, self._pending_draft = self._pending_draft, None
+        if draft is None or self.broken is not None:
+            return
+        try:
+            with self.busy:
+                draft()
+        except (CollectiveError, ChannelClosed) as exc:
+            self.broken = f"tensor-parallel rank {self.rank} of {self.world}: {exc}"
+
     def _timed_ahead(self, calls: list[tuple]) -> None:
         with self.busy:
             start = time.perf_counter()
@@ -237,6 +256,9 @@ class TargetWorkerCore(ModelWorker):
         self._counted(len(calls))
         if outcome is None:
             return None
+        if outcome.draft_next is not None:  # drafting after the reply (`_flush_drafting`)
+            self._pending_draft = outcome.draft_next
+            self.later(self._flush_drafting)
         failed = {b: grammar_failure("target", calls[b].seq.seq_id, exc) for b, exc in outcome.failed.items()}
         return VerifyResult(outcome.verdicts, time.perf_counter() - start, failed=failed,
                             prompt_logprobs=outcome.prompt_logprobs, cached_tokens=outcome.cached_tokens,

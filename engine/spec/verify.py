@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,20 +59,28 @@ class VerifyOutcome:
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # rows that scored prompt tokens
     cached_tokens: dict[int, int] = field(default_factory=dict)  # feed tokens read from the prefix cache
     drafts: dict[int, list[int]] = field(default_factory=dict)  # rows with target_k: the held drafts they verified
-    draft_seconds: float = 0.0  # the target drafter's time making the next round's drafts (inside this step)
+    # the target drafter's time making the next round's drafts: inside this step, or (drafting after the reply) the
+    # time of the drafting done after the previous steps' replies
+    draft_seconds: float = 0.0
+    # drafting after the reply: the next round's drafting, for the caller to run once the answer has gone (and before
+    # the next step); None: done inside this step, or nothing to draft
+    draft_next: Callable[[], None] | None = None
 
 
 class TargetVerifier:
     """The target's side of every round: its runner, the sequences' known tokens and settings, their grammars."""
 
     def __init__(self, runner, grammars: SequenceGrammars | None, known: KnownSequences | None = None,
-                 samples: bool = True, drafter: TargetDrafter | None = None, peers: DraftPeers | None = None) -> None:
+                 samples: bool = True, drafter: TargetDrafter | None = None, peers: DraftPeers | None = None,
+                 draft_after_reply: bool = False) -> None:
         self.runner = runner
         self.grammars = grammars  # structured outputs' matchers (None: this side has no grammar compiler)
         self.known = KnownSequences() if known is None else known
         self.samples = samples  # False on tensor-parallel ranks other than 0: they only compute
         self.drafter = drafter  # a draft source inside the target (engine/spec/target_drafts.py), or None
         self.peers = peers  # tensor parallelism, on rank 0: the other ranks, told what its drafter does
+        self.draft_after_reply = draft_after_reply  # the outcome carries the drafting (`draft_next`) for later
+        self._later_seconds = 0.0  # drafting done after replies since the last step reported it
         self.held = HeldDrafts()
         if drafter is not None and getattr(drafter, "needs_hidden", False):
             runner.keep_hidden()
@@ -149,17 +157,27 @@ class TargetVerifier:
                     seq_id = rows[b].delta.seq_id
                     with contextlib.suppress(GrammarError):  # remembered: the row's next call fails
                         self.grammars.matcher(seq_id, self.known.tokens[seq_id] + verdict.tokens)
-        if own:
-            self._draft_next(rows, outcome)
+        outcome.draft_seconds, self._later_seconds = self._later_seconds, 0.0
+        # this pass's final hidden states (a new tensor each pass): another caller's step may run before a drafting
+        # done after the reply
+        hidden = getattr(self.runner, "last_hidden", None)
+        if own and self.draft_after_reply:
+            outcome.draft_next = lambda: self._draft_later(rows, outcome.verdicts, hidden)
+        elif own:
+            outcome.draft_seconds += self._draft_next(rows, outcome.verdicts, hidden)
         return outcome
 
-    def _draft_next(self, rows: list[VerifyRow], outcome: VerifyOutcome) -> None:
+    def _draft_later(self, rows: list[VerifyRow], verdicts: list[Verdict | None], hidden: torch.Tensor | None) -> None:
+        self._later_seconds += self._draft_next(rows, verdicts, hidden)
+
+    def _draft_next(self, rows: list[VerifyRow], verdicts: list[Verdict | None],
+                    hidden: torch.Tensor | None) -> float:  # hidden [B, W, H]: the verify pass's (keep_hidden)
         """The target drafter's drafts for the next round of every row that wants them, kept until its next call:
         each from the position that predicted the row's last token, its cache rolled back to the committed tokens
-        first (the rejected drafts' keys and values go)."""
+        first (the rejected drafts' keys and values go). The seconds it took."""
         starts, accepted = [], []
         for b, row in enumerate(rows):
-            verdict = outcome.verdicts[b]
+            verdict = verdicts[b]
             if not row.target_k or verdict is None:
                 continue
             seq_id = row.delta.seq_id
@@ -176,16 +194,18 @@ class TargetVerifier:
                 starts.append(DraftFrom(seq_id, b, at, len(committed), committed[-1], k,
                                         min(row.target_tree, self.runner.max_model_len - len(committed))))
                 accepted.append(list(verdict.tokens))
-        if starts:
-            began = time.perf_counter()
-            if self.peers is not None and self.drafter.collective:
-                self.peers.drafting(starts, accepted)
-            drafted = self.drafter.draft(self.runner, starts, getattr(self.runner, "last_hidden", None))
-            outcome.draft_seconds = time.perf_counter() - began
-            for start, drafts in zip(starts, drafted):
-                self.held.keep(start.seq_id, start.committed, start.last, drafts)
-            if self.peers is not None:
-                self.peers.made(starts, drafted)
+        if not starts:
+            return 0.0
+        began = time.perf_counter()
+        if self.peers is not None and self.drafter.collective:
+            self.peers.drafting(starts, accepted)
+        drafted = self.drafter.draft(self.runner, starts, hidden)
+        seconds = time.perf_counter() - began
+        for start, drafts in zip(starts, drafted):
+            self.held.keep(start.seq_id, start.committed, start.last, drafts)
+        if self.peers is not None:
+            self.peers.made(starts, drafted)
+        return seconds
 
     def draft_with_first_rank(self, starts: Sequence[DraftFrom], accepted: Sequence[list[int]]) -> None:
         """A tensor-parallel rank but the first: run a collective drafter's steps with rank 0's (`DraftPeers`), from

@@ -59,10 +59,16 @@ def router_for(dirs, draft, **speculation):
     return Router(config, broker), broker
 
 
-@pytest.mark.parametrize("draft", ["self:2", "self:1", "medusa", "eagle3"])
-def test_greedy_served_text_equals_plain_decoding_in_one_call_a_round(deep_dirs, draft):
+@pytest.mark.parametrize("draft, after_reply", [("self:2", False), ("self:1", False), ("medusa", False),
+                                                ("eagle3", False), ("self:1", True), ("medusa", True),
+                                                ("eagle3", True)])
+def test_greedy_served_text_equals_plain_decoding_in_one_call_a_round(deep_dirs, draft, after_reply):
+    """`after_reply`: the target drafts after its answer has gone (speculation.draft_after_reply), before its next
+    call; several rows share each call, so each drafting reads its own pass's states."""
     dirs, medusa, eagle3 = deep_dirs
-    router, broker = router_for(dirs, {"medusa": f"medusa:{medusa}", "eagle3": f"eagle3:{eagle3}"}.get(draft, draft))
+    router, broker = router_for(dirs, {"medusa": f"medusa:{medusa}", "eagle3": f"eagle3:{eagle3}"}.get(draft, draft),
+                                draft_after_reply=after_reply)
+    assert broker.cores["target"].verifier.draft_after_reply is after_reply
     assert "draft" not in broker.cores, "no Draft deployment: the target drafts for itself"
     outs = run_all(router, PROMPTS, [GREEDY] * len(PROMPTS), k=3)
     for prompt, tokens in zip(PROMPTS, outs):

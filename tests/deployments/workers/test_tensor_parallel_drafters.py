@@ -7,6 +7,7 @@ sharded embedding (collective); Medusa heads of their own draft on rank 0 alone,
 LM head's logits with rank 1 (collective)."""
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -74,14 +75,17 @@ async def _rounds(call) -> tuple[dict[str, list[int]], list[dict[int, list[int]]
     return live, verified
 
 
-@pytest.mark.parametrize("source", ["self", "medusa", "medusa-shared", "eagle3"])
+@pytest.mark.parametrize("source", ["self", "self-after-reply", "medusa", "medusa-shared", "eagle3"])
 def test_a_tensor_parallel_target_drafts_and_verifies_like_one_rank(tiny_model_dirs, tmp_path, source):
-    draft = {"self": lambda: "self", "medusa": lambda: _medusa(tiny_model_dirs[0], tmp_path / "medusa"),
+    """`self-after-reply`: the ranks draft after rank 0's reply (speculation.draft_after_reply), against one rank
+    drafting before its reply: the same drafts and tokens."""
+    draft = {"self": lambda: "self", "self-after-reply": lambda: "self", "medusa": lambda: _medusa(tiny_model_dirs[0], tmp_path / "medusa"),
              "medusa-shared": lambda: _medusa(tiny_model_dirs[0], tmp_path / "medusa", shared=True),
              "eagle3": lambda: _eagle3(tiny_model_dirs[0], tmp_path / "eagle3")}[source]()
     config = tiny_config(tiny_model_dirs, model={"draft": draft},
                          speculation={"num_speculative_tokens": K}).engine_config()
-    with _two_ranks(config) as (rank0, stats0, stats1):
+    served = dataclasses.replace(config, draft_after_reply=source == "self-after-reply")
+    with _two_ranks(served) as (rank0, stats0, stats1):
         for stats in (stats0, stats1):
             assert stats["drafter"] is not None and stats["parameters"] < 0.55 * stats["full_parameters"], stats
         channel = AsyncChannels()

@@ -93,6 +93,34 @@ def test_a_target_drafter_drafts_after_the_accept_step_and_its_drafts_are_verifi
     assert verifier.held.stats() == {"held": 1, "used": 2, "missed": 1}
 
 
+def test_drafting_after_the_reply_hands_the_drafting_to_the_caller_with_the_same_drafts(model):
+    """`draft_after_reply`: the step answers first and hands the drafting over (`draft_next`); run before the next
+    step, it drafts from the same state as drafting inside the step would, and its time is reported by the next
+    step."""
+    want = greedy_continuation(model, PROMPT, 8)
+    script = [want[1:4], [want[5], 0, 0], [0, 0, 0]]
+    outcomes = {}
+    for after in (False, True):
+        drafter = ScriptedDrafter(list(script))
+        runner = StaticRunner(model, budget=KVBudget(max_num_seqs=4), compile="off", prefill_chunk=16)
+        verifier = TargetVerifier(runner, None, drafter=drafter, draft_after_reply=after)
+        first = verifier.verify([VerifyRow(first_delta("a", PROMPT), target_k=3)])
+        if after:
+            assert first.draft_next is not None and drafter.seen == [] and len(verifier.held) == 0, "not yet"
+            assert first.draft_seconds == 0
+            first.draft_next()
+        else:
+            assert first.draft_next is None
+        second = verifier.verify([VerifyRow(SeqDelta("a", len(PROMPT), want[:1]), target_k=3)])
+        assert second.draft_seconds > 0, "the drafting's time, reported by the step after it"
+        if after:
+            second.draft_next()
+        outcomes[after] = (first.verdicts[0].tokens, second.drafts, second.verdicts[0].tokens, drafter.seen,
+                           verifier.held.stats())
+    assert outcomes[True] == outcomes[False]
+    assert outcomes[True][1] == {0: want[1:4]}
+
+
 def test_held_drafts_made_after_other_tokens_are_not_verified(model):
     """A stale guess (the router committed other tokens than the drafter assumed) costs a round without drafts."""
     want = greedy_continuation(model, PROMPT, 4)
