@@ -22,6 +22,10 @@ from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head
 from engine.proposers.medusa import MedusaConfig, MedusaHeads
 from tests.deployments.conftest import tiny_config
 from tests.deployments.workers.test_tensor_parallel_workers import _delta, _two_ranks
+from tests.engine.spawn_ranks import TEST_TIMEOUT_S
+
+# spawned ranks: pytest's limit as their hang guard (tests/engine/spawn_ranks.py)
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 
 ROUNDS = 8
 SEQUENCES = 3  # greedy, seeded, unseeded

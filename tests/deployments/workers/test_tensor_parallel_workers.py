@@ -19,6 +19,10 @@ from engine.request.delta import SeqDelta, first_delta
 from engine.request.sampling import SamplingParams
 from engine.request.settings import SequenceSettings
 from tests.deployments.conftest import tiny_config
+from tests.engine.spawn_ranks import HANG_GUARD_S, TEST_TIMEOUT_S
+
+# spawned ranks: pytest's limit as their hang guard (tests/engine/spawn_ranks.py)
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 
 ROUTERS = 2
 SEQUENCES_PER_ROUTER = 3  # one after another per lane: each finished sequence is released and a new one starts
@@ -52,10 +56,10 @@ def _two_ranks(config):
     for p in procs:
         p.start()
     try:
-        rank, endpoint, stats1 = endpoints.get(timeout=180)
+        rank, endpoint, stats1 = endpoints.get(timeout=HANG_GUARD_S)
         assert rank == 1
         peers.put(endpoint)
-        _, rank0, stats0 = endpoints.get(timeout=180)
+        _, rank0, stats0 = endpoints.get(timeout=HANG_GUARD_S)
         yield rank0, stats0, stats1
     finally:
         _stop_ranks(procs, stop)
@@ -63,12 +67,12 @@ def _two_ranks(config):
 
 def _rank_main(rank, port, engine_config, endpoints, peers, stop):
     core = TargetWorkerCore(engine_config, rank, 2, torch_threads=1)
-    core.init_distributed("127.0.0.1", port)
+    core.init_distributed("127.0.0.1", port, timeout_s=HANG_GUARD_S)  # a rendezvous with a rank still importing
     endpoint = core.start_channel()
     if rank == 0:  # like TargetServer: rank 0 is called only once it is connected to the other rank
-        core.connect_peers([peers.get(timeout=120)])
+        core.connect_peers([peers.get(timeout=HANG_GUARD_S)])
     endpoints.put((rank, endpoint, core.stats()))
-    stop.wait(300)
+    stop.wait(HANG_GUARD_S)
 
 
 def _delta(seq_id: str, sent: int, tokens: list[int], kind: int, seed: int) -> SeqDelta:
@@ -225,9 +229,9 @@ def _stuck_rank_main(rank, port, engine_config, endpoints, peers, stop, timeout_
         core._timed_verify = maybe_stuck
     endpoint = core.start_channel()
     if rank == 0:
-        core.connect_peers([peers.get(timeout=120)])
+        core.connect_peers([peers.get(timeout=HANG_GUARD_S)])
     endpoints.put((rank, endpoint, None))
-    stop.wait(300)
+    stop.wait(HANG_GUARD_S)
 
 
 def test_a_stuck_peer_fails_rank_0s_call_after_the_collective_timeout(tiny_model_dirs):
@@ -249,9 +253,9 @@ def test_a_stuck_peer_fails_rank_0s_call_after_the_collective_timeout(tiny_model
     for p in procs:
         p.start()
     try:
-        _, endpoint, _ = endpoints.get(timeout=180)
+        _, endpoint, _ = endpoints.get(timeout=HANG_GUARD_S)
         peers.put(endpoint)
-        _, rank0, _ = endpoints.get(timeout=180)
+        _, rank0, _ = endpoints.get(timeout=HANG_GUARD_S)
 
         async def rounds():
             channels = AsyncChannels()

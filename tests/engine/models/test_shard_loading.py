@@ -22,8 +22,10 @@ from engine.models.tensor_parallel import (
 )
 from engine.models.transformers_runner import ModelRunner
 from tests.conftest import make_tiny_model
-from tests.engine.spawn_ranks import run_ranks
+from tests.engine.spawn_ranks import TEST_TIMEOUT_S, run_ranks
 
+# spawned ranks: pytest's limit as their hang guard (tests/engine/spawn_ranks.py)
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 CASES = ["llama", "llama-sharded", "llama-tied", "qwen2"]
 WORLD = 2
 
@@ -238,7 +240,7 @@ def _rank_worker(rank, world, port, dirs, results):
 
 @pytest.fixture(scope="module")
 def two_rank_logits(model_dirs):
-    return run_ranks(_rank_worker, WORLD, dict(model_dirs), timeout=240)
+    return run_ranks(_rank_worker, WORLD, dict(model_dirs))
 
 
 @pytest.mark.parametrize("case", CASES)

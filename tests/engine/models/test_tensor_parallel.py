@@ -9,7 +9,10 @@ import torch.distributed as dist
 from engine.models.tensor_parallel import TensorParallelError, check_shardable, num_parameters, shard_model
 from engine.models.transformers_runner import ModelRunner
 from tests.conftest import make_tiny_model
-from tests.engine.spawn_ranks import run_ranks
+from tests.engine.spawn_ranks import TEST_TIMEOUT_S, run_ranks
+
+# spawned ranks: pytest's limit as their hang guard (tests/engine/spawn_ranks.py)
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 
 
 def _worker(rank, world, port, family, results):

@@ -20,8 +20,10 @@ from engine.models.static.runner import KVBudget, StaticRunner
 from engine.models.static.steps import forbid_host_sync
 from engine.models.tensor_parallel import num_parameters
 from tests.conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
-from tests.engine.spawn_ranks import run_ranks
+from tests.engine.spawn_ranks import HANG_GUARD_S, TEST_TIMEOUT_S, run_ranks
 
+# spawned ranks: pytest's limit as their hang guard (tests/engine/spawn_ranks.py)
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 WORLD = 2
 CASES = ["llama", "llama-bias", "llama-tied", "qwen2"]  # GQA (4 heads, 2 KV heads) in all
 BUDGET = KVBudget(gib=0.001, max_num_seqs=64)  # small enough that the slot count follows the KV heads held
@@ -87,7 +89,7 @@ def _greedy(target, draft_model, k, trees=False):
     return tokens, engine.stats.acceptance_rate if proposer is not None else None
 
 
-def _init(rank, world, port, timeout_s=60):
+def _init(rank, world, port, timeout_s=HANG_GUARD_S):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     torch.set_num_threads(1)
@@ -140,7 +142,7 @@ def _rank_worker(rank, world, port, dirs, results):
 
 @pytest.fixture(scope="module")
 def two_ranks(model_dirs):
-    return run_ranks(_rank_worker, WORLD, model_dirs, timeout=300)
+    return run_ranks(_rank_worker, WORLD, model_dirs)
 
 
 def _single_rank(directory):
@@ -235,13 +237,13 @@ def _dying_worker(rank, world, port, directory, results):
     os._exit(0)  # the group is broken: nothing to tear down
 
 
-# far past run_ranks' 120 s hang guard: a survivor that fails at all failed on the peer's closed sockets, not by
-# waiting out the group's timeout
-GROUP_TIMEOUT_S = 3600
+# far past run_ranks' hang guard: a survivor that fails at all failed on the peer's closed sockets, not by waiting out
+# the group's timeout
+GROUP_TIMEOUT_S = 3 * HANG_GUARD_S
 
 
 def test_a_peer_killed_mid_step_fails_the_step_with_collective_error_at_once(model_dirs):
-    results = run_ranks(_dying_worker, WORLD, model_dirs["llama"], timeout=120, exitcodes={1: 3})
+    results = run_ranks(_dying_worker, WORLD, model_dirs["llama"], exitcodes={1: 3})
     outcome = results[0]
     assert outcome.startswith("CollectiveError"), outcome
     assert "timed out" not in outcome.lower(), outcome  # gloo names the dead peer's connection, not a timeout
