@@ -12,6 +12,8 @@ import multiprocessing
 import random
 import socket
 
+import pytest
+
 from deployments.transport.client import AsyncChannels
 from deployments.transport.messages import Method, VerifyCall, VerifyResult
 from deployments.workers.target import TargetWorkerCore
