@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,13 +59,16 @@ class DraftMethod(str, enum.Enum):
 
 
 def parse_draft(draft: str) -> tuple[DraftMethod, str | None]:
-    """(method, argument): "self:4" -> (SELF, "4"), "self" -> (SELF, None: L chosen at start), "medusa:DIR" ->
+    """(method, argument): "self:4" -> (SELF, "4"), "self:skip:8-13" -> (SELF, "skip:8-13": those layers skipped),
+    "self" -> (SELF, None: the layers chosen at start), "medusa:DIR" ->
     (MEDUSA, DIR), "eagle3:DIR" -> (EAGLE3, DIR); a ValueError naming `model.draft` for a malformed one."""
     method = DraftMethod.of(draft)
     if method is DraftMethod.SELF:
         arg = draft.partition(":")[2] or None
-        if arg is not None and (not arg.isdigit() or int(arg) < 1):
-            raise ValueError(f"model.draft: 'self:L' takes a layer count L >= 1, got {draft!r}")
+        skip = arg is not None and re.fullmatch(r"skip:\d+-\d+", arg)
+        if arg is not None and not skip and (not arg.isdigit() or int(arg) < 1):
+            raise ValueError(f"model.draft: 'self:L' takes a layer count L >= 1 (or 'self:skip:A-B' the middle "
+                             f"layers A..B to skip), got {draft!r}")
         return method, arg
     if method in (DraftMethod.MEDUSA, DraftMethod.EAGLE3):
         arg = draft.partition(":")[2]
@@ -259,15 +263,22 @@ def build_target_drafter(config: EngineConfig, runner: Runner, tokenizer=None):
 
         head = load_eagle3(arg, runner.model.final_norm.shape[0], runner.vocab_size, len(runner.model.layers))
         return Eagle3Drafter(head, runner)
-    from engine.proposers.early_exit import EarlyExitDrafter, auto_exit_layer
+    from engine.proposers.early_exit import EarlyExitDrafter, auto_exit_layer, skip_block
 
     total = len(runner.model.layers)
     if arg is None:
-        layers = auto_exit_layer(runner, tokenizer, config.num_speculative_tokens)
+        agree = None
         if runner.model.shard is not None:  # measured on each rank: rank 0's choice for all
             from engine.models.static.tp import first_rank_value
 
-            layers = first_rank_value(layers, runner.model.shard, runner.device)
+            agree = lambda index: first_rank_value(index, runner.model.shard, runner.device)  # noqa: E731
+        layers = auto_exit_layer(runner, tokenizer, config.num_speculative_tokens, agree)
+    elif arg.startswith("skip:"):
+        first, last = (int(n) for n in arg[5:].split("-"))
+        try:
+            layers = skip_block(total, first, last)
+        except ValueError as exc:
+            raise ValueError(f"model.draft: 'self:{arg}': {exc} (num_hidden_layers {total})") from exc
     else:
         layers = int(arg)
         if layers >= total:
@@ -282,7 +293,7 @@ def capture_graphs(runner: Runner | None, max_k: int, drafter=None) -> bool:
     first used). Whether it did."""
     if getattr(runner, "graphs", None) is None:
         return False
-    runner.warm_up(max_k, exit_layers=getattr(drafter, "num_layers", None))
+    runner.warm_up(max_k, exit_layers=getattr(drafter, "exit_layers", None))
     return True
 
 

@@ -110,7 +110,7 @@ def warm_up(runner: Runner, max_k: int, what: str, drafter=None) -> None:
         return
     start = time.monotonic()
     shapes = runner.warm_up(max_k, progress=lambda message: log.info("%s runner: %s", what, message),
-                            exit_layers=getattr(drafter, "num_layers", None))
+                            exit_layers=getattr(drafter, "exit_layers", None))
     log.info("%s runner: %d step shapes ready in %.1f s", what, shapes, time.monotonic() - start)
 
 

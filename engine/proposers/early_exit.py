@@ -16,24 +16,25 @@ measured cost of each exit's step.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.models.static.early_exit import early_exit_step
+from engine.models.static.early_exit import LayerSet, early_exit_step
 from engine.spec.policy import expected_tokens
 from engine.spec.target_drafts import DraftFrom, greedy_tokens
 from engine.spec.tree import DraftTree, chain_with_siblings, top_candidates
 
 
 class EarlyExitDrafter:
-    """TargetDrafter: K early-exit steps of the first `num_layers` layers, batched over the rows."""
+    """TargetDrafter: K steps of some of the target's layers (its first L, or a set skipping middle layers), batched
+    over the rows."""
 
-    def __init__(self, num_layers: int) -> None:
-        if num_layers < 1:
+    def __init__(self, exit_layers: LayerSet) -> None:
+        if isinstance(exit_layers, int) and exit_layers < 1:
             raise ValueError("an early exit needs at least one layer")
-        self.num_layers = num_layers
-        self.name = f"self:{num_layers}"
+        self.exit_layers = exit_layers
+        self.name = f"self:{layer_set_name(exit_layers)}"
         self.needs_hidden = False  # it reads the KV cache the verify pass wrote
         self.collective = True  # on a shard its steps are the shard's layers: every rank steps with rank 0
 
@@ -44,7 +45,7 @@ class EarlyExitDrafter:
         for step in range(max((row.k for row in rows), default=0)):
             active = [b for b, row in enumerate(rows) if row.k > step]
             logits = early_exit_step(runner, [rows[b].seq_id for b in active], [tokens[b] for b in active],
-                                     [rows[b].committed - 1 + step for b in active], self.num_layers)
+                                     [rows[b].committed - 1 + step for b in active], self.exit_layers)
             for b, token in zip(active, greedy_tokens(logits)):
                 drafts[b].append(token)
                 tokens[b] = token
@@ -55,8 +56,9 @@ class EarlyExitDrafter:
         return [chain_with_siblings(steps[b], row.tree) if b in steps else drafts[b] for b, row in enumerate(rows)]
 
 
-def exit_agreement(runner, token_ids: Sequence[int], candidates: Sequence[int], first: int = 0) -> dict[int, float]:
-    """For each candidate exit L, how often the first L layers' greedy next token equals the whole model's over the
+def exit_agreement(runner, token_ids: Sequence[int], candidates: Sequence[LayerSet],
+                    first: int = 0) -> dict[LayerSet, float]:
+    """For each candidate exit L (or layer set), how often its greedy next token equals the whole model's over the
     text `token_ids` from position `first` on (static runner: one eager pass of every layer, then one of each exit's
     layers, in a free slot): the per-token acceptance a greedy early-exit draft of L layers would see on such text."""
     seq_id = "calibrate-exit"
@@ -76,11 +78,12 @@ def exit_agreement(runner, token_ids: Sequence[int], candidates: Sequence[int], 
         runner.release(seq_id)
 
 
-def choose_exit_layer(agreement: dict[int, float], step_seconds: dict[int, float], verify_seconds: Sequence[float],
-                      max_k: int) -> tuple[int, int]:
+def choose_exit_layer(agreement: dict[LayerSet, float], step_seconds: dict[LayerSet, float],
+                      verify_seconds: Sequence[float], max_k: int) -> tuple[LayerSet, int]:
     """(L, K) with the most expected tokens per second at one stream: E(a_L, K) (Leviathan et al. 2022, Sec. 3.4)
-    over K early-exit steps of L layers plus a verify pass of width K + 1 (`verify_seconds[k]`, measured)."""
-    best, choice = 0.0, (min(agreement), 1)
+    over K early-exit steps of L layers (or a layer set's) plus a verify pass of width K + 1 (`verify_seconds[k]`,
+    measured)."""
+    best, choice = 0.0, (next(iter(agreement)), 1)
     for layers, accept in agreement.items():
         for k in range(1, max_k + 1):
             rate = expected_tokens(accept, k) / (k * step_seconds[layers] + verify_seconds[k])
@@ -89,7 +92,7 @@ def choose_exit_layer(agreement: dict[int, float], step_seconds: dict[int, float
     return choice
 
 
-def time_exit_step(runner, num_layers: int, reps: int = 5) -> float:
+def time_exit_step(runner, num_layers: LayerSet, reps: int = 5) -> float:
     """Seconds of one early-exit step of one sequence (a short synthetic context), the minimum of `reps`."""
     seq_id = "calibrate-exit"
     runner.add(seq_id)
@@ -120,26 +123,59 @@ def target_text(runner, prompt: Sequence[int], tokens: int = 96) -> list[int]:
         runner.release(seq_id)
 
 
-def auto_exit_layer(runner, tokenizer, max_k: int) -> int:
-    """`draft: self`'s L, chosen at start-up (`choose_exit_layer`): each candidate exit's agreement with the full
-    model over the target's own answer to a shipped prompt (engine/training/prompts.jsonl), against its measured step
-    and the measured verify passes. Logged as a table."""
+def skip_block(total: int, first: int, last: int) -> tuple[int, ...]:
+    """Every layer of `total` but first..last (inclusive): a middle block skipped."""
+    if not 1 <= first <= last < total - 1:
+        raise ValueError(f"a skipped block of {total} layers keeps the first and the last: 1 <= A <= B <= {total - 2}, "
+                         f"got {first}-{last}")
+    return tuple(i for i in range(total) if not first <= i <= last)
+
+
+def layer_set_name(layers: LayerSet) -> str:
+    """`self:`'s argument for a layer set: "L" for an early exit, "skip:A-B" for a skipped middle block."""
+    if isinstance(layers, int):
+        return str(layers)
+    skipped = [i for i in range(layers[0], layers[-1]) if i not in layers]
+    if layers[0] != 0 or not skipped or skipped != list(range(skipped[0], skipped[-1] + 1)):
+        return "layers:" + ",".join(map(str, layers))
+    return f"skip:{skipped[0]}-{skipped[-1]}"
+
+
+def layer_set_candidates(total: int) -> list[LayerSet]:
+    """What `draft: self` measures at start: exits after about 1/8 .. 6/8 of the layers, and for each such count of 4
+    or more a set running the same number of layers with a middle block skipped (the first half of them and the last
+    half: on the embedded 135M this layout agreed most with the whole model among the middle-skipping sets measured,
+    and more than the exit with as many layers at 16 and 24 layers: bench/RESULTS.md)."""
+    exits = sorted({max(1, min(total - 1, round(total * f / 8))) for f in range(1, 7)})
+    skips = [skip_block(total, kept // 2, total - 1 - (kept - kept // 2)) for kept in exits
+             if kept >= 4 and kept // 2 <= total - 1 - (kept - kept // 2)]
+    return [*exits, *skips]
+
+
+def auto_exit_layer(runner, tokenizer, max_k: int, agree: Callable[[int], int] | None = None) -> LayerSet:
+    """`draft: self`'s layers, chosen at start-up (`choose_exit_layer`): each candidate's (`layer_set_candidates`)
+    agreement with the full model over the target's own answer to a shipped prompt (engine/training/prompts.jsonl),
+    against its measured step and the measured verify passes. `agree` maps this process's choice (an index into the
+    candidates) to the one to take (tensor parallelism: rank 0's). Logged as a table."""
     import logging
 
     from engine.calibration.measure import measure_verify
     from engine.training.prompts import encode_prompt, training_prompts
 
     total = len(runner.model.layers)
-    candidates = sorted({max(1, min(total - 1, round(total * f / 8))) for f in range(1, 7)})
+    candidates = layer_set_candidates(total)
     prompt = encode_prompt(tokenizer, training_prompts()[0]) if tokenizer is not None else list(range(2, 18))
     text = target_text(runner, prompt)
     agreement = exit_agreement(runner, text, candidates, first=len(prompt) - 1)
     steps = {layers: time_exit_step(runner, layers) for layers in candidates}
     verify = measure_verify(runner, max_k, [1])[0]
     layers, k = choose_exit_layer(agreement, steps, verify, max_k)
+    if agree is not None:
+        layers = candidates[agree(candidates.index(layers))]
     log = logging.getLogger(__name__)
     for candidate in candidates:
-        log.info("draft: self: exit after %d of %d layers: agreement %.3f, step %.2f ms", candidate, total,
+        log.info("draft: self: %s of %d layers: agreement %.3f, step %.2f ms", layer_set_name(candidate), total,
                  agreement[candidate], 1e3 * steps[candidate])
-    log.info("draft: self: chose L = %d (best at K = %d; the round plan chooses K per round)", layers, k)
+    log.info("draft: self: chose self:%s (best at K = %d; the round plan chooses K per round)", layer_set_name(layers),
+             k)
     return layers

@@ -54,13 +54,19 @@ def test_a_drafter_inside_the_target_needs_the_static_runner_and_an_exit_inside_
     static = StaticRunner(model, budget=KVBudget(max_num_seqs=2), compile="off")
     assert build_target_drafter(EngineConfig(draft="ngram"), static) is None
     drafter = build_target_drafter(EngineConfig(draft="self:2"), static)
-    assert isinstance(drafter, EarlyExitDrafter) and drafter.num_layers == 2
+    assert isinstance(drafter, EarlyExitDrafter) and drafter.exit_layers == 2
     with pytest.raises(ValueError, match="num_hidden_layers"):
         build_target_drafter(EngineConfig(draft="self:3"), static)
+    skipping = build_target_drafter(EngineConfig(draft="self:skip:1-1"), static)
+    assert skipping.exit_layers == (0, 2) and skipping.name == "self:skip:1-1"
+    with pytest.raises(ValueError, match="keeps the first and the last"):
+        build_target_drafter(EngineConfig(draft="self:skip:1-2"), static)
+    with pytest.raises(ValueError, match="self:skip:A-B"):
+        build_target_drafter(EngineConfig(draft="self:skip:2"), static)
     with pytest.raises(ValueError, match="static runner"):
         build_target_drafter(EngineConfig(draft="self:1"), ModelRunner(model))
     auto = build_target_drafter(EngineConfig(draft="self", num_speculative_tokens=2), static)
-    assert 1 <= auto.num_layers < 3 and static.num_live == 0, "L chosen by measurement, its slots freed"
+    assert auto.exit_layers in (1, 2) and static.num_live == 0, "chosen by measurement, its slots freed"
 
 
 def test_nothing_outside_the_factory_branches_on_the_draft_method():

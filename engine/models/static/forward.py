@@ -252,7 +252,7 @@ class StaticLlama(nn.Module):
         first_slot: int,
         kv_len: int,  # keys read per row: >= max(starts) + W over the rows whose outputs are used
         last_only: bool = False,  # logits of the last position only (a prefill chunk)
-        num_layers: int | None = None,  # the first layers only, then the final norm and LM head (an early exit)
+        num_layers: int | Sequence[int] | None = None,  # the first layers (an early exit), or these layer ids
         depths: torch.Tensor | None = None,  # [B, W] int64: a tree step's (engine/spec/tree.py); None: a chain
         ancestors: torch.Tensor | None = None,  # [B, W] int64 bitmasks: the step's tokens each one sees
     ) -> torch.Tensor:  # [B, W or 1, V] float32
@@ -304,12 +304,17 @@ class StaticLlama(nn.Module):
         self.slot_caches = (*getattr(self, "slot_caches", ()), name)
 
     def _layers(self, tokens: torch.Tensor,  # [B, W] int64
-                ops: LayerOps, last_only: bool, num_layers: int | None = None
+                ops: LayerOps, last_only: bool, num_layers: int | Sequence[int] | None = None
                 ) -> torch.Tensor:  # [B, W or 1, V] float32
-        """Every layer, or the first `num_layers` (an early exit: only their keys and values are written), then the
-        final norm and the LM head."""
+        """Every layer, or the first `num_layers` (an early exit: only their keys and values are written), or the
+        layers a tuple of ids names, in order (the others skipped, as Draft & Verify's self-speculation skips middle
+        layers: Zhang et al. 2023, arXiv 2309.08168), then the final norm and the LM head."""
         batch, width = tokens.shape
-        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        if num_layers is None:
+            ids = range(len(self.layers))
+        else:
+            ids = range(num_layers) if isinstance(num_layers, int) else tuple(num_layers)
+        layers = [self.layers[i] for i in ids]
         hidden = F.embedding(tokens, self.embed) if self.shard is None else embed(tokens, self.embed, self.shard)
         hidden = hidden.to(self.dtype)  # [B, W, H]: bf16 weights beside fp32 activations are widened here
         if self.embed_scale is not None:
@@ -320,11 +325,11 @@ class StaticLlama(nn.Module):
         step = width <= STEP_MAX_WIDTH
         aux_layers = getattr(self, "aux_layers", ()) if num_layers is None else ()
         aux = {}
-        x = ops.norm(hidden, self.layers[0].input_norm)
-        for index, layer in enumerate(layers):
+        x = ops.norm(hidden, layers[0].input_norm)
+        for index, (layer_id, layer) in enumerate(zip(ids, layers)):
             if index in aux_layers:
                 aux[index] = hidden.clone()  # add_norm may update the residual stream in place
-            k_cache, v_cache = getattr(self, f"k_cache_{index}"), getattr(self, f"v_cache_{index}")
+            k_cache, v_cache = getattr(self, f"k_cache_{layer_id}"), getattr(self, f"v_cache_{layer_id}")
             q = ops.rope_to_cache(layer.qkv(x, step), k_cache, v_cache)  # [B, H, W, D]
             attn = ops.attention(q, k_cache, v_cache)
             attn = attn.transpose(1, 2).reshape(batch, width, -1)

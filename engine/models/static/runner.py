@@ -307,7 +307,7 @@ class StaticRunner(SlotTableAccess):
 
     # ---- start-up -------------------------------------------------------------------------------------------
     def warm_up(self, max_k: int, progress: Callable[[str], None] | None = None,
-                exit_layers: int | None = None) -> int:
+                exit_layers: int | tuple[int, ...] | None = None) -> int:
         """Capture or compile every step shape the serving loop uses (engine/models/static/warm_up.py); the number
         of shapes."""
         return warm_up(self, max_k, progress, exit_layers)

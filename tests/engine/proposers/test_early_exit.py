@@ -10,6 +10,9 @@ from engine.proposers.early_exit import (
     EarlyExitDrafter,
     choose_exit_layer,
     exit_agreement,
+    layer_set_candidates,
+    layer_set_name,
+    skip_block,
     target_text,
 )
 from tests.conftest import make_tiny_model, third_token_marginals, total_variation_bound
@@ -108,3 +111,61 @@ def test_the_exit_with_the_most_tokens_per_second_is_chosen():
     assert choose_exit_layer({1: 0.1, 4: 0.9}, {1: 0.1, 4: 5.0}, verify, 3)[0] == 1
     layers, k = choose_exit_layer({2: 1.0}, {2: 0.01}, verify, 3)
     assert (layers, k) == (2, 3), "perfect agreement at a small cost: the longest K"
+
+
+def middle_passthrough_model():
+    """Four layers whose middle two add nothing to the residual: skipping them is the whole model, while the exit
+    after as many layers (the first two) is not."""
+    model = make_tiny_model("llama", seed=0, layers=4)
+    with torch.no_grad():
+        for layer in model.model.layers[1:3]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+def test_a_skipped_middle_block_drafts_exactly_and_its_exact_skip_is_always_accepted(tiny_tokenizer):
+    """Draft & Verify's self-speculation: the layers but a skipped middle block draft, over the same KV cache."""
+    model = middle_passthrough_model()
+    skipping = engine(model, tiny_tokenizer, skip_block(4, 1, 2))
+    exiting = engine(model, tiny_tokenizer, 2)
+    plain = engine(model, tiny_tokenizer, None).generate(PROMPTS, GREEDY)
+    for spec_engine in (skipping, exiting):
+        assert [c.token_ids for c in spec_engine.generate(PROMPTS, GREEDY)] == [c.token_ids for c in plain]
+    assert skipping.stats.num_drafts > 0 and skipping.stats.acceptance_rate == 1.0
+    assert exiting.stats.acceptance_rate < 1.0, "the exit with as many layers is not the model"
+    assert skipping.verifier.drafter.name == "self:skip:1-2"
+
+
+def test_a_layer_set_step_equals_the_model_without_those_layers():
+    """The step through a layer set is the whole forward of the model with the skipped layers removed."""
+    import copy
+
+    model = make_tiny_model("llama", seed=3, layers=4)
+    reduced = copy.deepcopy(model)
+    reduced.model.layers = torch.nn.ModuleList([reduced.model.layers[i] for i in (0, 3)])
+    for index, layer in enumerate(reduced.model.layers):
+        layer.self_attn.layer_idx = index
+    reduced.config.num_hidden_layers = 2
+    prompt = [5, 9, 2, 7, 11, 3]
+    runner = StaticRunner(model, budget=KVBudget(max_num_seqs=2), compile="off", prefill_chunk=16)
+    runner.add("a")
+    ids = torch.tensor([prompt])
+    starts = torch.zeros(1, dtype=torch.long)
+    slot = runner._seqs["a"].slot
+    with torch.inference_mode():
+        skipped = runner.model.forward(ids, starts, slot, runner._kv_len(len(prompt)), num_layers=(0, 3))
+        expected = reduced(ids).logits.float()
+    torch.testing.assert_close(skipped, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_self_candidates_include_skipped_middle_blocks_and_names_read_back():
+    candidates = layer_set_candidates(30)
+    assert 15 in candidates and skip_block(30, 7, 21) in candidates  # 15 layers: the first 7 and the last 8
+    assert len(skip_block(30, 7, 21)) == 15
+    assert all(len(c) < 30 for c in candidates if isinstance(c, tuple))
+    assert layer_set_name(skip_block(30, 7, 14)) == "skip:7-14" and layer_set_name(4) == "4"
+    with pytest.raises(ValueError, match="keeps the first and the last"):
+        skip_block(30, 0, 5)
+    with pytest.raises(ValueError, match="keeps the first and the last"):
+        skip_block(30, 10, 29)
