@@ -16,9 +16,8 @@ from engine.proposers.early_exit import (
     target_text,
 )
 from tests.conftest import make_tiny_model, third_token_marginals, total_variation_bound
+from tests.engine.proposers.target_prompts import GREEDY, PROMPTS
 
-PROMPTS = [[2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 20, 21, 22, 20, 21]]
-GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
 def passthrough_model(vocab: int | None = None, seed: int = 0):

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from engine import SamplingParams, SpeculativeEngine
+from engine import SpeculativeEngine
 from engine.models.kv_budget import KVBudget
 from engine.models.static.runner import StaticRunner
 from engine.proposers.medusa import (
@@ -17,9 +17,8 @@ from engine.proposers.medusa import (
 )
 from engine.spec.target_drafts import DraftFrom
 from tests.conftest import make_tiny_model
+from tests.engine.proposers.target_prompts import GREEDY, PROMPTS
 
-PROMPTS = [[2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 20, 21, 22, 20, 21]]
-GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 HIDDEN = 64
 
 
