@@ -328,13 +328,13 @@ def test_a_tp_target_runs_the_runner_its_config_names(tiny_model_dirs):
     core = TargetWorkerCore(config.engine_config(), 0, 2)
     warmed = []
     real = target.warm_up
-    target.warm_up = lambda runner, k, what: warmed.append((runner, k, what)) or real(runner, k, what)
+    target.warm_up = lambda runner, k, what, *drafter: warmed.append((runner, k, what, *drafter)) or real(runner, k, what)
     try:
         core.load()
     finally:
         target.warm_up = real
     # a rank warms its runner up at load (the static runner captures its CUDA graphs there, every rank alike)
-    assert warmed == [(core.runner, config.speculation.num_speculative_tokens, "target")]
+    assert warmed == [(core.runner, config.speculation.num_speculative_tokens, "target", None)]  # no drafter
     assert isinstance(core.runner, ModelRunner) and core.stats()["runner"] == "ModelRunner"
     assert core.stats()["parameters"] < 0.55 * core.stats()["full_parameters"]
     with pytest.raises(ValidationError, match="runner.compile: on is not supported with tp_size 2 on CPU"):
