@@ -328,7 +328,8 @@ def test_a_tp_target_runs_the_runner_its_config_names(tiny_model_dirs):
     core = TargetWorkerCore(config.engine_config(), 0, 2)
     warmed = []
     real = target.warm_up
-    target.warm_up = lambda runner, k, what, *drafter: warmed.append((runner, k, what, *drafter)) or real(runner, k, what)
+    target.warm_up = lambda runner, k, what, *drafter: (warmed.append((runner, k, what, *drafter))
+                                                        or real(runner, k, what))
     try:
         core.load()
     finally:
