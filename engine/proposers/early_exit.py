@@ -141,19 +141,23 @@ def layer_set_name(layers: LayerSet) -> str:
     return f"skip:{skipped[0]}-{skipped[-1]}"
 
 
-def layer_set_candidates(total: int) -> list[LayerSet]:
-    """What `draft: self` measures at start: exits after about 1/8 .. 6/8 of the layers, and for each such count of 4
-    or more a set running the same number of layers with a middle block skipped (the first half of them and the last
-    half: on the embedded 135M this layout agreed most with the whole model among the middle-skipping sets measured,
-    and more than the exit with as many layers at 16 and 24 layers: bench/RESULTS.md)."""
+def layer_set_candidates(total: int, skips: bool = False) -> list[LayerSet]:
+    """What `draft: self` measures at start: exits after about 1/8 .. 6/8 of the layers; with `skips`, also for each
+    such count of 4 or more a set running as many layers with a middle block skipped (the first half of them and the
+    last half: on the embedded 135M the middle-skipping layout that agreed most with the whole model, and more than
+    the exit with as many layers at 16 and 24 layers: bench/RESULTS.md). `self` measures exits only: with the skips
+    it chose one whose drafting served 0.91x plain at one stream, as drafting rounds give up decode-ahead's overlap,
+    which the round plan does not count yet (bench/RESULTS.md); `self:skip:A-B` runs one when asked."""
     exits = sorted({max(1, min(total - 1, round(total * f / 8))) for f in range(1, 7)})
-    skips = [skip_block(total, kept // 2, total - 1 - (kept - kept // 2)) for kept in exits
-             if kept >= 4 and kept // 2 <= total - 1 - (kept - kept // 2)]
-    return [*exits, *skips]
+    if not skips:
+        return list(exits)
+    blocks = [skip_block(total, kept // 2, total - 1 - (kept - kept // 2)) for kept in exits
+              if kept >= 4 and kept // 2 <= total - 1 - (kept - kept // 2)]
+    return [*exits, *blocks]
 
 
 def auto_exit_layer(runner, tokenizer, max_k: int, agree: Callable[[int], int] | None = None) -> LayerSet:
-    """`draft: self`'s layers, chosen at start-up (`choose_exit_layer`): each candidate's (`layer_set_candidates`)
+    """`draft: self`'s layers, chosen at start-up (`choose_exit_layer`): each candidate exit's (`layer_set_candidates`)
     agreement with the full model over the target's own answer to a shipped prompt (engine/training/prompts.jsonl),
     against its measured step and the measured verify passes. `agree` maps this process's choice (an index into the
     candidates) to the one to take (tensor parallelism: rank 0's). Logged as a table."""

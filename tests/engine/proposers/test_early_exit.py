@@ -158,8 +158,9 @@ def test_a_layer_set_step_equals_the_model_without_those_layers():
     torch.testing.assert_close(skipped, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_self_candidates_include_skipped_middle_blocks_and_names_read_back():
-    candidates = layer_set_candidates(30)
+def test_self_candidates_include_skipped_middle_blocks_when_asked_and_names_read_back():
+    assert layer_set_candidates(30) == [4, 8, 11, 15, 19, 22], "`self` measures the exits"
+    candidates = layer_set_candidates(30, skips=True)
     assert 15 in candidates and skip_block(30, 7, 21) in candidates  # 15 layers: the first 7 and the last 8
     assert len(skip_block(30, 7, 21)) == 15
     assert all(len(c) < 30 for c in candidates if isinstance(c, tuple))
