@@ -15,7 +15,7 @@ DEV_ROUTES = ("/pause", "/resume", "/is_paused")
 
 
 def add_dev_routes(app: FastAPI, router) -> None:
-    """The pause routes over `router.scheduler` (deployments/router/scheduler.Scheduler.pause)."""
+    """The pause routes over `router.scheduler` (deployments/router/scheduler.Scheduler.pause, deployments/router/pause.py)."""
     scheduler = router.scheduler
 
     @app.post("/pause")
@@ -33,4 +33,4 @@ def add_dev_routes(app: FastAPI, router) -> None:
 
     @app.get("/is_paused")
     async def is_paused():
-        return {"is_paused": scheduler.paused}
+        return {"is_paused": scheduler.gate.paused}

@@ -31,6 +31,7 @@ from deployments.errors import ReplicaGone, RequestFailed
 from deployments.metrics import observe
 from deployments.router.admission import Admission, AdmissionSlot
 from deployments.router.live import LeaseBroker, LiveRequest
+from deployments.router.pause import RoundGate
 from deployments.router.recovery import Recovery
 from deployments.router.round import GroupRound, ended
 from deployments.router.round_costs import RoundCosts
@@ -120,9 +121,7 @@ class Scheduler:
         self.space = self.admission.space  # requests waiting for a free KV-cache slot
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._resumed = asyncio.Event()  # cleared while paused (`pause`): no round starts
-        self._resumed.set()
-        self._round_lock = asyncio.Lock()  # held by the round in flight, so `pause` can wait for it to come back
+        self.gate = RoundGate()  # pausing (`pause`): no round starts
         self._ids = itertools.count()
         self.costs = RoundCosts(config.adaptive, config.draft.remote, config.profile)
         # acceptance over all requests: a new request's prior, so it starts where its predecessors ended
@@ -245,54 +244,37 @@ class Scheduler:
 
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
-            # fresh ones: the last loop's may be bound to a loop that is gone (a pause carries over)
-            self._wakeup, resumed, self._round_lock = asyncio.Event(), asyncio.Event(), asyncio.Lock()
-            if not self.paused:
-                resumed.set()
-            self._resumed = resumed
+            self._wakeup = asyncio.Event()  # a fresh one: the last loop's may be bound to a loop that is gone
+            self.gate.renew()
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     # ---- pausing --------------------------------------------------------------------------------------------
-    @property
-    def paused(self) -> bool:
-        return not self._resumed.is_set()
-
     async def pause(self) -> None:
-        """Stop running rounds, keeping every request (vLLM's `pause_generation(mode="keep")`): returns once the round
-        in flight, if any, has come back, so from then until `resume` no round's call leaves this router (a draft drafted
-        ahead with `overlap` may still be on its way back, and a dead replica's replacement still leases). Live
-        requests stay live and new ones are admitted; none advances until `resume`. Tests and operators use it to act
-        between two rounds of a request (deployments/api/dev_routes.py)."""
-        self._resumed.clear()
-        async with self._round_lock:
-            pass
+        """Stop running rounds, keeping every request (new ones are admitted and wait), once the round in flight is
+        back (deployments/router/pause.py; a draft drafted ahead with `overlap` may still be on its way back)."""
+        await self.gate.pause()
 
     def resume(self) -> None:
         """Run rounds again after `pause`; the kept requests continue where they stopped."""
-        self._resumed.set()
+        self.gate.resume()
         self._wakeup.set()
 
     # ---- rounds ---------------------------------------------------------------------------------------------
     async def _run(self) -> None:
         while True:
-            if self.paused:
-                observe(self.metrics.load, len(self._live), self.admission.waiting, 0.0)
-                try:  # refresh the load gauges while paused, as while idle
-                    await asyncio.wait_for(self._resumed.wait(), GAUGE_REFRESH_S)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            if not any(not live.reletting for live in self._live.values()):  # nothing can run a round now
+            # paused, or nothing can run a round now
+            if self.gate.paused or not any(not live.reletting for live in self._live.values()):
                 observe(self.metrics.load, len(self._live), self.admission.waiting, 0.0)
                 self._wakeup.clear()
-                try:  # Ray ages out a gauge that is not set again within ~2 export intervals: refresh while idle
-                    await asyncio.wait_for(self._wakeup.wait(), GAUGE_REFRESH_S)
+                try:  # Ray ages out a gauge that is not set again within ~2 export intervals: refresh while waiting
+                    await asyncio.wait_for(self.gate.resumed() if self.gate.paused else self._wakeup.wait(),
+                                           GAUGE_REFRESH_S)
                 except asyncio.TimeoutError:
                     pass
                 continue
             try:
-                async with self._round_lock:
-                    if not self.paused:  # `pause` may have come while this loop waited for the lock
+                async with self.gate.round() as open_:
+                    if open_:
                         await self._round()
             except Exception as exc:  # a bug must not leave requests hanging: fail them all, keep serving
                 logger.exception("speculative round failed")

@@ -36,7 +36,7 @@ def test_a_paused_router_runs_no_round_and_its_requests_finish_unchanged_after_r
                 text += json.loads(line[6:])["choices"][0]["text"]
                 if paused is None:
                     pausing = pool.submit(httpx.post, f"{base}/pause", timeout=60)
-                    until(lambda: router.scheduler.paused, "/pause reaching the scheduler")
+                    until(lambda: router.scheduler.gate.paused, "/pause reaching the scheduler")
                     rounds.release()  # the round in flight comes back; /pause answers after it
                     paused = pausing.result(timeout=60)
                     passed = rounds.passed
@@ -53,7 +53,7 @@ def test_a_paused_router_runs_no_round_and_its_requests_finish_unchanged_after_r
     reference = plain_reference(tiny_model_dirs, PROMPT_IDS, 24)
     assert text == reference
     assert second.status_code == 200 and second.json()["choices"][0]["text"] == reference
-    assert not router.scheduler.paused
+    assert not router.scheduler.gate.paused
 
 
 def test_pause_modes_other_than_keep_are_refused_by_name(tiny_model_dirs):
@@ -65,7 +65,7 @@ def test_pause_modes_other_than_keep_are_refused_by_name(tiny_model_dirs):
 
     refused = asyncio.run(go())
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "mode"
-    assert not router.scheduler.paused
+    assert not router.scheduler.gate.paused
 
 
 def test_the_dev_routes_are_absent_unless_configured_and_behind_the_api_key(tiny_model_dirs, monkeypatch):
@@ -84,6 +84,6 @@ def test_the_dev_routes_are_absent_unless_configured_and_behind_the_api_key(tiny
         return absent, none, right
 
     absent, none, right = asyncio.run(go())
-    assert absent.status_code == 404 and not plain.scheduler.paused
+    assert absent.status_code == 404 and not plain.scheduler.gate.paused
     assert none.status_code == 401 and right.status_code == 200
-    assert not keyed.scheduler.paused
+    assert not keyed.scheduler.gate.paused
