@@ -33,10 +33,9 @@ class ModelSection(StrictModel):
                                                   "computes it natively (CUDA, a CPU with avx512_bf16 or AMX), else "
                                                   "float32")
     draft: str = Field("ngram", description="'ngram' (n-gram prompt lookup, no draft model), 'none', 'self' (the "
-                                            "target's own layers draft inside the target worker: its first L, "
-                                            "chosen at start) or 'self:L', "
-                                            "'self:skip:A-B' (layers A..B skipped), 'medusa:DIR' (Medusa heads' "
-                                            "checkpoint, inside the "
+                                            "target's first L layers draft inside the target worker, L chosen at "
+                                            "start) or 'self:L', 'self:skip:A-B' (all layers but A..B draft), "
+                                            "'medusa:DIR' (Medusa heads' checkpoint, inside the "
                                             "target worker), 'eagle3:DIR' (an EAGLE-3 head, speculators' or EAGLE's "
                                             "format, inside the target worker), or a draft model source (alias, "
                                             ".gguf, HF directory or cached id)")

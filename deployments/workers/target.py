@@ -172,8 +172,12 @@ class TargetWorkerCore(ModelWorker):
                 peer.send(method, *args)
             return run(*args)
         except (CollectiveError, ChannelClosed) as exc:
-            self.broken = f"tensor-parallel rank {self.rank} of {self.world}: {exc}"
-            raise TensorParallelBroken(self.broken) from exc
+            raise TensorParallelBroken(self._break(exc)) from exc
+
+    def _break(self, exc: Exception) -> str:
+        """Mark this rank's group broken by `exc` (a failed collective or peer channel); why."""
+        self.broken = f"tensor-parallel rank {self.rank} of {self.world}: {exc}"
+        return self.broken
 
     # ---- the round ------------------------------------------------------------------------------------------
     def verify(self, calls: list[tuple]) -> tuple | None:
@@ -240,7 +244,7 @@ class TargetWorkerCore(ModelWorker):
             with self.busy:
                 draft()
         except (CollectiveError, ChannelClosed) as exc:
-            self.broken = f"tensor-parallel rank {self.rank} of {self.world}: {exc}"
+            self._break(exc)
 
     def _timed_ahead(self, calls: list[tuple]) -> None:
         with self.busy:

@@ -145,15 +145,14 @@ def layer_set_candidates(total: int, skips: bool = False) -> list[LayerSet]:
     """What `draft: self` measures at start: exits after about 1/8 .. 6/8 of the layers; with `skips`, also for each
     such count of 4 or more a set running as many layers with a middle block skipped (the first half of them and the
     last half: on the embedded 135M the middle-skipping layout that agreed most with the whole model, and more than
-    the exit with as many layers at 16 and 24 layers: bench/RESULTS.md). `self` measures exits only: with the skips
-    it chose one whose drafting served 0.91x plain at one stream, as drafting rounds give up decode-ahead's overlap,
-    which the round plan does not count yet (bench/RESULTS.md); `self:skip:A-B` runs one when asked."""
+    the exit with as many layers at 16 and 24 layers: bench/RESULTS.md). `self` measures exits only: chosen with the
+    skips, a skip drafted in rounds that gave up decode-ahead's overlap, which the round plan does not count yet, and
+    served below plain (bench/RESULTS.md); `self:skip:A-B` runs one when asked."""
     exits = sorted({max(1, min(total - 1, round(total * f / 8))) for f in range(1, 7)})
     if not skips:
-        return list(exits)
-    blocks = [skip_block(total, kept // 2, total - 1 - (kept - kept // 2)) for kept in exits
-              if kept >= 4 and kept // 2 <= total - 1 - (kept - kept // 2)]
-    return [*exits, *blocks]
+        return exits
+    # an exit count is below `total`, so the block kept // 2 .. total - 1 - (kept - kept // 2) is never empty
+    return [*exits, *(skip_block(total, kept // 2, total - 1 - (kept - kept // 2)) for kept in exits if kept >= 4)]
 
 
 def auto_exit_layer(runner, tokenizer, max_k: int, agree: Callable[[int], int] | None = None) -> LayerSet:

@@ -191,11 +191,11 @@ class MedusaDrafter:
                       for head in heads.heads]
         self.vocab_ids = None if config.draft_vocab is None else torch.tensor(config.draft_vocab)
         self.lm_head = model.lm_head if config.shared_lm_head else None
-        if config.shared_lm_head and self.vocab_ids is not None and model.shard is not None:
-            raise MedusaError("Medusa heads with shared_lm_head and a draft_vocab read rows of the target's LM head, "
-                              "which a tensor-parallel rank holds a slice of: use tp_size 1 or heads without "
-                              "draft_vocab")
         if config.shared_lm_head and self.vocab_ids is not None:  # the target's LM head, its draft vocabulary's rows
+            if model.shard is not None:
+                raise MedusaError("Medusa heads with shared_lm_head and a draft_vocab read rows of the target's LM "
+                                  "head, which a tensor-parallel rank holds a slice of: use tp_size 1 or heads "
+                                  "without draft_vocab")
             rows = nn.Linear(config.hidden_size, len(config.draft_vocab), bias=False)
             rows.weight = nn.Parameter(model.lm_head.rows(self.vocab_ids.to(model.device)), requires_grad=False)
             self.lm_head = Projection([rows], dtype, weight_dtype=weight_dtype)

@@ -15,23 +15,11 @@ from engine.models.static.steps import bucket
 LayerSet = int | tuple[int, ...]
 
 
-def check_layer_set(layers: LayerSet, total: int) -> None:
-    """A ValueError unless `layers` runs at least one and fewer than all of `total` layers, ids ascending."""
-    if isinstance(layers, int):
-        if not 1 <= layers < total:
-            raise ValueError(f"an early exit runs 1 to {total - 1} of {total} layers, not {layers}")
-        return
-    if not layers or list(layers) != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= total \
-            or len(layers) >= total:
-        raise ValueError(f"a layer set names some of the {total} layers once each, ascending: {list(layers)}")
-
-
 @torch.inference_mode()
 def early_exit_step(runner: StaticRunner, seq_ids: Sequence[str], tokens: Sequence[int], starts: Sequence[int],
                     num_layers: LayerSet) -> torch.Tensor:  # [B, V] float32
     """Row b's token `tokens[b]` at position `starts[b]` through the first `num_layers` layers (or a LayerSet's ids),
-    the final norm
-    and the LM head (LayerSkip's early exit, arXiv 2404.16710): those layers' keys and values are written at that
+    the final norm and the LM head (LayerSkip's early exit, arXiv 2404.16710): those layers' keys and values are written at that
     position, and nothing is recorded, so the sequence's cached tokens stay as they were; the verify pass that
     follows rewrites those positions through every layer (engine/proposers/early_exit.py). Every row's start must
     be at or past its cached tokens."""

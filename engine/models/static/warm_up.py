@@ -10,7 +10,8 @@ import torch
 from engine.models.static.steps import bucket
 
 
-def warm_up(runner, max_k: int, progress: Callable[[str], None] | None = None, exit_layers: int | tuple[int, ...] | None = None) -> int:
+def warm_up(runner, max_k: int, progress: Callable[[str], None] | None = None,
+            exit_layers: int | tuple[int, ...] | None = None) -> int:
     """Capture (CUDA graphs) or compile (inductor, or load from its cache) every step shape the serving loop
     uses: each batch bucket at width 1 and K+1 (CUDA graphs: every width bucket up to K+1's, as rounds whose
     rows draft fewer tokens are narrower), and under inductor each prefill chunk bucket. Returns the number of
