@@ -95,6 +95,7 @@ class RoundResult:
     verify_seconds: float  # from there to the verify's answer
     draft_compute: float  # the draft workers' own compute
     verify_compute: float  # the target worker's own compute
+    delivery_seconds: float = 0.0  # from the answer to the outputs delivered (and drafts made ahead settled)
 
 
 def ended(out: RequestOutput | RequestFailed) -> bool:
@@ -131,10 +132,15 @@ class GroupRound:
         The batch the costs are taken at counts the `joining` requests (admitted, taking their leases): they join
         the next round, and a draft started now (its prefill first) would pay only at the batch size they make.
         """
-        profile = self.costs.policy_profile(self.group_draft(rows), rows[0].target)
-        # a draft model reads the tokens its worker lacks first (all of them before the first Draft lease)
-        return plan_rows(profile, rows, [live.seq.k if self._may_draft(live) else 0 for live in rows],
-                         self.config.draft.remote, len(rows) + joining, live_now, self.config.max_batch_for_speculation)
+        draft, target = self.group_draft(rows), rows[0].target
+        profile = self.costs.policy_profile(draft, target)
+        sample = self.config.decode_ahead and self.costs.plain_sample(draft, target) > 0
+        # a draft model reads the tokens its worker lacks first (all of them before the first Draft lease); in a
+        # plain sample (round_costs.py) only the rows that pinned their K draft
+        caps = [live.seq.k if self._may_draft(live) and not (sample and not live.options.fixed) else 0
+                for live in rows]
+        return plan_rows(profile, rows, caps, self.config.draft.remote, len(rows) + joining, live_now,
+                         self.config.max_batch_for_speculation)
 
     def _may_draft(self, live: LiveRequest) -> bool:
         if not self.config.draft.remote or live.draft is not None:
@@ -176,8 +182,9 @@ class GroupRound:
             t1 = time.perf_counter()
         chained = verified is not None
         if verified is None:
+            sample_ends = self.costs.plain_sample(self.group_draft(rows), target) == 1
             calls = [VerifyCall(live.delta(live.target_sent), drafts.tokens[b], drafts.proposals.get(b),
-                                self._decodes_ahead(live, ks[b]), ks[b] if self.in_target else 0,
+                                self._decodes_ahead(live, ks[b], sample_ends), ks[b] if self.in_target else 0,
                                 list(drafts.trees[b].parents) if b in drafts.trees else None,
                                 trees[b] if self.in_target else 0)
                      for b, live in enumerate(rows)]
@@ -213,8 +220,8 @@ class GroupRound:
         await self._deliver(rows, outputs)
         await self.ahead.settle(aheads, rows, drafts.tokens, accepted, [ended(out) for out in outputs])
         result = RoundResult(drafts.tokens, outputs, accepted, chained, t1 - t0, t2 - t1, drafts.compute_seconds,
-                             verified.seconds)
-        self._record(rows, result, time.perf_counter() - t2)
+                             verified.seconds, time.perf_counter() - t2)
+        self._record(rows, result)
         return result
 
     def plan_trees(self, rows: list[LiveRequest], ks: list[int]) -> list[int]:
@@ -284,7 +291,7 @@ class GroupRound:
         drafts.take(rows, members, calls, result.draft)
         return result
 
-    def _decodes_ahead(self, live: LiveRequest, k: int) -> bool:
+    def _decodes_ahead(self, live: LiveRequest, k: int, sample_ends: bool = False) -> bool:
         """Whether the target may decode the row's next token ahead (deployments/workers/decode_ahead.py): the row drafts
         nothing this round, has no grammar or prompt tokens to score, and goes on after this round.
 
@@ -292,10 +299,11 @@ class GroupRound:
         not pay at this load). The next round, at about the same batch, is planned alike, so the guess that it is
         plain again holds but where the load changes, or where the next round is the row's first chance to probe its
         drafts again (engine/spec/policy.PROBE_EVERY): that round is not guessed (a probe not taken then waits for a
-        lighter load). A wrong guess costs the target worker one step (dropped; the row's cache rolls back); a right
-        one hides the router's hop behind the device's step, on a GPU what a round without drafts costs beyond plain
-        decoding (bench/RESULTS.md, the first H100 runs of the graph runner)."""
-        plain_next = live.seq.k == 0 or live.tracker.rounds_without_drafts + 1 != PROBE_EVERY
+        lighter load), nor is the round after the last of a plain sample (`sample_ends`: round_costs.py). A wrong
+        guess costs the target worker one step (dropped; the row's cache rolls back); a right one hides the router's
+        hop behind the device's step, on a GPU what a round without drafts costs beyond plain decoding
+        (bench/RESULTS.md, the first H100 runs of the graph runner)."""
+        plain_next = live.seq.k == 0 or (live.tracker.rounds_without_drafts + 1 != PROBE_EVERY and not sample_ends)
         return (self.config.decode_ahead and k == 0 and plain_next and live.seq.params.grammar is None
                 and not live.seq.wants_prompt_logprobs() and live.seq.remaining() > 1)
 
@@ -326,15 +334,19 @@ class GroupRound:
             accepted.append(verdict.num_accepted)
         return outputs, accepted
 
-    def _record(self, rows: list[LiveRequest], result: RoundResult, delivery_seconds: float) -> None:
+    def _record(self, rows: list[LiveRequest], result: RoundResult) -> None:
         """The round's timings into the scheduler's statistics, the costs' overhead correction and the metrics."""
-        self.stats.timings.record(len(rows), result.draft_seconds, result.verify_seconds, delivery_seconds)
-        # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops
-        # (never below 0: a step decoded ahead computed while the router worked, deployments/workers/decode_ahead.py)
-        orchestration = max(0.0, (result.draft_seconds + result.verify_seconds) - result.draft_compute
-                            - result.verify_compute)
+        self.stats.timings.record(len(rows), result.draft_seconds, result.verify_seconds, result.delivery_seconds)
+        beyond_compute = (result.draft_seconds + result.verify_seconds - result.draft_compute
+                          - result.verify_compute)
+        # the round's critical path minus the workers' own compute: RPC, serialization, event-loop hops (never below
+        # 0 here: a step decoded ahead computed while the router worked, deployments/workers/decode_ahead.py)
+        orchestration = max(0.0, beyond_compute)
         self.stats.orchestration_seconds += orchestration
-        self.costs.observe_overhead(self.group_draft(rows), rows[0].target, orchestration,
+        # the plan's overhead counts the delivery too, and the credit a step decoded ahead gives: what the round
+        # really cost beyond its compute, the figure drafting is weighed against (engine/spec/policy.CostCorrection)
+        self.costs.observe_overhead(self.group_draft(rows), rows[0].target,
+                                    beyond_compute + result.delivery_seconds,
                                     drafted=any(len(d) for d in result.drafts))
         observe(self.metrics.round, [len(d) for d in result.drafts], result.accepted, result.draft_seconds,
                 result.verify_seconds, orchestration)

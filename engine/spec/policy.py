@@ -27,6 +27,7 @@ PRIOR_ACCEPTANCE = 0.7  # a new request's assumed per-token acceptance (pulls th
 PRIOR_WEIGHT = 2.0  # in draft tokens: how quickly observations outweigh the prior
 DECAY = 0.8  # per round: the weight of older rounds (about the last 5 rounds count)
 PROBE_EVERY = 8  # rounds at K = 0 before a request asks for a probing round with K = 1 (engine/spec/plan.py decides)
+MIN_ROUND_SHARE = 0.1  # the least share of its verify pass a round costs, whatever overhead credit it was given
 CORRECTION_WEIGHT = 0.1  # weight of one round's observed/predicted cost ratio once a few rounds are in
 
 
@@ -134,10 +135,15 @@ class CostProfile:
         return max(self._at_batch(list(self.tree_draft_seconds), batch), self.draft(batch, k))
 
     def round_seconds(self, batch: int, k: int, drafting: int | None = None) -> float:
-        """One round of `batch` sequences verified at width k+1, of which `drafting` (default: all) draft k tokens."""
+        """One round of `batch` sequences verified at width k+1, of which `drafting` (default: all) draft k tokens.
+
+        The round overhead may be below zero (a plain round's step decoded ahead while the router delivered the round
+        before: `CostCorrection.overhead`); a round never costs less than `MIN_ROUND_SHARE` of its verify pass, so a
+        credit observed at one batch size cannot make a round at a smaller one free."""
         drafting = batch if drafting is None else drafting
         draft = self.draft(drafting, k) + self.draft_overhead_seconds if drafting and k else 0.0
-        return draft + self.verify(batch, k) + self.round_overhead_seconds
+        verify = self.verify(batch, k)
+        return max(draft + verify + self.round_overhead_seconds, MIN_ROUND_SHARE * verify)
 
     # ---- files (written by `specserve-calibrate`, deployments/calibrate.py) ------------------------------------
     def to_json(self, path: str | Path, **meta) -> None:
@@ -197,7 +203,10 @@ class CostCorrection:
     against a decode step than the profile says (measured with ~950-token prompts: bench/RESULTS.md).
     The time outside the workers' compute is likewise kept per kind of round: a round that drafts also pays the
     router's n-gram lookups and the draft call's hops (a small but steady share of a round at one stream), which
-    the profile does not hold; the difference is `draft_overhead_seconds`.
+    the profile does not hold; the difference is `draft_overhead_seconds`. A plain round's may be below zero: where
+    the target decodes a plain row's next token ahead (deployments/workers/decode_ahead.py), the step computes while
+    the router delivers the round before, and the round takes less than its own compute. That credit is what a
+    drafting round gives up (its verify cannot start before its drafts), so it belongs in the comparison.
     """
 
     def __init__(self) -> None:
@@ -227,8 +236,14 @@ class CostCorrection:
 
     @property
     def overhead(self) -> float:
-        """Seconds per round outside the workers' compute: a plain round's (a drafting one's until one is seen)."""
+        """Seconds per round beyond the workers' compute: a plain round's (a drafting one's until one is seen);
+        below zero where plain rounds' steps were decoded ahead."""
         return self._of_kind(self._overhead, False, 0.0)
+
+    @property
+    def seen_plain(self) -> bool:
+        """Whether a plain round's overhead was observed (else `overhead` is a drafting round's)."""
+        return False in self._overhead
 
     @property
     def draft_overhead(self) -> float:
@@ -248,7 +263,9 @@ class CostCorrection:
             self._verify.setdefault(k > 0, _RunningMean(1.0)).add(_clamped_ratio(seconds, predicted))
 
     def observe_overhead(self, seconds: float, drafted: bool = False) -> None:
-        self._overhead.setdefault(drafted, _RunningMean(0.0)).add(max(seconds, 0.0))
+        """A round's seconds beyond the workers' compute (below zero where a step decoded ahead hid its compute);
+        `drafted`: whether any row of it drafted."""
+        self._overhead.setdefault(drafted, _RunningMean(0.0)).add(seconds)
 
     def apply(self, profile: CostProfile) -> CostProfile:
         return profile.scaled(self.draft, self.verify, self.overhead, verify_wide=self.verify_wide,

@@ -4,7 +4,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.router.round_costs import RoundCosts, pair_key
+from deployments.router.round_costs import (
+    PLAIN_SAMPLE_EVERY,
+    PLAIN_SAMPLE_FIRST,
+    PLAIN_SAMPLE_ROUNDS,
+    RoundCosts,
+    pair_key,
+)
 from deployments.transport.messages import CostObservation
 from engine.calibration.measure import profile_from
 
@@ -40,6 +46,40 @@ def test_measured_costs_are_corrected_by_steady_rounds_only():
     other = SimpleNamespace(key="t2", costs=TARGET.costs)  # another pairing keeps its own correction
     assert costs.policy_profile(DRAFT, other) == before and pair_key(DRAFT, other) == ("d1", "t2")
 
+
+
+def test_a_pairing_whose_rounds_all_draft_samples_plain_rounds_to_learn_their_cost():
+    """Only plain rounds show what decoding ahead saves; a pairing that drafts every round runs a few plain ones
+    after PLAIN_SAMPLE_FIRST drafting rounds, then every PLAIN_SAMPLE_EVERY once it has seen some."""
+    costs = RoundCosts(adaptive=True, remote_draft=True)
+
+    def drafting_rounds(n):
+        for _ in range(n):
+            assert costs.plain_sample(DRAFT, TARGET) == 0
+            costs.observe_overhead(DRAFT, TARGET, 0.002, drafted=True)
+
+    def sample():
+        left = []
+        while costs.plain_sample(DRAFT, TARGET):
+            left.append(costs.plain_sample(DRAFT, TARGET))
+            costs.observe_overhead(DRAFT, TARGET, -0.004)  # a plain round, its step decoded ahead
+        return left
+
+    drafting_rounds(PLAIN_SAMPLE_FIRST)
+    assert sample() == list(range(PLAIN_SAMPLE_ROUNDS, 0, -1))  # the last round of a sample is marked 1
+    assert costs.policy_profile(DRAFT, TARGET).round_overhead_seconds == pytest.approx(-0.004)
+    drafting_rounds(PLAIN_SAMPLE_EVERY)
+    assert len(sample()) == PLAIN_SAMPLE_ROUNDS
+    drafting_rounds(PLAIN_SAMPLE_EVERY - 1)
+    costs.observe_overhead(DRAFT, TARGET, 0.001)  # a plain round the plan chose restarts the count
+    drafting_rounds(PLAIN_SAMPLE_EVERY - 1)
+    other = SimpleNamespace(key="t2", costs=TARGET.costs)
+    assert costs.plain_sample(DRAFT, other) == 0  # per pairing
+    given = RoundCosts(adaptive=True, remote_draft=True, calibration=profile_from(BATCHES, [[0.1, 0.2]] * 3,
+                                                                                 [0.05] * 3))
+    for _ in range(PLAIN_SAMPLE_FIRST + 1):
+        given.observe_overhead(DRAFT, TARGET, 0.002, drafted=True)
+    assert given.plain_sample(DRAFT, TARGET) == 0  # a calibration file's costs are taken as given
 
 def test_a_calibration_file_is_taken_as_given_and_no_policy_means_no_costs():
     calibration = profile_from(BATCHES, [[0.1, 0.2]] * 3, [0.05] * 3)

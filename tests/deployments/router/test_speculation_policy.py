@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from deployments.router.round_costs import PLAIN_SAMPLE_FIRST, PLAIN_SAMPLE_ROUNDS
 from deployments.router.router import Router
 from engine import SamplingParams
 from engine.spec.options import SpeculationOptions
@@ -326,3 +327,27 @@ def test_rounds_the_load_leaves_plain_decode_ahead_and_drafting_resumes_exactly(
     ahead = broker.cores["target"].ahead.stats
     assert ahead.used > 0, "plain rounds were answered from steps decoded ahead"
     assert router.scheduler.stats.spec.num_draft_tokens > 0, "the last request drafted once alone"
+
+
+def test_a_request_that_drafts_every_round_samples_plain_rounds_decoded_ahead(tiny_model_dirs):
+    """With costs where drafting always pays, a request's rounds all draft; after PLAIN_SAMPLE_FIRST of them the
+    router runs PLAIN_SAMPLE_ROUNDS plain rounds (deployments/router/round_costs.py), those after the first answered
+    from steps decoded ahead, so the plan learns what a plain round really costs here; the text stays plain
+    decoding's."""
+    from engine.spec.policy import CostProfile
+
+    router, broker = router_for(tiny_model_dirs, adaptive=True, num_speculative_tokens=2)
+    costs, rounds = router.scheduler.round.costs, router.scheduler.round
+    cheap = CostProfile((1, 2), ((0.01, 0.0101, 0.0102),) * 2, (0.0001, 0.0001))  # wide verify and drafts ~free
+    costs.policy_profile = lambda draft, target: cheap  # as planned, whatever the rounds observe
+    planned, plan = [], rounds.plan
+    rounds.plan = lambda rows, joining, live_now: planned.append(plan(rows, joining, live_now)[0]) or [planned[-1]]
+    params = dataclasses.replace(GREEDY, max_tokens=120)
+    [tokens] = run_all(router, [PROMPTS[0]], [params])
+    assert text(router, tokens) == plain_reference(tiny_model_dirs, PROMPTS[0], 120)
+    first = planned.index(0)
+    assert first == PLAIN_SAMPLE_FIRST
+    assert planned[first:first + PLAIN_SAMPLE_ROUNDS + 1] == [0] * PLAIN_SAMPLE_ROUNDS + [2]
+    ahead = broker.cores["target"].ahead.stats
+    assert (ahead.used, ahead.dropped) == (PLAIN_SAMPLE_ROUNDS - 1, 0), "its later rounds ahead; none after it"
+    assert any(correction.seen_plain for correction in costs._corrections.values())

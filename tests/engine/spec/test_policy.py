@@ -10,6 +10,7 @@ from engine.spec.policy import (
     PROBE_EVERY,
     AcceptanceTracker,
     CostCorrection,
+    MIN_ROUND_SHARE,
     CostProfile,
     expected_tokens,
     load_adjusted_k,
@@ -218,6 +219,28 @@ def test_what_a_drafting_round_spends_outside_the_workers_counts_against_draftin
     assert corrected.round_seconds(4, 2, drafting=0) == pytest.approx(profile.verify(4, 2) + correction.overhead)
     assert planned_k(correction.apply(profile), 1, 0.2, 4) == 0 < planned_k(profile, 1, 0.2, 4)
 
+
+
+def test_plain_rounds_decoded_ahead_cost_less_than_their_verify_and_the_plan_weighs_drafting_against_that():
+    """Where the target decodes plain rows ahead, a plain round's step computes while the router delivers the one
+    before: its overhead is a credit (below zero), a drafting round pays its verify in full, and a drafter that pays
+    against the measured verify pass may not pay against plain decoding's real rounds."""
+    base = cpu_like_profile()
+    correction = CostCorrection()
+    for _ in range(20):
+        correction.observe_overhead(-0.030)  # plain rounds: 30 ms of each 40 ms step hidden
+        correction.observe_overhead(0.002, drafted=True)
+    assert correction.overhead == pytest.approx(-0.030, abs=1e-3) and correction.seen_plain
+    assert correction.draft_overhead == pytest.approx(0.032, abs=1e-3)  # what a drafting round gives up
+    corrected = correction.apply(base)
+    assert corrected.round_seconds(1, 0) == pytest.approx(base.verify(1, 0) - 0.030, abs=1e-3)
+    assert corrected.round_seconds(1, 2) == pytest.approx(base.round_seconds(1, 2) + 0.002, abs=1e-3)
+    assert planned_k(corrected, 1, 0.6, 4) == 0 < planned_k(base, 1, 0.6, 4)
+    # a credit never makes a round free: at least MIN_ROUND_SHARE of its verify pass
+    deep = CostCorrection()
+    deep.observe_overhead(-1.0)
+    assert deep.apply(base).round_seconds(1, 0) == pytest.approx(MIN_ROUND_SHARE * base.verify(1, 0))
+    assert not CostCorrection().seen_plain
 
 def test_a_round_costs_drafts_only_for_the_rows_that_draft():
     profile = CostProfile(batch_sizes=(1, 4), verify_seconds=((0.010, 0.012), (0.020, 0.024)),
