@@ -58,7 +58,41 @@ def _parser() -> argparse.ArgumentParser:
     heads.add_argument("--batch-size", type=int, default=None, help="positions (medusa, default 256) or sequences "
                        "(eagle3, default 4) per step")
     heads.add_argument("--lr", type=float, default=1e-3)
+    made = sub.add_parser("make-prompts", help="sample user prompts from the target's own chat turn (Magpie), a "
+                          "prompt file for train-heads --prompts")
+    made.add_argument("--target", default=EngineConfig.target, help="alias, .gguf file, HF dir or cached HF id")
+    made.add_argument("--target-dtype", default="auto")
+    made.add_argument("--out", required=True, help="JSONL file to write, one {'prompt'} per line")
+    made.add_argument("--count", type=int, default=2000)
+    made.add_argument("--seed", type=int, default=0, help="row i samples with seed SEED + i: the same file each run")
+    made.add_argument("--max-tokens", type=int, default=96, help="longest prompt kept (longer ones are dropped)")
+    made.add_argument("--temperature", type=float, default=1.0)
+    made.add_argument("--top-p", type=float, default=1.0)
+    made.add_argument("--chat-template", default=None, help="a Jinja file: the template the server renders with "
+                      "(default: the tokenizer's own)")
+    made.add_argument("--exclude", action="append", default=[],
+                      help="a prompt file whose prompts are never written (the benchmarks' held-out prompts)")
     return parser
+
+
+def make_prompts(args) -> int:
+    """`specserve make-prompts` (engine/training/sampled_prompts.py)."""
+    from pathlib import Path
+
+    from engine.training.prompts import training_prompts
+    from engine.training.sampled_prompts import sample_prompts, write_prompts
+
+    engine = build_engine(EngineConfig(target=args.target, target_dtype=args.target_dtype, draft="none",
+                                       num_speculative_tokens=0))
+    if args.chat_template:
+        engine.tokenizer.chat_template = Path(args.chat_template).read_text()
+    exclude = {m["content"] for path in args.exclude for messages in training_prompts(path) for m in messages
+               if m["role"] == "user"}
+    prompts = sample_prompts(engine, args.count, seed=args.seed, max_tokens=args.max_tokens,
+                             temperature=args.temperature, top_p=args.top_p, exclude=exclude)
+    write_prompts(prompts, args.out)
+    print(f"{len(prompts)} prompts written to {args.out}", file=sys.stderr)
+    return 0 if len(prompts) == args.count else 1
 
 
 def train_heads(args) -> int:
@@ -118,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "train-heads":
         return train_heads(args)
+    if args.command == "make-prompts":
+        return make_prompts(args)
     config = EngineConfig(
         target=args.target, target_dtype=args.target_dtype, draft=args.draft, draft_dtype=args.draft_dtype,
         num_speculative_tokens=args.k,
