@@ -96,6 +96,7 @@ class RoundResult:
     draft_compute: float  # the draft workers' own compute
     verify_compute: float  # the target worker's own compute
     delivery_seconds: float = 0.0  # from the answer to the outputs delivered (and drafts made ahead settled)
+    ahead: bool = False  # every row was answered from a step decoded ahead (deployments/workers/decode_ahead.py)
 
 
 def ended(out: RequestOutput | RequestFailed) -> bool:
@@ -220,7 +221,7 @@ class GroupRound:
         await self._deliver(rows, outputs)
         await self.ahead.settle(aheads, rows, drafts.tokens, accepted, [ended(out) for out in outputs])
         result = RoundResult(drafts.tokens, outputs, accepted, chained, t1 - t0, t2 - t1, drafts.compute_seconds,
-                             verified.seconds, time.perf_counter() - t2)
+                             verified.seconds, time.perf_counter() - t2, verified.ahead_rows == len(rows))
         self._record(rows, result)
         return result
 
@@ -345,9 +346,8 @@ class GroupRound:
         self.stats.orchestration_seconds += orchestration
         # the plan's overhead counts the delivery too, and the credit a step decoded ahead gives: what the round
         # really cost beyond its compute, the figure drafting is weighed against (engine/spec/policy.CostCorrection)
-        self.costs.observe_overhead(self.group_draft(rows), rows[0].target,
-                                    beyond_compute + result.delivery_seconds,
-                                    drafted=any(len(d) for d in result.drafts))
+        self.costs.observe_overhead(self.group_draft(rows), rows[0].target, beyond_compute + result.delivery_seconds,
+                                    drafted=any(len(d) for d in result.drafts), ahead=result.ahead)
         observe(self.metrics.round, [len(d) for d in result.drafts], result.accepted, result.draft_seconds,
                 result.verify_seconds, orchestration)
         self.stats.draft_compute_seconds += result.draft_compute

@@ -5,11 +5,12 @@ corrected online by what its steady-state rounds really cost (engine.spec.policy
 in rounds that carry no prompt, and the per-round overhead outside the models); or a calibration file's costs,
 taken as given. Without the adaptive policy there are none, and K follows `max_batch_for_speculation`.
 
-Where the target decodes plain rows ahead (deployments/workers/decode_ahead.py), a plain round costs less than its
-verify pass, and only plain rounds show by how much. A pairing whose rounds all draft would never learn it, and keep
-drafting where plain decoding serves faster: after `PLAIN_SAMPLE_FIRST` drafting rounds in a row with no plain
-round seen (then every `PLAIN_SAMPLE_EVERY`), its next `PLAIN_SAMPLE_ROUNDS` rounds are plain (`plain_sample`), so
-the plan compares drafting with what plain rounds really cost here.
+Where the target decodes plain rows ahead (deployments/workers/decode_ahead.py), plain decoding that goes on costs
+less than its verify passes, and only plain rounds answered from a step decoded ahead show by how much. A pairing
+whose rounds draft, or go plain only a round at a time, would never see one, and keep drafting where plain decoding
+serves faster: after `PLAIN_SAMPLE_FIRST` rounds with none seen yet (then every `PLAIN_SAMPLE_EVERY` rounds without
+one), its next `PLAIN_SAMPLE_ROUNDS` rounds are plain (`plain_sample`), so the plan weighs drafting against what
+plain decoding really costs here.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from engine.spec.policy import CostCorrection, CostProfile
 
 logger = logging.getLogger("ray.serve")
 
-PLAIN_SAMPLE_FIRST = 16  # drafting rounds in a row before a pairing that has seen no plain round samples some
-PLAIN_SAMPLE_EVERY = 256  # the same once it has: plain rounds' cost is sampled again after this many
+PLAIN_SAMPLE_FIRST = 16  # rounds before a pairing that has seen no round decoded ahead samples plain ones
+PLAIN_SAMPLE_EVERY = 256  # the same once it has: rounds without one before plain rounds are sampled again
 PLAIN_SAMPLE_ROUNDS = 4  # plain rounds a sample takes (the first has no step decoded ahead, the others do)
 
 
@@ -40,7 +41,7 @@ class RoundCosts:
         self._measured: dict[tuple, CostProfile | None] = {}
         self._corrections: dict[tuple, CostCorrection] = {}
         self._products: dict[tuple, dict] = {}  # per pairing: which operator computes each side's bf16 products
-        self._drafting_run: dict[tuple, int] = {}  # per pairing: drafting rounds since its last plain one
+        self._since_ahead: dict[tuple, int] = {}  # per pairing: rounds since its last one decoded ahead
         self._sample_left: dict[tuple, int] = {}  # per pairing: rounds of a plain sample still to run
 
     @property
@@ -90,19 +91,21 @@ class RoundCosts:
             observe = correction.observe_draft if seen.kind == "draft" else correction.observe_verify
             observe(profile, len(seen.calls), seen.k, seen.seconds)
 
-    def observe_overhead(self, draft, target, seconds: float, drafted: bool = False) -> None:
+    def observe_overhead(self, draft, target, seconds: float, drafted: bool = False, ahead: bool = False) -> None:
         """A round's time beyond the workers' own compute (RPC, serialization, event-loop hops, the router's n-gram
-        lookups, delivering its outputs; below zero where its step was decoded ahead); `drafted`: whether any row of
-        it drafted."""
-        if self.corrects:
-            self._correction(draft, target).observe_overhead(seconds, drafted)
-            key = pair_key(draft, target)
-            if self._sample_left.get(key, 0) > 0:
-                self._sample_left[key] -= 1
-            run = self._drafting_run[key] = self._drafting_run.get(key, 0) + 1 if drafted else 0
-            due = PLAIN_SAMPLE_EVERY if self._correction(draft, target).seen_plain else PLAIN_SAMPLE_FIRST
-            if run >= due and not self._sample_left.get(key):
-                self._sample_left[key], self._drafting_run[key] = PLAIN_SAMPLE_ROUNDS, 0
+        lookups, delivering its outputs); `drafted`: whether any row of it drafted; `ahead`: a plain round answered
+        from a step decoded ahead (below zero where that step's compute was hidden)."""
+        if not self.corrects:
+            return
+        correction = self._correction(draft, target)
+        correction.observe_overhead(seconds, drafted, ahead)
+        key = pair_key(draft, target)
+        if self._sample_left.get(key, 0) > 0:
+            self._sample_left[key] -= 1
+        since = self._since_ahead[key] = 0 if ahead else self._since_ahead.get(key, 0) + 1
+        due = PLAIN_SAMPLE_EVERY if correction.seen_ahead else PLAIN_SAMPLE_FIRST
+        if since >= due and not self._sample_left.get(key):
+            self._sample_left[key], self._since_ahead[key] = PLAIN_SAMPLE_ROUNDS, 0
 
     def plain_sample(self, draft, target) -> int:
         """The rounds of a plain sample the pairing still runs, its next included (0: none; 1: the sample's last

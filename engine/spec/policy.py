@@ -27,6 +27,7 @@ PRIOR_ACCEPTANCE = 0.7  # a new request's assumed per-token acceptance (pulls th
 PRIOR_WEIGHT = 2.0  # in draft tokens: how quickly observations outweigh the prior
 DECAY = 0.8  # per round: the weight of older rounds (about the last 5 rounds count)
 PROBE_EVERY = 8  # rounds at K = 0 before a request asks for a probing round with K = 1 (engine/spec/plan.py decides)
+DRAFTED, PLAIN, AHEAD = "drafted", "plain", "ahead"  # kinds of round whose overhead CostCorrection keeps apart
 MIN_ROUND_SHARE = 0.1  # the least share of its verify pass a round costs, whatever overhead credit it was given
 CORRECTION_WEIGHT = 0.1  # weight of one round's observed/predicted cost ratio once a few rounds are in
 
@@ -138,7 +139,7 @@ class CostProfile:
         """One round of `batch` sequences verified at width k+1, of which `drafting` (default: all) draft k tokens.
 
         The round overhead may be below zero (a plain round's step decoded ahead while the router delivered the round
-        before: `CostCorrection.overhead`); a round never costs less than `MIN_ROUND_SHARE` of its verify pass, so a
+        before: `CostCorrection`); a round never costs less than `MIN_ROUND_SHARE` of its verify pass, so a
         credit observed at one batch size cannot make a round at a smaller one free."""
         drafting = batch if drafting is None else drafting
         draft = self.draft(drafting, k) + self.draft_overhead_seconds if drafting and k else 0.0
@@ -203,16 +204,19 @@ class CostCorrection:
     against a decode step than the profile says (measured with ~950-token prompts: bench/RESULTS.md).
     The time outside the workers' compute is likewise kept per kind of round: a round that drafts also pays the
     router's n-gram lookups and the draft call's hops (a small but steady share of a round at one stream), which
-    the profile does not hold; the difference is `draft_overhead_seconds`. A plain round's may be below zero: where
-    the target decodes a plain row's next token ahead (deployments/workers/decode_ahead.py), the step computes while
-    the router delivers the round before, and the round takes less than its own compute. That credit is what a
-    drafting round gives up (its verify cannot start before its drafts), so it belongs in the comparison.
+    the profile does not hold; the difference is `draft_overhead_seconds`. Plain rounds come in two kinds: where
+    the target decodes a plain row's next token ahead (deployments/workers/decode_ahead.py), a round answered from
+    such a step computed while the router delivered the round before, and costs less than its own compute (its
+    overhead is below zero); a round after a drafting one (or whose rows cannot be decoded ahead) is computed when
+    asked. Plain decoding that goes on is the first kind, so where it was seen it is a plain round's cost: that
+    credit is what a drafting round gives up (its verify cannot start before its drafts).
     """
 
     def __init__(self) -> None:
         self._draft = _RunningMean(1.0)
         self._verify: dict[bool, _RunningMean] = {}  # by "wider than one token": observed/profile ratio
-        self._overhead: dict[bool, _RunningMean] = {}  # by "the round drafted": seconds outside the workers' compute
+        # by kind of round (DRAFTED, PLAIN, AHEAD): seconds beyond the workers' compute
+        self._overhead: dict[str, _RunningMean] = {}
 
     @staticmethod
     def _of_kind(means: dict[bool, "_RunningMean"], kind: bool, default: float) -> float:
@@ -236,21 +240,24 @@ class CostCorrection:
 
     @property
     def overhead(self) -> float:
-        """Seconds per round beyond the workers' compute: a plain round's (a drafting one's until one is seen);
-        below zero where plain rounds' steps were decoded ahead."""
-        return self._of_kind(self._overhead, False, 0.0)
+        """Seconds per plain round beyond the workers' compute: a round answered from a step decoded ahead where
+        one was seen (below zero: the step's compute hidden), else a plain round computed when asked, else a
+        drafting round's."""
+        seen = next((self._overhead[kind] for kind in (AHEAD, PLAIN, DRAFTED) if kind in self._overhead), None)
+        return 0.0 if seen is None else seen.value
 
     @property
-    def seen_plain(self) -> bool:
-        """Whether a plain round's overhead was observed (else `overhead` is a drafting round's)."""
-        return False in self._overhead
+    def seen_ahead(self) -> bool:
+        """Whether a plain round answered from a step decoded ahead was observed."""
+        return AHEAD in self._overhead
 
     @property
     def draft_overhead(self) -> float:
-        """How much more a drafting round spends outside the workers' compute (0 until both kinds are seen)."""
-        if len(self._overhead) < 2:
+        """How much more a drafting round spends beyond the workers' compute than a plain round (`overhead`; 0 until
+        both are seen)."""
+        if DRAFTED not in self._overhead or len(self._overhead) < 2:
             return 0.0
-        return max(self._overhead[True].value - self._overhead[False].value, 0.0)
+        return max(self._overhead[DRAFTED].value - self.overhead, 0.0)
 
     def observe_draft(self, profile: CostProfile, batch: int, k: int, seconds: float) -> None:
         predicted = profile.draft(batch, k)
@@ -262,10 +269,11 @@ class CostCorrection:
         if predicted > 0 and seconds > 0:
             self._verify.setdefault(k > 0, _RunningMean(1.0)).add(_clamped_ratio(seconds, predicted))
 
-    def observe_overhead(self, seconds: float, drafted: bool = False) -> None:
-        """A round's seconds beyond the workers' compute (below zero where a step decoded ahead hid its compute);
-        `drafted`: whether any row of it drafted."""
-        self._overhead.setdefault(drafted, _RunningMean(0.0)).add(seconds)
+    def observe_overhead(self, seconds: float, drafted: bool = False, ahead: bool = False) -> None:
+        """A round's seconds beyond the workers' compute; `drafted`: any row of it drafted; `ahead`: a plain round
+        answered from a step decoded ahead (its seconds below zero where that step's compute was hidden)."""
+        kind = DRAFTED if drafted else AHEAD if ahead else PLAIN
+        self._overhead.setdefault(kind, _RunningMean(0.0)).add(seconds)
 
     def apply(self, profile: CostProfile) -> CostProfile:
         return profile.scaled(self.draft, self.verify, self.overhead, verify_wide=self.verify_wide,

@@ -48,31 +48,33 @@ def test_measured_costs_are_corrected_by_steady_rounds_only():
 
 
 
-def test_a_pairing_whose_rounds_all_draft_samples_plain_rounds_to_learn_their_cost():
-    """Only plain rounds show what decoding ahead saves; a pairing that drafts every round runs a few plain ones
-    after PLAIN_SAMPLE_FIRST drafting rounds, then every PLAIN_SAMPLE_EVERY once it has seen some."""
+def test_a_pairing_that_sees_no_round_decoded_ahead_samples_plain_rounds_to_learn_their_cost():
+    """Only plain rounds answered from a step decoded ahead show what plain decoding costs once it goes on; a pairing
+    that sees none runs a few plain rounds after PLAIN_SAMPLE_FIRST rounds, then after every PLAIN_SAMPLE_EVERY
+    rounds without one."""
     costs = RoundCosts(adaptive=True, remote_draft=True)
 
-    def drafting_rounds(n):
+    def rounds(n, drafted=True):
         for _ in range(n):
             assert costs.plain_sample(DRAFT, TARGET) == 0
-            costs.observe_overhead(DRAFT, TARGET, 0.002, drafted=True)
+            costs.observe_overhead(DRAFT, TARGET, 0.002, drafted=drafted)
 
     def sample():
         left = []
         while costs.plain_sample(DRAFT, TARGET):
             left.append(costs.plain_sample(DRAFT, TARGET))
-            costs.observe_overhead(DRAFT, TARGET, -0.004)  # a plain round, its step decoded ahead
+            costs.observe_overhead(DRAFT, TARGET, -0.004, ahead=len(left) > 1)  # the first computed when asked
         return left
 
-    drafting_rounds(PLAIN_SAMPLE_FIRST)
+    rounds(PLAIN_SAMPLE_FIRST // 2)
+    rounds(PLAIN_SAMPLE_FIRST // 2, drafted=False)  # plain rounds computed when asked teach nothing of ahead ones
     assert sample() == list(range(PLAIN_SAMPLE_ROUNDS, 0, -1))  # the last round of a sample is marked 1
     assert costs.policy_profile(DRAFT, TARGET).round_overhead_seconds == pytest.approx(-0.004)
-    drafting_rounds(PLAIN_SAMPLE_EVERY)
+    rounds(PLAIN_SAMPLE_EVERY)
     assert len(sample()) == PLAIN_SAMPLE_ROUNDS
-    drafting_rounds(PLAIN_SAMPLE_EVERY - 1)
-    costs.observe_overhead(DRAFT, TARGET, 0.001)  # a plain round the plan chose restarts the count
-    drafting_rounds(PLAIN_SAMPLE_EVERY - 1)
+    rounds(PLAIN_SAMPLE_EVERY - 1)
+    costs.observe_overhead(DRAFT, TARGET, -0.001, ahead=True)  # a round decoded ahead restarts the count
+    rounds(PLAIN_SAMPLE_EVERY - 1)
     other = SimpleNamespace(key="t2", costs=TARGET.costs)
     assert costs.plain_sample(DRAFT, other) == 0  # per pairing
     given = RoundCosts(adaptive=True, remote_draft=True, calibration=profile_from(BATCHES, [[0.1, 0.2]] * 3,

@@ -350,4 +350,4 @@ def test_a_request_that_drafts_every_round_samples_plain_rounds_decoded_ahead(ti
     assert planned[first:first + PLAIN_SAMPLE_ROUNDS + 1] == [0] * PLAIN_SAMPLE_ROUNDS + [2]
     ahead = broker.cores["target"].ahead.stats
     assert (ahead.used, ahead.dropped) == (PLAIN_SAMPLE_ROUNDS - 1, 0), "its later rounds ahead; none after it"
-    assert any(correction.seen_plain for correction in costs._corrections.values())
+    assert any(correction.seen_ahead for correction in costs._corrections.values())
