@@ -362,8 +362,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of every request (default greedy; the targets assume greedy)")
     ap.add_argument("--ours-root", default=None,
-                    help="run our server from this source tree (PYTHONPATH; e.g. a `git archive` of an older "
-                         "commit) instead of the installed one, to compare commits served alike")
+                    help="run our server from this source tree (its working directory and PYTHONPATH; e.g. a "
+                         "`git archive` of an older commit) instead of the installed one, to compare commits served "
+                         "alike")
     ap.add_argument("--backend", choices=sorted(ENDPOINTS), default="openai",
                     help="the client's backend: openai (/v1/completions, prompts rendered by the chat template "
                          "here) or openai-chat (/v1/chat/completions: each prompt's messages' text joined into one "
@@ -452,9 +453,10 @@ def main(argv: list[str] | None = None) -> None:
                 cmd = serve_run_argv(cfg_path)
                 ray_env = {} if args.ray_serve_proxy else SERVE_ENV  # as `make run` starts it, unless asked
                 env = {**os.environ, **ray_env}
-                if args.ours_root is not None:
-                    env["PYTHONPATH"] = str(Path(args.ours_root))
                 server = ManagedServer(name, cmd, base_url, served, runs_dir / f"{name}.log", env=env)
+                if args.ours_root is not None:  # its Ray workers import from their driver's working directory first
+                    env["PYTHONPATH"] = str(Path(args.ours_root).resolve())
+                    server.cwd = Path(args.ours_root).resolve()
                 info = {"kind": "ours", "config": cfg["applications"][0]["args"],
                         "source": args.ours_root or "installed", "ray_serve_env": ray_env}
             else:

@@ -222,13 +222,14 @@ class ManagedServer:
     env: dict[str, str] | None = None
     proc: subprocess.Popen | None = None
     timings: dict = field(default_factory=dict)
+    cwd: Path = ROOT  # where it runs (Ray's workers put the driver's working directory first on sys.path)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         sigint_reaches_children()
         log = open(self.log_path, "w")
         self._t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.argv, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
 
