@@ -146,8 +146,8 @@ def layer_set_candidates(total: int, skips: bool = False) -> list[LayerSet]:
     such count of 4 or more a set running as many layers with a middle block skipped (the first half of them and the
     last half: on the embedded 135M the middle-skipping layout that agreed most with the whole model, and more than
     the exit with as many layers at 16 and 24 layers: bench/RESULTS.md). `self` measures exits only: chosen with the
-    skips, a skip drafted in rounds that gave up decode-ahead's overlap, which the round plan does not count yet, and
-    served below plain (bench/RESULTS.md); `self:skip:A-B` runs one when asked."""
+    skips, a skip served below plain decoding, whose rounds are cheaper where decoded ahead (bench/RESULTS.md);
+    `self:skip:A-B` runs one when asked."""
     exits = sorted({max(1, min(total - 1, round(total * f / 8))) for f in range(1, 7)})
     if not skips:
         return exits
