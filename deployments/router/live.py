@@ -72,6 +72,7 @@ class LiveRequest(SpecRow):
     overlap: bool = False  # draft its next round during this round's verify
     ready: tuple[list[int], WireProposal | None] | None = None  # next round's draft (tokens, proposal), made ahead
     draft_retry_at: float = 0.0  # time.monotonic() before which no Draft lease is tried (the last one failed)
+    marked_ahead: bool = False  # its last verify call asked the target to decode its next token ahead
 
     def delta(self, sent: int, end: int | None = None) -> SeqDelta:
         """The committed tokens [sent, end) (to the last one without `end`) for a target worker that holds [0, sent)

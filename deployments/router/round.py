@@ -134,7 +134,8 @@ class GroupRound:
         the next round, and a draft started now (its prefill first) would pay only at the batch size they make.
         """
         draft, target = self.group_draft(rows), rows[0].target
-        profile = self.costs.policy_profile(draft, target)
+        # rows the last round marked for decoding ahead: a plain round for them is answered from that step
+        profile = self.costs.policy_profile(draft, target, ahead=all(live.marked_ahead for live in rows))
         sample = self.config.decode_ahead and self.costs.plain_sample(draft, target) > 0
         # a draft model reads the tokens its worker lacks first (all of them before the first Draft lease); in a
         # plain sample (round_costs.py) only the rows that pinned their K draft
@@ -164,6 +165,8 @@ class GroupRound:
             self.stats.draft_lease_seconds += time.perf_counter() - start
         t0 = time.perf_counter()
         trees = self.plan_trees(rows, ks)
+        for live in rows:
+            live.marked_ahead = False  # until this round's verify call marks it
         drafts = self._drafts_at_hand(rows, ks, trees)
         target = rows[0].target
         verified: VerifyResult | None = None
@@ -189,6 +192,8 @@ class GroupRound:
                                 list(drafts.trees[b].parents) if b in drafts.trees else None,
                                 trees[b] if self.in_target else 0)
                      for b, live in enumerate(rows)]
+            for live, call in zip(rows, calls):
+                live.marked_ahead = call.ahead
             aheads = self.ahead.start(rows, drafts.tokens) if self.config.overlap else []
             try:
                 verified = await target.verify(calls)
@@ -230,7 +235,8 @@ class GroupRound:
         here, from drafters inside the target and from Draft workers (chains where they draft ahead: `overlap`)."""
         if self.config.tree.mode == "off" or self.config.overlap:
             return [0] * len(rows)
-        profile = self.costs.policy_profile(self.group_draft(rows), rows[0].target)
+        profile = self.costs.policy_profile(self.group_draft(rows), rows[0].target,
+                                            ahead=all(live.marked_ahead for live in rows))
         return plan_trees(profile, rows, ks, len(rows), self.config.tree, self.tree_population)
 
     # ---- 2. draft -----------------------------------------------------------------------------------------------

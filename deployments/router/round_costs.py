@@ -50,14 +50,15 @@ class RoundCosts:
         taken as given)."""
         return self.adaptive and self.calibration is None
 
-    def policy_profile(self, draft, target) -> CostProfile | None:
-        """The costs a pairing's K is chosen by: the calibration file's, else the replicas' own as corrected."""
+    def policy_profile(self, draft, target, ahead: bool = False) -> CostProfile | None:
+        """The costs a pairing's K is chosen by: the calibration file's, else the replicas' own as corrected;
+        `ahead`: for a round whose rows the last round marked for decoding ahead (CostCorrection.apply)."""
         if not self.adaptive:
             return None
         if self.calibration is not None:
             return self.calibration
         profile = self.measured(draft, target)
-        return None if profile is None else self._correction(draft, target).apply(profile)
+        return None if profile is None else self._correction(draft, target).apply(profile, ahead)
 
     def measured(self, draft, target) -> CostProfile | None:
         """The costs the leased replicas measured at start (None: none reported, or no Draft lease taken yet)."""

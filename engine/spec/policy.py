@@ -208,8 +208,10 @@ class CostCorrection:
     the target decodes a plain row's next token ahead (deployments/workers/decode_ahead.py), a round answered from
     such a step computed while the router delivered the round before, and costs less than its own compute (its
     overhead is below zero); a round after a drafting one (or whose rows cannot be decoded ahead) is computed when
-    asked. Plain decoding that goes on is the first kind, so where it was seen it is a plain round's cost: that
-    credit is what a drafting round gives up (its verify cannot start before its drafts).
+    asked. Which one a plain round is, is settled by the round before it (it marked the rows for decoding ahead, or
+    it drafted): the plan prices plain decoding at the first kind's cost for rows marked ahead (a drafting round
+    then drops a step already computed) and at the second's for the others, so it goes on as it is unless the other
+    way pays with the switch counted.
     """
 
     def __init__(self) -> None:
@@ -240,10 +242,15 @@ class CostCorrection:
 
     @property
     def overhead(self) -> float:
-        """Seconds per plain round beyond the workers' compute: a round answered from a step decoded ahead where
-        one was seen (below zero: the step's compute hidden), else a plain round computed when asked, else a
-        drafting round's."""
-        seen = next((self._overhead[kind] for kind in (AHEAD, PLAIN, DRAFTED) if kind in self._overhead), None)
+        """Seconds per plain round beyond the workers' compute, for one computed when asked (the first after a
+        drafting round): a plain round's, else a drafting round's until one is seen."""
+        return self.plain_overhead(ahead=False)
+
+    def plain_overhead(self, ahead: bool) -> float:
+        """The same for a round whose rows the last round marked for decoding ahead (`ahead`): such a round's where
+        one was seen (below zero: the step's compute hidden)."""
+        kinds = (AHEAD, PLAIN, DRAFTED) if ahead else (PLAIN, AHEAD, DRAFTED)
+        seen = next((self._overhead[kind] for kind in kinds if kind in self._overhead), None)
         return 0.0 if seen is None else seen.value
 
     @property
@@ -253,11 +260,15 @@ class CostCorrection:
 
     @property
     def draft_overhead(self) -> float:
-        """How much more a drafting round spends beyond the workers' compute than a plain round (`overhead`; 0 until
-        both are seen)."""
+        """How much more a drafting round spends beyond the workers' compute than a plain one computed when asked (0
+        until both are seen)."""
+        return self.draft_overhead_over(ahead=False)
+
+    def draft_overhead_over(self, ahead: bool) -> float:
+        """The same against the plain round `plain_overhead(ahead)` prices."""
         if DRAFTED not in self._overhead or len(self._overhead) < 2:
             return 0.0
-        return max(self._overhead[DRAFTED].value - self.overhead, 0.0)
+        return max(self._overhead[DRAFTED].value - self.plain_overhead(ahead), 0.0)
 
     def observe_draft(self, profile: CostProfile, batch: int, k: int, seconds: float) -> None:
         predicted = profile.draft(batch, k)
@@ -275,9 +286,11 @@ class CostCorrection:
         kind = DRAFTED if drafted else AHEAD if ahead else PLAIN
         self._overhead.setdefault(kind, _RunningMean(0.0)).add(seconds)
 
-    def apply(self, profile: CostProfile) -> CostProfile:
-        return profile.scaled(self.draft, self.verify, self.overhead, verify_wide=self.verify_wide,
-                              draft_overhead=self.draft_overhead)
+    def apply(self, profile: CostProfile, ahead: bool = False) -> CostProfile:
+        """The profile as rounds observed it; `ahead`: for a round whose rows the last round marked for decoding
+        ahead, whose plain cost is then the step's hidden one, while drafting drops that step."""
+        return profile.scaled(self.draft, self.verify, self.plain_overhead(ahead), verify_wide=self.verify_wide,
+                              draft_overhead=self.draft_overhead_over(ahead))
 
 
 class AcceptanceTracker:

@@ -69,7 +69,7 @@ def test_a_pairing_that_sees_no_round_decoded_ahead_samples_plain_rounds_to_lear
     rounds(PLAIN_SAMPLE_FIRST // 2)
     rounds(PLAIN_SAMPLE_FIRST // 2, drafted=False)  # plain rounds computed when asked teach nothing of ahead ones
     assert sample() == list(range(PLAIN_SAMPLE_ROUNDS, 0, -1))  # the last round of a sample is marked 1
-    assert costs.policy_profile(DRAFT, TARGET).round_overhead_seconds == pytest.approx(-0.004)
+    assert costs.policy_profile(DRAFT, TARGET, ahead=True).round_overhead_seconds == pytest.approx(-0.004)
     rounds(PLAIN_SAMPLE_EVERY)
     assert len(sample()) == PLAIN_SAMPLE_ROUNDS
     rounds(PLAIN_SAMPLE_EVERY - 1)

@@ -339,7 +339,7 @@ def test_a_request_that_drafts_every_round_samples_plain_rounds_decoded_ahead(ti
     router, broker = router_for(tiny_model_dirs, adaptive=True, num_speculative_tokens=2)
     costs, rounds = router.scheduler.round.costs, router.scheduler.round
     cheap = CostProfile((1, 2), ((0.01, 0.0101, 0.0102),) * 2, (0.0001, 0.0001))  # wide verify and drafts ~free
-    costs.policy_profile = lambda draft, target: cheap  # as planned, whatever the rounds observe
+    costs.policy_profile = lambda draft, target, ahead=False: cheap  # as planned, whatever rounds observe
     planned, plan = [], rounds.plan
     rounds.plan = lambda rows, joining, live_now: planned.append(plan(rows, joining, live_now)[0]) or [planned[-1]]
     params = dataclasses.replace(GREEDY, max_tokens=120)

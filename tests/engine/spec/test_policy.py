@@ -223,28 +223,30 @@ def test_what_a_drafting_round_spends_outside_the_workers_counts_against_draftin
 
 def test_plain_rounds_decoded_ahead_cost_less_than_their_verify_and_the_plan_weighs_drafting_against_that():
     """Where the target decodes plain rows ahead, a plain round's step computes while the router delivers the one
-    before: its overhead is a credit (below zero), a drafting round pays its verify in full, and a drafter that pays
-    against the measured verify pass may not pay against plain decoding's real rounds. A plain round computed when
-    asked (the first after drafting) is not what plain decoding costs once it goes on."""
+    before: its overhead is a credit (below zero). The round before settles whether a plain round is one: for rows
+    it marked ahead, plain decoding is priced at the credit (drafting would drop the step computed), so a drafter
+    that pays against the verify pass may not; for the others a plain round is computed when asked."""
     base = cpu_like_profile()
     correction = CostCorrection()
     for _ in range(20):
         correction.observe_overhead(0.004)  # plain rounds computed when asked
         correction.observe_overhead(0.002, drafted=True)
     assert correction.overhead == pytest.approx(0.004, abs=1e-4) and not correction.seen_ahead
+    assert correction.plain_overhead(ahead=True) == correction.overhead  # none decoded ahead seen yet
     assert correction.draft_overhead == 0.0  # drafting rounds are no dearer than plain ones computed when asked
     for _ in range(20):
         correction.observe_overhead(-0.030, ahead=True)  # 30 ms of each 40 ms step hidden
-    assert correction.overhead == pytest.approx(-0.030, abs=1e-3) and correction.seen_ahead
-    assert correction.draft_overhead == pytest.approx(0.032, abs=1e-3)  # what a drafting round gives up
-    corrected = correction.apply(base)
-    assert corrected.round_seconds(1, 0) == pytest.approx(base.verify(1, 0) - 0.030, abs=1e-3)
-    assert corrected.round_seconds(1, 2) == pytest.approx(base.round_seconds(1, 2) + 0.002, abs=1e-3)
-    assert planned_k(corrected, 1, 0.6, 4) == 0 < planned_k(base, 1, 0.6, 4)
+    assert correction.seen_ahead and correction.overhead == pytest.approx(0.004, abs=1e-4)
+    assert correction.plain_overhead(ahead=True) == pytest.approx(-0.030, abs=1e-3)
+    assert correction.draft_overhead_over(ahead=True) == pytest.approx(0.032, abs=1e-3)  # what drafting gives up
+    marked = correction.apply(base, ahead=True)
+    assert marked.round_seconds(1, 0) == pytest.approx(base.verify(1, 0) - 0.030, abs=1e-3)
+    assert marked.round_seconds(1, 2) == pytest.approx(base.round_seconds(1, 2) + 0.002, abs=1e-3)
+    assert planned_k(marked, 1, 0.6, 4) == 0 < planned_k(correction.apply(base), 1, 0.6, 4)
     # a credit never makes a round free: at least MIN_ROUND_SHARE of its verify pass
     deep = CostCorrection()
     deep.observe_overhead(-1.0, ahead=True)
-    assert deep.apply(base).round_seconds(1, 0) == pytest.approx(MIN_ROUND_SHARE * base.verify(1, 0))
+    assert deep.apply(base, ahead=True).round_seconds(1, 0) == pytest.approx(MIN_ROUND_SHARE * base.verify(1, 0))
 
 def test_a_round_costs_drafts_only_for_the_rows_that_draft():
     profile = CostProfile(batch_sizes=(1, 4), verify_seconds=((0.010, 0.012), (0.020, 0.024)),
