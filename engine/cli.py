@@ -75,17 +75,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def make_prompts(args) -> int:
-    """`specserve make-prompts` (engine/training/sampled_prompts.py)."""
+def _plain_engine(args):
+    """The target alone (`--target`, `--target-dtype`), rendering chats with `--chat-template` where given: what
+    train-heads and make-prompts generate with."""
     from pathlib import Path
-
-    from engine.training.prompts import training_prompts
-    from engine.training.sampled_prompts import sample_prompts, write_prompts
 
     engine = build_engine(EngineConfig(target=args.target, target_dtype=args.target_dtype, draft="none",
                                        num_speculative_tokens=0))
     if args.chat_template:
         engine.tokenizer.chat_template = Path(args.chat_template).read_text()
+    return engine
+
+
+def make_prompts(args) -> int:
+    """`specserve make-prompts` (engine/training/sampled_prompts.py)."""
+    from engine.training.prompts import training_prompts
+    from engine.training.sampled_prompts import sample_prompts, write_prompts
+
+    engine = _plain_engine(args)
     exclude = {m["content"] for path in args.exclude for messages in training_prompts(path) for m in messages
                if m["role"] == "user"}
     prompts = sample_prompts(engine, args.count, seed=args.seed, max_tokens=args.max_tokens,
@@ -108,11 +115,8 @@ def train_heads(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    engine = build_engine(EngineConfig(target=args.target, target_dtype=args.target_dtype, draft="none",
-                                       num_speculative_tokens=0))
+    engine = _plain_engine(args)
     tokenizer = engine.tokenizer
-    if args.chat_template:
-        tokenizer.chat_template = Path(args.chat_template).read_text()
     conversations = training_prompts(args.prompts)[: args.limit]
     prompts = [encode_messages(tokenizer, messages) for messages in conversations]
     answers = regenerate(engine, prompts, args.max_tokens, out / "data.pt")

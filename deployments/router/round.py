@@ -133,16 +133,17 @@ class GroupRound:
         The batch the costs are taken at counts the `joining` requests (admitted, taking their leases): they join
         the next round, and a draft started now (its prefill first) would pay only at the batch size they make.
         """
-        draft, target = self.group_draft(rows), rows[0].target
-        # rows the last round marked for decoding ahead: a plain round for them is answered from that step
-        profile = self.costs.policy_profile(draft, target, ahead=all(live.marked_ahead for live in rows))
-        sample = self.config.decode_ahead and self.costs.plain_sample(draft, target) > 0
+        sample = self.config.decode_ahead and self.costs.plain_sample(self.group_draft(rows), rows[0].target) > 0
         # a draft model reads the tokens its worker lacks first (all of them before the first Draft lease); in a
         # plain sample (round_costs.py) only the rows that pinned their K draft
-        caps = [live.seq.k if self._may_draft(live) and not (sample and not live.options.fixed) else 0
-                for live in rows]
-        return plan_rows(profile, rows, caps, self.config.draft.remote, len(rows) + joining, live_now,
+        caps = [live.seq.k if self._may_draft(live) and (live.options.fixed or not sample) else 0 for live in rows]
+        return plan_rows(self._profile(rows), rows, caps, self.config.draft.remote, len(rows) + joining, live_now,
                          self.config.max_batch_for_speculation)
+
+    def _profile(self, rows: list[LiveRequest]):
+        """The round's costs (RoundCosts.policy_profile), plain rounds priced as decoded ahead for rows so marked."""
+        return self.costs.policy_profile(self.group_draft(rows), rows[0].target,
+                                         ahead=all(live.marked_ahead for live in rows))
 
     def _may_draft(self, live: LiveRequest) -> bool:
         if not self.config.draft.remote or live.draft is not None:
@@ -165,8 +166,6 @@ class GroupRound:
             self.stats.draft_lease_seconds += time.perf_counter() - start
         t0 = time.perf_counter()
         trees = self.plan_trees(rows, ks)
-        for live in rows:
-            live.marked_ahead = False  # until this round's verify call marks it
         drafts = self._drafts_at_hand(rows, ks, trees)
         target = rows[0].target
         verified: VerifyResult | None = None
@@ -192,8 +191,6 @@ class GroupRound:
                                 list(drafts.trees[b].parents) if b in drafts.trees else None,
                                 trees[b] if self.in_target else 0)
                      for b, live in enumerate(rows)]
-            for live, call in zip(rows, calls):
-                live.marked_ahead = call.ahead
             aheads = self.ahead.start(rows, drafts.tokens) if self.config.overlap else []
             try:
                 verified = await target.verify(calls)
@@ -206,8 +203,8 @@ class GroupRound:
                 raise
         else:
             self.stats.chained_rounds += 1
-        for live in rows:
-            live.target_sent = live.seq.num_tokens
+        for live, call in zip(rows, calls):  # (a chained round's calls mark no row for decoding ahead)
+            live.target_sent, live.marked_ahead = live.seq.num_tokens, call.ahead
         for b, held in verified.target_drafts.items():  # the target's own drafts this round verified
             drafts.tokens[b] = held
         t2 = time.perf_counter()
@@ -235,9 +232,7 @@ class GroupRound:
         here, from drafters inside the target and from Draft workers (chains where they draft ahead: `overlap`)."""
         if self.config.tree.mode == "off" or self.config.overlap:
             return [0] * len(rows)
-        profile = self.costs.policy_profile(self.group_draft(rows), rows[0].target,
-                                            ahead=all(live.marked_ahead for live in rows))
-        return plan_trees(profile, rows, ks, len(rows), self.config.tree, self.tree_population)
+        return plan_trees(self._profile(rows), rows, ks, len(rows), self.config.tree, self.tree_population)
 
     # ---- 2. draft -----------------------------------------------------------------------------------------------
     def _drafts_at_hand(self, rows: list[LiveRequest], ks: list[int], trees: list[int]) -> Drafts:

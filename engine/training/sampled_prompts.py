@@ -12,7 +12,6 @@ dataset has to be downloaded (Medusa and EAGLE train on ShareGPT and UltraChat, 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
@@ -45,7 +44,7 @@ def sample_prompts(engine, count: int, seed: int = 0, max_tokens: int = 96, temp
     kept: list[str] = []
     batch = min(batch, engine.target.capacity or batch)
     with tqdm(total=count, desc="sampling prompts", unit="prompt") as bar:
-        for start in _starts(seed, batch, 8 * count):
+        for start in range(seed, seed + 8 * count, batch):
             if len(kept) >= count:
                 break
             params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=start + i)
@@ -63,10 +62,6 @@ def sample_prompts(engine, count: int, seed: int = 0, max_tokens: int = 96, temp
 def write_prompts(prompts: list[str], path: str | Path) -> None:
     """One {"prompt": ...} per line (engine/training/prompts.training_prompts reads it)."""
     Path(path).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-
-
-def _starts(seed: int, batch: int, attempts: int) -> Iterator[int]:
-    return iter(range(seed, seed + attempts, batch))
 
 
 def _key(text: str) -> str:
