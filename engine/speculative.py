@@ -140,8 +140,8 @@ class SpeculativeEngine:
         outcome = self.verifier.verify(verify)
         for b, held in outcome.drafts.items():
             drafts[b] = held
-        for row in rows:
-            row.target_sent = row.seq.num_tokens
+        for row, k in zip(rows, ks):
+            row.target_sent, row.drafted_last = row.seq.num_tokens, k > 0
         if outcome.failed:  # the grammar was compiled at admission: a matcher that broke
             raise next(iter(outcome.failed.values()))
         for b, run in outcome.prompt_logprobs.items():
@@ -159,7 +159,7 @@ class SpeculativeEngine:
         a cost profile, planned for the batch as a whole; else the fixed `max_batch_for_speculation` threshold."""
         reads_context = isinstance(self.proposer, DraftModelProposer)  # n-gram lookup reads nothing ahead
         return plan_rows(self.profile, rows, [row.seq.k for row in rows], reads_context, len(rows), len(rows),
-                         self.max_batch_for_speculation)
+                         self.max_batch_for_speculation, drafts_lag=self.drafter is not None)
 
     def _commit(self, row: SpecRow, num_draft: int, verdict: Verdict) -> RequestOutput:
         out = commit(row.seq, num_draft, verdict, self.stats,

@@ -72,6 +72,7 @@ class Recovery:
                 await target.close()  # aborted while the lease was being taken
                 continue
             live.target, live.target_sent, live.reletting = target, 0, False  # re-prefill from token 0
+            live.marked_ahead = live.drafted_last = False  # the new replica holds no step or drafts of it
         self._wake()
 
     async def _drop(self, live: LiveRequest, exc: BaseException) -> None:

@@ -47,7 +47,7 @@ from engine.proposers.base import draft_rows
 from engine.request.sequence import RequestOutput
 from engine.spec.accept import commit
 from engine.spec.plan import plan_rows, plan_trees
-from engine.spec.policy import PROBE_EVERY, AcceptanceTracker
+from engine.spec.policy import AcceptanceTracker
 from engine.spec.tree import DraftTree
 
 logger = logging.getLogger("ray.serve")
@@ -138,7 +138,7 @@ class GroupRound:
         # plain sample (round_costs.py) only the rows that pinned their K draft
         caps = [live.seq.k if self._may_draft(live) and (live.options.fixed or not sample) else 0 for live in rows]
         return plan_rows(self._profile(rows), rows, caps, self.config.draft.remote, len(rows) + joining, live_now,
-                         self.config.max_batch_for_speculation)
+                         self.config.max_batch_for_speculation, drafts_lag=self.in_target)
 
     def _profile(self, rows: list[LiveRequest]):
         """The round's costs (RoundCosts.policy_profile), plain rounds priced as decoded ahead for rows so marked."""
@@ -203,8 +203,8 @@ class GroupRound:
                 raise
         else:
             self.stats.chained_rounds += 1
-        for live, call in zip(rows, calls):  # (a chained round's calls mark no row for decoding ahead)
-            live.target_sent, live.marked_ahead = live.seq.num_tokens, call.ahead
+        for live, call, k in zip(rows, calls, ks):  # (a chained round's calls mark no row for decoding ahead)
+            live.target_sent, live.marked_ahead, live.drafted_last = live.seq.num_tokens, call.ahead, k > 0
         for b, held in verified.target_drafts.items():  # the target's own drafts this round verified
             drafts.tokens[b] = held
         t2 = time.perf_counter()
@@ -300,12 +300,12 @@ class GroupRound:
         A row drafts nothing when its request never drafts, or when the plan left the round plain (speculation does
         not pay at this load). The next round, at about the same batch, is planned alike, so the guess that it is
         plain again holds but where the load changes, or where the next round is the row's first chance to probe its
-        drafts again (engine/spec/policy.PROBE_EVERY): that round is not guessed (a probe not taken then waits for a
-        lighter load), nor is the round after the last of a plain sample (`sample_ends`: round_costs.py). A wrong
-        guess costs the target worker one step (dropped; the row's cache rolls back); a right one hides the router's
-        hop behind the device's step, on a GPU what a round without drafts costs beyond plain decoding
-        (bench/RESULTS.md, the first H100 runs of the graph runner)."""
-        plain_next = live.seq.k == 0 or (live.tracker.rounds_without_drafts + 1 != PROBE_EVERY and not sample_ends)
+        drafts again (engine/spec/policy.AcceptanceTracker.probe_due_next): that round is not guessed (a probe not
+        taken then waits for a lighter load), nor is the round after the last of a plain sample (`sample_ends`:
+        round_costs.py). A wrong guess costs the target worker one step (dropped; the row's cache rolls back); a right
+        one hides the router's hop behind the device's step, on a GPU what a round without drafts costs beyond plain
+        decoding (bench/RESULTS.md, the first H100 runs of the graph runner)."""
+        plain_next = live.seq.k == 0 or (not live.tracker.probe_due_next and not sample_ends)
         return (self.config.decode_ahead and k == 0 and plain_next and live.seq.params.grammar is None
                 and not live.seq.wants_prompt_logprobs() and live.seq.remaining() > 1)
 

@@ -12,10 +12,14 @@ over K in 1..k_max and the m rows with the best acceptance, against plain decodi
 (each row's own E against the round's cost) lets one request with good acceptance, or one probing request, make a
 whole batch wait for a draft call that pays only for itself.
 
-Two refinements: a row whose draft model is behind (it has not drafted yet, or drafted nothing for a while) must
+Three refinements: a row whose draft model is behind (it has not drafted yet, or drafted nothing for a while) must
 first read those tokens, a stall every row of the round waits through, so it joins only if its remaining tokens
 repay the stall for the whole batch; and a request whose drafts kept failing probes with K = 1 only where that is
-cheap: when the round drafts anyway, or when the load would let a row that drafts perfectly pay.
+cheap: when the round drafts anyway, or when the load would let a row that drafts perfectly pay; and where drafts
+lag a round (a drafter inside the target drafts a row's next round in the call that verifies this one), a row that
+starts drafting verifies nothing of its own in its first round, so its gain is counted over `START_HORIZON` rounds
+with the first one empty: `(H - 1) / H` of a drafting row's, which keeps a row whose drafts barely pay from switching
+on and off (each switch pays draft steps that buy nothing).
 
 `plan_ks` is the one entry point, for the in-process engine (engine/speculative.py) and the served round
 (deployments/router/round.py) alike: without a cost profile it falls back to `policy.load_adjusted_k`'s fixed
@@ -33,6 +37,7 @@ from engine.spec.policy import AcceptanceTracker, CostProfile, expected_tokens, 
 from engine.spec.tree import MAX_TREE_NODES, TOP_CANDIDATES
 
 TIE = 1.001  # a plan must beat the cheaper one by this factor (ties go to fewer drafts)
+START_HORIZON = 5  # rounds a drafting stretch started now is counted over (the acceptance estimate's memory)
 
 
 @dataclass
@@ -47,6 +52,7 @@ class SpecRow:
     target_sent: int = 0  # committed tokens its target holds (the next verify delta starts there)
     # the request's acceptance in rounds whose drafts were a tree, per level of the tree (engine/spec/tree.py)
     tree_tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    drafted_last: bool = False  # its last round asked for drafts (a drafter inside the target made them for this one)
 
     def trackers(self, verdict, population: AcceptanceTracker,
                  tree_population: AcceptanceTracker | None = None) -> tuple[AcceptanceTracker, ...]:
@@ -63,13 +69,14 @@ class SpecRow:
         return (self.options.tree is not False and seq.params.grammar is None and not seq.processors
                 and not seq.wants_prompt_logprobs())
 
-    def outlook(self, cap: int, reads_context: bool) -> RowOutlook:
+    def outlook(self, cap: int, reads_context: bool, drafts_lag: bool = False) -> RowOutlook:
         """The row as the plan sees it: at most `cap` drafts; `reads_context`: its draft reads the tokens it lacks
-        first (a draft model does; n-gram lookup reads nothing)."""
+        first (a draft model does; n-gram lookup reads nothing); `drafts_lag`: its drafts are made in the round before
+        the one that verifies them (a drafter inside the target)."""
         return RowOutlook(acceptance=self.tracker.acceptance, cap=cap,
                           behind=self.seq.num_tokens - self.draft_sent if reads_context else 0,
                           remaining=self.seq.remaining(), fixed=self.options.fixed,
-                          wants_probe=self.tracker.wants_probe)
+                          wants_probe=self.tracker.wants_probe, starting=drafts_lag and not self.drafted_last)
 
 
 @dataclass(frozen=True)
@@ -82,14 +89,26 @@ class RowOutlook:
     remaining: int = 1 << 30  # tokens the request may still generate
     fixed: bool = False  # the request pinned its K: exactly `cap` drafts, whatever the costs
     wants_probe: bool = False  # its drafts kept failing and it has drafted nothing for a while
+    starting: bool = False  # its drafts lag a round and it drafted none last round: this round verifies none of its
+
+    def gain_share(self) -> float:
+        """The share of its expected extra tokens a round that drafts for this row is credited with: all of them,
+        or for a row `starting` to draft, its stretch's over `START_HORIZON` rounds (or what it has left) with the
+        first round empty."""
+        if not self.starting:
+            return 1.0
+        horizon = min(START_HORIZON, max(self.remaining, 1))
+        return (horizon - 1) / horizon
 
 
 def plan_rows(profile: CostProfile | None, rows: Sequence[SpecRow], caps: Sequence[int], reads_context: bool,
-              batch: int, live_now: int, max_batch_for_speculation: int | None) -> list[int]:
+              batch: int, live_now: int, max_batch_for_speculation: int | None, drafts_lag: bool = False
+              ) -> list[int]:
     """Each row's draft length this round (the in-process engine's and the served round's plan): `plan_ks` over the
     rows' outlooks, each capped at `caps[b]` drafts (0: it may not draft), cut to what the row may still emit.
-    `reads_context`: a row's draft reads the tokens it lacks first (a draft model; n-gram lookup reads nothing)."""
-    outlooks = [row.outlook(cap, reads_context) for row, cap in zip(rows, caps)]
+    `reads_context`: a row's draft reads the tokens it lacks first (a draft model; n-gram lookup reads nothing);
+    `drafts_lag`: the drafts a round asks for are verified in the next (a drafter inside the target)."""
+    outlooks = [row.outlook(cap, reads_context, drafts_lag) for row, cap in zip(rows, caps)]
     ks = plan_ks(profile, outlooks, batch, live_now, max_batch_for_speculation)
     return [row.seq.draft_len(k) for row, k in zip(rows, ks)]
 
@@ -128,7 +147,7 @@ def plan_round(profile: CostProfile, rows: Sequence[RowOutlook], batch: int | No
     for k in range(1, max((rows[b].cap for b in candidates), default=0) + 1):
         gained = 0.0  # expected tokens of the first m candidates beyond the one each would emit anyway
         for m, b in enumerate(candidates, start=1):
-            gained += expected_tokens(rows[b].acceptance, min(k, rows[b].cap)) - 1.0
+            gained += (expected_tokens(rows[b].acceptance, min(k, rows[b].cap)) - 1.0) * rows[b].gain_share()
             tokens = base_tokens + gained
             rate = tokens / profile.round_seconds(batch, max(k, fixed_k), drafting=len(fixed_rows) + m)
             if rate > best_rate * TIE:

@@ -10,9 +10,11 @@ the one place that weighs them against the rows' acceptance and picks each round
 batch is past the point where drafting pays.
 
 `CostCorrection` pulls the profile toward the costs the rounds really see. `AcceptanceTracker` estimates a per
-request from recent rounds; a request whose drafts keep failing drops to K = 0 and probes with K = 1 every `PROBE_EVERY`
-rounds, so a request whose text turns predictable gets its drafts back. Without a profile, `load_adjusted_k`'s fixed
-threshold is the (uncalibrated) fallback.
+request from recent rounds; a request whose drafts keep failing drops to K = 0 and probes with K = 1 after
+`PROBE_EVERY` rounds, so a request whose text turns predictable gets its drafts back; each probe that does not bring
+drafting back doubles the wait before the next (up to `MAX_PROBE_EVERY`), since a probe costs draft steps that buy
+little (two rounds of them for a drafter inside the target, whose drafts are verified in the round after they are
+made). Without a profile, `load_adjusted_k`'s fixed threshold is the (uncalibrated) fallback.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ PRIOR_ACCEPTANCE = 0.7  # a new request's assumed per-token acceptance (pulls th
 PRIOR_WEIGHT = 2.0  # in draft tokens: how quickly observations outweigh the prior
 DECAY = 0.8  # per round: the weight of older rounds (about the last 5 rounds count)
 PROBE_EVERY = 8  # rounds at K = 0 before a request asks for a probing round with K = 1 (engine/spec/plan.py decides)
+MAX_PROBE_EVERY = 64  # the longest wait between probes, after probes that kept failing
 DRAFTED, PLAIN, AHEAD = "drafted", "plain", "ahead"  # kinds of round whose overhead CostCorrection keeps apart
 MIN_ROUND_SHARE = 0.1  # the least share of its verify pass a round costs, whatever overhead credit it was given
 CORRECTION_WEIGHT = 0.1  # weight of one round's observed/predicted cost ratio once a few rounds are in
@@ -306,6 +309,8 @@ class AcceptanceTracker:
         self.rejected = (1.0 - prior) * PRIOR_WEIGHT
         self.rounds_without_drafts = 0
         self.rounds = 0  # rounds with drafts observed
+        self.probe_every = PROBE_EVERY  # rounds at K = 0 before the next probe
+        self._probed = False  # the last round with drafts was a probe
 
     @property
     def acceptance(self) -> float:
@@ -313,8 +318,14 @@ class AcceptanceTracker:
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
+            if self._probed:  # the probe did not bring drafting back: wait twice as long for the next one
+                self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+                self._probed = False
             self.rounds_without_drafts += 1
             return
+        if self._probed:  # drafting went on after a probe
+            self.probe_every = PROBE_EVERY
+        self._probed = self.rounds_without_drafts >= self.probe_every
         self.rounds_without_drafts = 0
         self.rounds += 1
         self.accepted = DECAY * self.accepted + num_accepted
@@ -322,5 +333,11 @@ class AcceptanceTracker:
 
     @property
     def wants_probe(self) -> bool:
-        """Drafted nothing for PROBE_EVERY rounds: worth a look with K = 1 where that is cheap (engine/spec/plan.py)."""
-        return self.rounds_without_drafts >= PROBE_EVERY
+        """Drafted nothing for `probe_every` rounds: worth a look with K = 1 where that is cheap
+        (engine/spec/plan.py)."""
+        return self.rounds_without_drafts >= self.probe_every
+
+    @property
+    def probe_due_next(self) -> bool:
+        """The next round is the first that may probe (deployments/router/round.py does not decode it ahead)."""
+        return self.rounds_without_drafts + 1 == self.probe_every

@@ -152,3 +152,23 @@ def test_served_trees_keep_greedy_and_seeded_text(deep_dirs, draft):
         return await asyncio.gather(*(generate(router, pr, p, k=3) for pr, p in zip(PROMPTS, params)))
 
     assert asyncio.run(batch()) == plain_seeded(dirs, PROMPTS, params)
+
+
+def test_a_rows_drafts_are_verified_the_round_after_it_asks_and_the_plan_counts_a_start(deep_dirs):
+    """A drafter inside the target drafts a row's next round in the call that asks for K: that round verifies none
+    of the row's drafts, the next verifies them, and a round asked plain drops them. The router marks the rows that
+    asked, and the plan reads an unmarked row as starting (engine/spec/plan.RowOutlook.starting)."""
+    from tests.deployments.router.test_round import _rows
+
+    router, broker = router_for(deep_dirs[0], "self:2")
+    [live] = _rows(router, broker, 1)
+    round_ = router.scheduler.round
+    assert round_.in_target and live.outlook(3, False, drafts_lag=True).starting
+    verified = []
+    for k in (3, 3, 3, 0, 3, 3):
+        result = asyncio.run(round_.run([live], [k]))
+        verified.append(len(result.drafts[0]))
+        assert live.drafted_last is (k > 0)
+        assert live.outlook(3, False, drafts_lag=True).starting is (k == 0)
+    assert verified == [0, 3, 3, 0, 0, 3], verified
+    assert not live.outlook(3, False, drafts_lag=False).starting, "drafts that do not lag never start"

@@ -146,3 +146,19 @@ def test_heads_with_a_draft_vocabulary_draft_its_tokens_mapped_to_the_targets(mo
                                                              "draft_vocab": [1, 2, 999]}))
     with pytest.raises(MedusaError, match="vocab_size"):
         load_medusa(tmp_path / "m", HIDDEN, runner.vocab_size)
+
+
+def test_the_engine_marks_rows_that_asked_for_drafts_and_plans_their_start(model, tiny_tokenizer):
+    """In-process as served: a row's drafts from a drafter inside the target are verified the round after it asks,
+    so the plan reads a row that asked for none last round as starting (engine/spec/plan.RowOutlook.starting)."""
+    runner = runner_of(model)
+    spec = SpeculativeEngine(runner, tiny_tokenizer, None, 3, drafter=MedusaDrafter(random_heads(runner.vocab_size),
+                                                                                   runner.model))
+    spec.add_request("a", PROMPTS[0], GREEDY)
+    row = spec._rows["a"]
+    assert row.outlook(3, False, drafts_lag=True).starting
+    spec.step()
+    assert row.drafted_last and not row.outlook(3, False, drafts_lag=True).starting
+    assert spec.verifier.held.missed == 1 and spec.verifier.held.used == 0, "the first round verifies none"
+    spec.step()
+    assert spec.verifier.held.used == 1

@@ -183,3 +183,22 @@ def test_a_tree_takes_no_more_positions_than_the_context_window_has_left():
     rows = _tree_rows([0.6])
     rows[0].seq.max_model_len = rows[0].seq.num_tokens + 5
     assert plan_trees(TREE_PROFILE, rows, [3], 1, TreeSettings("on", 8)) == [5]
+
+
+def test_a_row_whose_drafts_lag_a_round_starts_only_where_its_stretch_repays_the_empty_first_round():
+    from engine.spec.plan import START_HORIZON
+
+    profile = cpu_like_profile()
+    # the lowest acceptance at which a row alone drafts (K = 1) once it drafts, and one that a start needs
+    grid = [a / 200 for a in range(1, 200)]
+    going_on = next(a for a in grid if plan_round(profile, [RowOutlook(a, 1)]) == [1])
+    starting = next(a for a in grid if plan_round(profile, [RowOutlook(a, 1, starting=True)]) == [1])
+    assert starting > going_on, (going_on, starting)
+    # the start counts (H - 1) / H of the extra tokens: E(a, 1) - 1 = a, so it needs H / (H - 1) the acceptance
+    assert starting == pytest.approx(going_on * START_HORIZON / (START_HORIZON - 1), abs=0.011), (going_on, starting)
+    between = (going_on + starting) / 2
+    assert plan_round(profile, [RowOutlook(between, 1)]) == [1], "a row that drafts goes on"
+    assert plan_round(profile, [RowOutlook(between, 1, starting=True)]) == [0], "one that does not, does not start"
+    assert plan_round(profile, [RowOutlook(0.99, 3, starting=True, remaining=1)]) == [0], "one token left: no start"
+    assert RowOutlook(0.5, 3, starting=True, remaining=2).gain_share() == 0.5
+    assert RowOutlook(0.5, 3, remaining=2).gain_share() == 1.0

@@ -7,6 +7,7 @@ from engine import ModelRunner
 from engine.calibration.measure import measure_draft_step, measure_verify, monotone, profile_from
 from engine.spec.plan import RowOutlook, plan_round
 from engine.spec.policy import (
+    MAX_PROBE_EVERY,
     PROBE_EVERY,
     AcceptanceTracker,
     CostCorrection,
@@ -97,14 +98,47 @@ def test_tracker_drops_a_failing_request_to_zero_then_probes():
         tracker.record(3, 0)
     assert tracker.acceptance < 0.1
     ks = []
-    for _ in range(2 * PROBE_EVERY + 2):
+    for _ in range(7 * PROBE_EVERY + 3):
         k = _next_k(profile, tracker, 1, 4)
         ks.append(k)
         tracker.record(k, 0)
-    assert ks.count(1) == 2 and set(ks) == {0, 1}, ks  # one probe per PROBE_EVERY rounds at K = 0
+    assert set(ks) == {0, 1}, ks
+    # a probe after PROBE_EVERY rounds at K = 0; each failed probe doubles the wait before the next
+    probes = [i for i, k in enumerate(ks) if k == 1]
+    assert probes == [PROBE_EVERY, 2 * PROBE_EVERY + 1 + PROBE_EVERY, 6 * PROBE_EVERY + 2 + PROBE_EVERY], ks
     for _ in range(8):
         tracker.record(1, 1)
     assert _next_k(profile, tracker, 1, 4) >= 2, "a request whose drafts start agreeing gets K back"
+
+
+def test_probe_waits_back_off_and_reset_once_drafting_goes_on():
+    tracker = AcceptanceTracker()
+    waits = []
+    for _ in range(5):  # probes that fail: one round with a draft, then none
+        tracker.record(0, 0)
+        waits.append(tracker.probe_every)
+        for _ in range(tracker.probe_every - 1):
+            tracker.record(0, 0)
+        assert tracker.wants_probe
+        tracker.record(1, 0)
+        assert not tracker.wants_probe
+    assert waits == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, MAX_PROBE_EVERY, MAX_PROBE_EVERY]
+    assert tracker.probe_every == MAX_PROBE_EVERY
+    for _ in range(MAX_PROBE_EVERY - 1):
+        tracker.record(0, 0)
+    assert tracker.probe_due_next and not tracker.wants_probe
+    tracker.record(0, 0)
+    tracker.record(1, 1)  # the probe agreed and the plan drafts on: the next stop probes after PROBE_EVERY again
+    tracker.record(2, 2)
+    assert tracker.probe_every == PROBE_EVERY
+    for _ in range(PROBE_EVERY):
+        tracker.record(0, 0)
+    assert tracker.wants_probe
+    # a stretch of drafting that the plan ends is no failed probe
+    tracker.record(1, 1)
+    tracker.record(1, 1)
+    tracker.record(0, 0)
+    assert tracker.probe_every == PROBE_EVERY
 
 
 def test_no_probe_when_the_load_alone_keeps_k_at_zero():
