@@ -89,7 +89,7 @@ class RowOutlook:
     remaining: int = 1 << 30  # tokens the request may still generate
     fixed: bool = False  # the request pinned its K: exactly `cap` drafts, whatever the costs
     wants_probe: bool = False  # its drafts kept failing and it has drafted nothing for a while
-    starting: bool = False  # its drafts lag a round and it drafted none last round: this round verifies none of its
+    starting: bool = False  # its drafts lag a round and it asked for none last round: this round verifies none
 
     def gain_share(self) -> float:
         """The share of its expected extra tokens a round that drafts for this row is credited with: all of them,
