@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                        "only (the LM heads' rows of them: cheaper drafting; 0: the whole vocabulary; default 0 for "
                        "medusa, 8192 for eagle3)")
     heads.add_argument("--ttt-steps", type=int, default=3, help="eagle3: unrolled draft steps per position")
+    heads.add_argument("--labels", default="tokens", choices=["tokens", "distribution"],
+                       help="eagle3: train against the target's greedy answer tokens, or its next-token "
+                       "distribution (EAGLE-3's own loss)")
     heads.add_argument("--epochs", type=int, default=None, help="default 2 (medusa), 4 (eagle3)")
     heads.add_argument("--batch-size", type=int, default=None, help="positions (medusa, default 256) or sequences "
                        "(eagle3, default 4) per step")
@@ -130,7 +133,7 @@ def train_heads(args) -> int:
 
         settings = eagle3.Eagle3Settings(
             ttt_steps=args.ttt_steps, epochs=args.epochs or 4, batch_size=args.batch_size or 4, lr=args.lr,
-            draft_vocab=8192 if args.draft_vocab is None else args.draft_vocab)
+            draft_vocab=8192 if args.draft_vocab is None else args.draft_vocab, labels=args.labels)
         # the verifier `vllm serve OUT` loads: the target's HF directory (an alias or GGUF file's converted copy)
         report = eagle3.train(model, answers, out, settings, base_model=str(resolve(args.target).directory))
         print(json.dumps(report, indent=2))

@@ -5,12 +5,17 @@ speculators' Eagle3DraftModel).
 
 1. The target's greedy answers to the prompts, as served (engine/training/answers.regenerate, kept in OUT/data.pt).
 2. The frozen target's states entering the head's three layers at every position of each prompt + answer
-   (`aux_states`, float32, in memory: 3 x hidden_size floats a token).
+   (`aux_states`, float32, in memory: 3 x hidden_size floats a token), and with `labels: distribution` its final
+   state (bf16: hidden_size a token).
 3. Training-time test (Sec. 3.3): `ttt_steps` unrolled steps over whole sequences, step j on the head's own step
-   j - 1 states, predicting the token 2 + j places after each position; cross-entropy against the target's own
-   (greedy) answer tokens, over answer positions only, steps weighted `step_decay ** j`. The LM head is the target's
-   rows of the draft vocabulary (the answers' most frequent tokens; `d2t` maps them back), frozen, as speculators
-   trains; the target's embeddings are read, not trained or saved. AdamW; OUT/train_state.pt every `save_every`
+   j - 1 states, predicting the token 2 + j places after each position, over answer positions only, steps weighted
+   `step_decay ** j`. `labels`: "tokens" (the default): cross-entropy against the target's greedy answer tokens;
+   "distribution" (EAGLE-3's own loss, as its code and SpecForge compute it): against the target's next-token
+   distribution there, restricted to the draft vocabulary (the frozen LM head's product with the target's final
+   state, kept per position). On the embedded 135M the two heads agreed with the target equally often and the
+   distribution's steps took longer (bench/RESULTS.md, "EAGLE-3's loss against the target's distribution"). The LM
+   head is the target's rows of the draft vocabulary (the answers' most frequent tokens; `d2t` maps them back),
+   frozen, as speculators trains; the target's embeddings are read, not trained or saved. AdamW; OUT/train_state.pt every `save_every`
    steps, which a restart resumes from.
 4. The head in speculators' format (engine/proposers/eagle3_checkpoint.save_speculators: `vllm serve OUT` reads it
    too), and OUT/training.json: data size, time, and on held-out answers each step's top-1 accuracy and the mean
@@ -35,6 +40,8 @@ from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head, default_aux_l
 from engine.training.answers import Answers, to_draft_vocab, training_split
 from engine.training.loop import run_training
 
+LABELS = ("distribution", "tokens")
+
 
 @dataclass(frozen=True)
 class Eagle3Settings:
@@ -48,13 +55,20 @@ class Eagle3Settings:
     save_every: int = 50
     seed: int = 0
     max_len: int = 512  # positions of a sequence trained on (its first)
+    labels: str = "tokens"  # or "distribution": the loss's labels (module docstring, step 3)
+
+    def __post_init__(self):
+        if self.labels not in LABELS:
+            raise ValueError(f"labels: {self.labels!r} is not one of {LABELS}")
 
 
 @torch.inference_mode()
-def aux_states(model, sequence: list[int], layers: tuple[int, ...]) -> torch.Tensor:  # [N, len(layers) * H] fp32
-    """The frozen target's states entering `layers` at every position (transformers' hidden_states[i])."""
+def aux_states(model, sequence: list[int], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen target's states entering `layers` at every position (transformers' hidden_states[i]) [N,
+    len(layers) * H] fp32, and its final (normed) states [N, H] bf16, whose LM-head product is its distribution."""
     out = model.base_model(torch.tensor([sequence], device=model.device), output_hidden_states=True)  # no LM head
-    return torch.cat([out.hidden_states[i][0] for i in layers], dim=-1).float().cpu()
+    return (torch.cat([out.hidden_states[i][0] for i in layers], dim=-1).float().cpu(),
+            out.last_hidden_state[0].to(torch.bfloat16).cpu())
 
 
 def new_head(model, vocab: tuple[int, ...] | None) -> Eagle3Head:
@@ -78,37 +92,64 @@ def new_head(model, vocab: tuple[int, ...] | None) -> Eagle3Head:
     return head
 
 
-def step_losses(head: Eagle3Head, embed, aux: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
-                steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per TTT step, (logits [B, T, V'], labels [B, T]): aux [B, T, A] of positions 0..T-1, tokens [B, T + steps +
-    1] of positions 0..T+steps (padding past each sequence's end), labels [B, T + steps + 1] in the draft
-    vocabulary (-100: no loss there)."""
-    t = aux.shape[1]
+@dataclass
+class Batch:
+    aux: torch.Tensor  # [B, T, A] the head's inputs at positions 0..T-1
+    tokens: torch.Tensor  # [B, T + steps + 1] positions 0..T+steps (zeros past each sequence's end)
+    labels: torch.Tensor  # [B, T + steps + 1] in the draft vocabulary (-100 on prompts, padding, outside it)
+    finals: torch.Tensor | None  # [B, T + steps + 1, H] the target's final states (labels: distribution)
+
+
+def step_losses(head: Eagle3Head, embed, batch: Batch, steps: int
+                ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Per TTT step j, (logits [B, T, V'], labels [B, T], the target's logits there [B, T, V'] or None): step j at
+    position i predicts the token at i + 2 + j, which the target's final state at i + 1 + j scores."""
+    t = batch.aux.shape[1]
     with torch.no_grad():
-        embeds = embed(tokens[:, 1:]).float()
-    logits = head(aux, embeds, steps)
-    return [(logits[j], labels[:, 2 + j: 2 + j + t]) for j in range(steps)]
+        embeds = embed(batch.tokens[:, 1:]).float()
+    logits = head(batch.aux, embeds, steps)
+    pairs = []
+    for j in range(steps):
+        scored = None
+        if batch.finals is not None:
+            with torch.no_grad():
+                scored = head.lm_head(batch.finals[:, 1 + j: 1 + j + t].float())
+        pairs.append((logits[j], batch.labels[:, 2 + j: 2 + j + t], scored))
+    return pairs
 
 
-def batch_of(data: list[tuple[torch.Tensor, list[int], int]], steps: int, vocab, vocab_size: int):
-    """Sequences padded to the longest: aux [B, T, A], tokens and labels [B, T + steps + 1] (labels -100 on prompts
-    and padding)."""
-    t = max(len(a) for a, _, _ in data)
+def batch_of(data: list[tuple], steps: int, vocab, vocab_size: int) -> Batch:
+    """Sequences (aux states, token ids, prompt length[, final states]) padded to the longest."""
+    t = max(len(item[0]) for item in data)
     aux = torch.zeros(len(data), t, data[0][0].shape[1])
     tokens = torch.zeros(len(data), t + steps + 1, dtype=torch.long)
     labels = torch.full((len(data), t + steps + 1), -100, dtype=torch.long)
-    for b, (states, seq, prompt_len) in enumerate(data):
+    finals = torch.zeros(len(data), t + steps + 1, data[0][3].shape[1], dtype=torch.bfloat16) \
+        if len(data[0]) > 3 else None
+    for b, (states, seq, prompt_len, *final) in enumerate(data):
         n = len(states)
         aux[b, :n] = states
         tokens[b, :n] = torch.tensor(seq[:n])
         labels[b, prompt_len:n] = to_draft_vocab(torch.tensor(seq[prompt_len:n]), vocab, vocab_size)
-    return aux, tokens, labels
+        if finals is not None:
+            finals[b, :n] = final[0]
+    return Batch(aux, tokens, labels, finals)
+
+
+def step_loss(logits: torch.Tensor, labels: torch.Tensor, scored: torch.Tensor | None) -> torch.Tensor:
+    """Mean cross-entropy over the labelled positions: against the target's distribution where `scored` holds its
+    logits, else against the label tokens."""
+    kept = labels != -100
+    if not kept.any():
+        return logits.sum() * 0.0
+    if scored is None:
+        return F.cross_entropy(logits[kept], labels[kept])
+    return -(F.softmax(scored[kept], -1) * F.log_softmax(logits[kept], -1)).sum(-1).mean()
 
 
 def loss_of(pairs, decay: float) -> torch.Tensor:
     weights = [decay ** j for j in range(len(pairs))]
-    return sum(w * F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lb.reshape(-1), ignore_index=-100)
-               for w, (lg, lb) in zip(weights, pairs)) / sum(weights)
+    return sum(w * step_loss(*pair) for w, pair in zip(weights, pairs)) / sum(weights)
 
 
 @torch.no_grad()
@@ -117,10 +158,9 @@ def held_out_report(head, embed, data, settings: Eagle3Settings, vocab, vocab_si
     steps = max(settings.ttt_steps, k)
     right, counted, runs, rounds = torch.zeros(steps), torch.zeros(steps), 0.0, 0
     for item in data:
-        aux, tokens, labels = batch_of([item], steps, vocab, vocab_size)
-        pairs = step_losses(head, embed, aux, tokens, labels, steps)
-        correct = torch.stack([(lg.argmax(-1) == lb) for lg, lb in pairs])[:, 0]  # [steps, T]
-        valid = torch.stack([lb != -100 for _, lb in pairs])[:, 0]
+        pairs = step_losses(head, embed, batch_of([item[:3]], steps, vocab, vocab_size), steps)
+        correct = torch.stack([(lg.argmax(-1) == lb) for lg, lb, _ in pairs])[:, 0]  # [steps, T]
+        valid = torch.stack([lb != -100 for _, lb, _ in pairs])[:, 0]
         right += (correct & valid).sum(1).float()
         counted += valid.sum(1).float()
         usable = valid[:k].all(0)  # positions with k answer tokens after them
@@ -144,13 +184,15 @@ def train(model, answers: Answers, out: Path, settings: Eagle3Settings = Eagle3S
     if max(layers) >= model.config.num_hidden_layers:
         raise ValueError(f"aux layers {layers}: training reads transformers' hidden_states below the last layer")
 
-    def states(indices):
-        return [(aux_states(model, answers.sequences[n][:settings.max_len], layers), answers.sequences[n],
-                 answers.prompt_lens[n]) for n in tqdm(indices, desc="target states", unit="answer")
-                if len(answers.sequences[n]) - answers.prompt_lens[n] >= 2 and
-                answers.prompt_lens[n] < settings.max_len]
+    def states(indices, finals: bool):
+        data = []
+        for n in tqdm(indices, desc="target states", unit="answer"):
+            if len(answers.sequences[n]) - answers.prompt_lens[n] >= 2 and answers.prompt_lens[n] < settings.max_len:
+                aux, final = aux_states(model, answers.sequences[n][:settings.max_len], layers)
+                data.append((aux, answers.sequences[n], answers.prompt_lens[n]) + ((final,) if finals else ()))
+        return data
 
-    train_data = states(kept)
+    train_data = states(kept, settings.labels == "distribution")
     embed = model.get_input_embeddings()
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=settings.lr)
     total = settings.epochs * -(-len(train_data) // settings.batch_size)
@@ -158,9 +200,8 @@ def train(model, answers: Answers, out: Path, settings: Eagle3Settings = Eagle3S
         0.1, 1 - s / max(total, 1)))
 
     def train_step(picked: torch.Tensor) -> float:
-        aux, tokens, labels = batch_of([train_data[i] for i in picked.tolist()], settings.ttt_steps, vocab,
-                                       vocab_size)
-        loss = loss_of(step_losses(head, embed, aux, tokens, labels, settings.ttt_steps), settings.step_decay)
+        batch = batch_of([train_data[i] for i in picked.tolist()], settings.ttt_steps, vocab, vocab_size)
+        loss = loss_of(step_losses(head, embed, batch, settings.ttt_steps), settings.step_decay)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -179,6 +220,6 @@ def train(model, answers: Answers, out: Path, settings: Eagle3Settings = Eagle3S
               "train_sequences": len(train_data), "held_out_prompts": len(held), "steps": total,
               "settings": asdict(settings), "seconds": round(time.perf_counter() - began, 1)}
     if held:
-        report["held_out"] = held_out_report(head, embed, states(held), settings, vocab, vocab_size)
+        report["held_out"] = held_out_report(head, embed, states(held, False), settings, vocab, vocab_size)
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
