@@ -15,8 +15,8 @@ speculators' Eagle3DraftModel).
    state, kept per position). On the embedded 135M the two heads agreed with the target equally often and the
    distribution's steps took longer (bench/RESULTS.md, "EAGLE-3's loss against the target's distribution"). The LM
    head is the target's rows of the draft vocabulary (the answers' most frequent tokens; `d2t` maps them back),
-   frozen, as speculators trains; the target's embeddings are read, not trained or saved. AdamW; OUT/train_state.pt every `save_every`
-   steps, which a restart resumes from.
+   frozen, as speculators trains; the target's embeddings are read, not trained or saved. AdamW;
+   OUT/train_state.pt every `save_every` steps, which a restart resumes from.
 4. The head in speculators' format (engine/proposers/eagle3_checkpoint.save_speculators: `vllm serve OUT` reads it
    too), and OUT/training.json: data size, time, and on held-out answers each step's top-1 accuracy and the mean
    accepted length of a K-token greedy chain (1 + the expected run of correct drafts: with every earlier draft right,
