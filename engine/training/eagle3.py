@@ -63,12 +63,14 @@ class Eagle3Settings:
 
 
 @torch.inference_mode()
-def aux_states(model, sequence: list[int], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def aux_states(model, sequence: list[int], layers: tuple[int, ...], final: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The frozen target's states entering `layers` at every position (transformers' hidden_states[i]) [N,
-    len(layers) * H] fp32, and its final (normed) states [N, H] bf16, whose LM-head product is its distribution."""
+    len(layers) * H] fp32, and with `final` its final (normed) states [N, H] bf16, whose LM-head product is its
+    distribution (else None)."""
     out = model.base_model(torch.tensor([sequence], device=model.device), output_hidden_states=True)  # no LM head
     return (torch.cat([out.hidden_states[i][0] for i in layers], dim=-1).float().cpu(),
-            out.last_hidden_state[0].to(torch.bfloat16).cpu())
+            out.last_hidden_state[0].to(torch.bfloat16).cpu() if final else None)
 
 
 def new_head(model, vocab: tuple[int, ...] | None) -> Eagle3Head:
@@ -108,14 +110,12 @@ def step_losses(head: Eagle3Head, embed, batch: Batch, steps: int
     with torch.no_grad():
         embeds = embed(batch.tokens[:, 1:]).float()
     logits = head(batch.aux, embeds, steps)
-    pairs = []
-    for j in range(steps):
-        scored = None
-        if batch.finals is not None:
-            with torch.no_grad():
-                scored = head.lm_head(batch.finals[:, 1 + j: 1 + j + t].float())
-        pairs.append((logits[j], batch.labels[:, 2 + j: 2 + j + t], scored))
-    return pairs
+    scored = None
+    if batch.finals is not None:  # the target's logits at positions 1 .. T + steps - 1, once for every step's window
+        with torch.no_grad():
+            scored = head.lm_head(batch.finals[:, 1:t + steps].float())
+    return [(logits[j], batch.labels[:, 2 + j: 2 + j + t], None if scored is None else scored[:, j: j + t])
+            for j in range(steps)]
 
 
 def batch_of(data: list[tuple], steps: int, vocab, vocab_size: int) -> Batch:
@@ -188,7 +188,7 @@ def train(model, answers: Answers, out: Path, settings: Eagle3Settings = Eagle3S
         data = []
         for n in tqdm(indices, desc="target states", unit="answer"):
             if len(answers.sequences[n]) - answers.prompt_lens[n] >= 2 and answers.prompt_lens[n] < settings.max_len:
-                aux, final = aux_states(model, answers.sequences[n][:settings.max_len], layers)
+                aux, final = aux_states(model, answers.sequences[n][:settings.max_len], layers, finals)
                 data.append((aux, answers.sequences[n], answers.prompt_lens[n]) + ((final,) if finals else ()))
         return data
 

@@ -74,7 +74,7 @@ def test_distribution_labels_are_the_targets_own_scores_of_each_steps_token(mode
     sequence = [3, 17, 9, 40, 22, 5, 31, 12]
     vocab = (2, 5, 9, 12, 17, 22, 31, 40)  # a draft vocabulary: the LM head's rows of these
     head = new_head(model, vocab)
-    aux, final = aux_states(model, sequence, head.config.aux_layers)
+    aux, final = aux_states(model, sequence, head.config.aux_layers, final=True)
     batch = batch_of([(aux, sequence, 2, final)], 3, vocab, 64)
     with torch.no_grad():
         expected = model(torch.tensor([sequence])).logits[0][:, list(vocab)]
