@@ -1,14 +1,14 @@
 """The router's round loop: batches live requests into speculative rounds over their leased Draft/Target workers.
 
-One asyncio task per router replica. Each round groups the live sequences by the Target replica they are pinned to
-and runs one round per group at once (deployments/router/round.py: plan, draft, verify, accept, top to bottom); a
-long prompt is sent one `prefill_chunk` per round instead. A request is admitted under the router's limit
-(deployments/router/admission.py), leases its Target replica when it starts (waiting while its KV cache is full) and its
-Draft replica on the first round its plan gives it drafts: one that never drafts (under load the plan keeps K at 0)
-never holds a Draft lease. Requests join between rounds and leave when finished or cancelled, closing their leases,
-which frees their caches at once. A replica that dies mid-request is replaced by a new lease and the sequence is
-re-sent from token 0 (re-prefill: deployments/router/recovery.py); committed tokens never change, so the output does not
-either.
+One asyncio task per router replica. Each round groups the live sequences by the Target replica they are pinned to and
+runs one round per group at once (deployments/router/round.py: plan, draft, verify, accept, top to bottom); a long
+prompt is sent one `prefill_chunk` per round instead (deployments/router/prompt_chunks.py). A request is admitted under
+the router's limit (deployments/router/admission.py), leases its Target replica when it starts (waiting while its KV
+cache is full) and its Draft replica on the first round its plan gives it drafts: one that never drafts (under load the
+plan keeps K at 0) never holds a Draft lease. Requests join between rounds and leave when finished or cancelled, closing
+their leases, which frees their caches at once. A replica that dies mid-request is replaced by a new lease and the
+sequence is re-sent from token 0 (re-prefill: deployments/router/recovery.py); committed tokens never change, so the
+output does not either.
 
 Each request's K comes from engine/spec/plan.py: with `adaptive`, from its observed acceptance and the measured cost
 of a round at the group's batch size (the replicas measure their costs at start, or a calibration file gives
@@ -27,15 +27,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from deployments.config import SpecServeConfig
-from deployments.errors import ReplicaGone, RequestFailed
+from deployments.errors import RequestFailed
 from deployments.metrics import observe
 from deployments.router.admission import Admission, AdmissionSlot
 from deployments.router.live import LeaseBroker, LiveRequest
 from deployments.router.pause import RoundGate
+from deployments.router.prompt_chunks import PromptChunks
 from deployments.router.recovery import Recovery
 from deployments.router.round import GroupRound, ended
 from deployments.router.round_costs import RoundCosts
-from deployments.transport.messages import DraftCall, DraftResult, VerifyCall
 from engine.factory import DraftSource
 from engine.request.sampling import SamplingParams
 from engine.request.sequence import RequestOutput, SequenceState
@@ -128,6 +128,7 @@ class Scheduler:
         self.population = AcceptanceTracker()
         self.recovery = Recovery(broker, self._live, self.space, self.stats, lambda: self._wakeup.set())
         self.round = GroupRound(config, self.stats, self.costs, self.population, self.recovery, self._deliver)
+        self.prompt_chunks = PromptChunks(config, self.stats, self.recovery, self._deliver)
         self.last_mean_k = 0.0  # mean K over the last round's rows (the `spec_decode_k` gauge)
 
     @property
@@ -300,7 +301,7 @@ class Scheduler:
         self._in_round = {live.seq.request_id for rows in [*groups.values(), *prefilling.values()] for live in rows}
         try:
             await asyncio.gather(*(self.round.run(rows, ks) for rows, ks in plans),
-                                 *(self._prefill_chunks(lives) for lives in prefilling.values()))
+                                 *(self.prompt_chunks.send(lives) for lives in prefilling.values()))
         finally:
             self._in_round = set()
             ended, self._ended_in_round = self._ended_in_round, []
@@ -310,50 +311,3 @@ class Scheduler:
         """Each row's draft length this round (GroupRound.plan), counting the requests about to join."""
         joining = self.admission.joining()
         return self.round.plan(rows, joining, len(self._live) + joining)
-
-    async def _prefill_chunks(self, lives: list[LiveRequest]) -> None:
-        """Send the next `prefill_chunk` tokens of each long prompt leased to one Target replica to its worker, in
-        one call (chunked prefill, as vLLM's and SGLang's schedulers do): the worker takes turns between this call
-        and the running rows' round, so those wait for one chunk per prompt per round instead of whole prompts, and
-        the prompts' chunks share forwards there (engine/models/static/prefill_plan.prefill_groups). The chunks' sampled
-        tokens are not needed; a request that asked for prompt logprobs gets its chunk's
-        (engine/request/prompt_logprobs.py)."""
-        ends = [live.target_sent + self.config.prefill_chunk for live in lives]
-        calls = [VerifyCall(live.delta(live.target_sent, end), []) for live, end in zip(lives, ends)]
-        try:
-            result, *drafted = await asyncio.gather(
-                lives[0].target.verify(calls), *(self._draft_reads_chunk(live, end) for live, end in zip(lives, ends)))
-        except ReplicaGone:
-            await self.recovery.replace_target(lives)
-            return
-        self.stats.note_cached(lives, result.cached_tokens)
-        ended_now = []
-        for b, (live, end) in enumerate(zip(lives, ends)):
-            if b in result.prompt_logprobs:
-                live.seq.add_prompt_logprobs(result.prompt_logprobs[b])
-            live.target_sent = end
-            failure = result.failed.get(b) or (drafted[b].failed.get(0) if drafted[b] is not None else None)
-            if failure is not None:  # a worker failed this request (its grammar): it ends with the error
-                ended_now.append((live, RequestFailed.of(failure)))
-        self.stats.prefill_chunks += len(lives)
-        if ended_now:
-            await self._deliver([live for live, _ in ended_now], [error for _, error in ended_now])
-
-    async def _draft_reads_chunk(self, live: LiveRequest, end: int) -> DraftResult | None:
-        """With a draft model, the same chunk goes to the row's Draft worker (a draft call for 0 tokens: it only
-        reads), so the draft too reads a long prompt one chunk a round instead of all of it in the row's first
-        drafting round. The Draft lease is taken here; a row without one (none to be had, or its worker died)
-        reads the rest when it next drafts."""
-        if not self.config.draft.remote or live.seq.k == 0:
-            return None
-        if live.draft is None and time.monotonic() >= live.draft_retry_at:
-            await self.recovery.lease_drafts([live])
-        if live.draft is None or live.draft_sent >= end:
-            return None
-        try:
-            result = await live.draft.propose([DraftCall(live.draft_delta([], end), 0)])
-        except ReplicaGone:
-            await self.recovery.replace_draft([live])
-            return None
-        self.stats.draft_prefill_chunks += 1
-        return result

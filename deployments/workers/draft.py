@@ -101,7 +101,7 @@ class DraftWorkerCore(ModelWorker):
             tokens = self._known.apply(call.seq)  # the first draft's absolute position is len(tokens)
             requests.append(DraftRequest(seq_id, tokens, call.k, self._known.settings(seq_id),
                                          self._known.processing(seq_id), call.tree))
-        if all(call.k == 0 for call in calls):  # a prompt chunk, read only (scheduler._draft_reads_chunk)
+        if all(call.k == 0 for call in calls):  # a prompt chunk, read only (prompt_chunks.PromptChunks._draft_reads)
             self.proposer.read(requests)
             self._counted(len(calls))
             return DraftResult([[] for _ in calls], {}, time.perf_counter() - start, failed=self._failures(calls))

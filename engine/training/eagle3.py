@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -94,6 +94,16 @@ def new_head(model, vocab: tuple[int, ...] | None) -> Eagle3Head:
     return head
 
 
+@dataclass(frozen=True)
+class TrainingSequence:
+    """One answer as training reads it: the target's states at its positions and its tokens."""
+
+    aux: torch.Tensor  # [N, A] the target's captured layers' states (aux_states)
+    tokens: list[int]  # N token ids: the prompt, then the target's answer
+    prompt_len: int  # labels start here
+    finals: torch.Tensor | None = None  # [N, H] bf16 the target's final states (labels: distribution)
+
+
 @dataclass
 class Batch:
     aux: torch.Tensor  # [B, T, A] the head's inputs at positions 0..T-1
@@ -118,21 +128,22 @@ def step_losses(head: Eagle3Head, embed, batch: Batch, steps: int
             for j in range(steps)]
 
 
-def batch_of(data: list[tuple], steps: int, vocab, vocab_size: int) -> Batch:
-    """Sequences (aux states, token ids, prompt length[, final states]) padded to the longest."""
-    t = max(len(item[0]) for item in data)
-    aux = torch.zeros(len(data), t, data[0][0].shape[1])
+def batch_of(data: list[TrainingSequence], steps: int, vocab, vocab_size: int) -> Batch:
+    """Sequences padded to the longest; final states only where every sequence has them."""
+    t = max(len(item.aux) for item in data)
+    aux = torch.zeros(len(data), t, data[0].aux.shape[1])
     tokens = torch.zeros(len(data), t + steps + 1, dtype=torch.long)
     labels = torch.full((len(data), t + steps + 1), -100, dtype=torch.long)
-    finals = torch.zeros(len(data), t + steps + 1, data[0][3].shape[1], dtype=torch.bfloat16) \
-        if len(data[0]) > 3 else None
-    for b, (states, seq, prompt_len, *final) in enumerate(data):
-        n = len(states)
-        aux[b, :n] = states
-        tokens[b, :n] = torch.tensor(seq[:n])
-        labels[b, prompt_len:n] = to_draft_vocab(torch.tensor(seq[prompt_len:n]), vocab, vocab_size)
+    with_finals = all(item.finals is not None for item in data)
+    finals = torch.zeros(len(data), t + steps + 1, data[0].finals.shape[1], dtype=torch.bfloat16) \
+        if with_finals else None
+    for b, item in enumerate(data):
+        n = len(item.aux)
+        aux[b, :n] = item.aux
+        tokens[b, :n] = torch.tensor(item.tokens[:n])
+        labels[b, item.prompt_len:n] = to_draft_vocab(torch.tensor(item.tokens[item.prompt_len:n]), vocab, vocab_size)
         if finals is not None:
-            finals[b, :n] = final[0]
+            finals[b, :n] = item.finals
     return Batch(aux, tokens, labels, finals)
 
 
@@ -158,7 +169,7 @@ def held_out_report(head, embed, data, settings: Eagle3Settings, vocab, vocab_si
     steps = max(settings.ttt_steps, k)
     right, counted, runs, rounds = torch.zeros(steps), torch.zeros(steps), 0.0, 0
     for item in data:
-        pairs = step_losses(head, embed, batch_of([item[:3]], steps, vocab, vocab_size), steps)
+        pairs = step_losses(head, embed, batch_of([replace(item, finals=None)], steps, vocab, vocab_size), steps)
         correct = torch.stack([(lg.argmax(-1) == lb) for lg, lb, _ in pairs])[:, 0]  # [steps, T]
         valid = torch.stack([lb != -100 for _, lb, _ in pairs])[:, 0]
         right += (correct & valid).sum(1).float()
@@ -189,7 +200,7 @@ def train(model, answers: Answers, out: Path, settings: Eagle3Settings = Eagle3S
         for n in tqdm(indices, desc="target states", unit="answer"):
             if len(answers.sequences[n]) - answers.prompt_lens[n] >= 2 and answers.prompt_lens[n] < settings.max_len:
                 aux, final = aux_states(model, answers.sequences[n][:settings.max_len], layers, finals)
-                data.append((aux, answers.sequences[n], answers.prompt_lens[n]) + ((final,) if finals else ()))
+                data.append(TrainingSequence(aux, answers.sequences[n], answers.prompt_lens[n], final))
         return data
 
     train_data = states(kept, settings.labels == "distribution")

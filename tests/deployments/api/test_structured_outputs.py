@@ -364,7 +364,7 @@ def test_workers_and_router_build_the_grammar_table_at_start_up(byte_model_dirs,
 
 
 def test_a_long_prompts_chunk_reports_the_failure_too(byte_model_dirs, monkeypatch):
-    """A prompt read one chunk a round (scheduler._prefill_chunks) meets the target's grammar in its first chunk:
+    """A prompt read one chunk a round (prompt_chunks.PromptChunks) meets the target's grammar in its first chunk:
     that call's failure ends the request as well."""
     config = tiny_config(byte_model_dirs, speculation={"num_speculative_tokens": 3}, runner={"prefill_chunk": 16})
     broker = LocalBroker(config)

@@ -16,6 +16,7 @@ from engine.training import eagle3 as training
 from engine.training.answers import regenerate
 from engine.training.eagle3 import (
     Eagle3Settings,
+    TrainingSequence,
     aux_states,
     batch_of,
     new_head,
@@ -75,7 +76,7 @@ def test_distribution_labels_are_the_targets_own_scores_of_each_steps_token(mode
     vocab = (2, 5, 9, 12, 17, 22, 31, 40)  # a draft vocabulary: the LM head's rows of these
     head = new_head(model, vocab)
     aux, final = aux_states(model, sequence, head.config.aux_layers, final=True)
-    batch = batch_of([(aux, sequence, 2, final)], 3, vocab, 64)
+    batch = batch_of([TrainingSequence(aux, sequence, 2, final)], 3, vocab, 64)
     with torch.no_grad():
         expected = model(torch.tensor([sequence])).logits[0][:, list(vocab)]
     for j, (_, labels, scored) in enumerate(step_losses(head, model.get_input_embeddings(), batch, 3)):
