@@ -28,8 +28,9 @@ TINY = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512, "num_a
         "num_key_value_heads": 2}
 
 
-def random_head(target_config, draft_vocab: int, seed: int = 0):
-    """A head of the target's width (EAGLE-3's Llama-3.1-8B head is one such layer), random weights."""
+def random_head(target_config, draft_vocab: int, seed: int = 0, aux_layers: tuple[int, ...] | None = None):
+    """A head of the target's width (EAGLE-3's Llama-3.1-8B head is one such layer), random weights; reading
+    `aux_layers` (default: low, middle and high)."""
     from transformers import LlamaConfig
 
     from engine.proposers.eagle3_head import (
@@ -43,7 +44,8 @@ def random_head(target_config, draft_vocab: int, seed: int = 0):
                                                       "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
                                                       "max_position_embeddings")},
                         num_hidden_layers=1, rope_parameters=getattr(c, "rope_parameters", None))
-    head = Eagle3Head(Eagle3Config(layer, draft_vocab, default_aux_layers(c.num_hidden_layers), c.hidden_size))
+    head = Eagle3Head(Eagle3Config(layer, draft_vocab, aux_layers or default_aux_layers(c.num_hidden_layers),
+                                   c.hidden_size))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in head.named_parameters():

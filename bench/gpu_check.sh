@@ -17,6 +17,11 @@
 #     trees   the 8b stage with token trees (speculation.tree: on, 8 nodes; the draft model's chain with its best
 #             alternatives beside it) after the tree kernels' CUDA tests (issue 49: trees >= 1.2x the chain at
 #             one stream, never below it at 32; not yet run):                                                ~8 min
+#     sources every draft source on the 8B pair in one call (issue 51, item 5), at noise 0.01 (greedy agreement 0.91
+#             at reduced width on a CPU, 0.02 gave 0.64 on the H100 where the CPU said 0.83): plain, the draft model,
+#             `self` (the same layers drafting inside the target: issue 47's one-stream >= 2.5x and drafting <= 15%
+#             of a round), random Medusa and EAGLE-3 heads of the target's shape (their drafting share; their
+#             drafts are random, so the plan should keep them off: never below plain), 1 and 32 streams:      ~9 min
 #     amx     the device host's CPU, where it has AMX (Intel Sapphire Rapids and later; issue 50): the AMX product's
 #             tests on the CPU's own tiles (batch invariance over 1..64 rows, the product against the exact one, a
 #             bf16 runner's rows the same bits in any batch), its speed against VDPBF16PS, and what
@@ -28,7 +33,7 @@
 # with the machine's start. The servers' configs and logs come back as one runs.tgz (the device returns 8 files).
 # Record what they print in bench/RESULTS.md with the commit and the command.
 set -u
-STAGE=${1:?usage: gpu_check.sh tests|1.5b|8b|exact|eagle3|trees|amx}
+STAGE=${1:?usage: gpu_check.sh tests|1.5b|8b|exact|eagle3|trees|sources|amx}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 bash .gpu/unpack.sh || { echo "no .gpu/ carried: see this script's header"; exit 2; }
@@ -66,6 +71,11 @@ case "$STAGE" in
     timeout 480 python3 -m bench.gpu_serve --shape 8b --noise 0.02 --budget-s 420 --serve-cli python \
       --set speculation.tree=on --set speculation.tree_nodes=8 \
       --pair-root /tmp/pairs --out "$OUT/gpu_serve_8b_trees.json" 2>&1 | tee "$OUT/gpu_serve_8b_trees.txt"
+    ;;
+  sources)
+    timeout 570 python3 -m bench.gpu_serve --shape 8b --noise 0.01 --concurrency 1 32 --budget-s 500 \
+      --serve-cli python --variants plain speculative self medusa eagle3 \
+      --pair-root /tmp/pairs --out "$OUT/gpu_serve_sources.json" 2>&1 | tee "$OUT/gpu_serve_sources.txt"
     ;;
   amx)
     (lscpu | grep -E "Model name|^CPU\(s\)"; grep -o -w -E "amx_[a-z0-9]+" /proc/cpuinfo | sort -u) | tee "$OUT/cpu.txt"

@@ -10,7 +10,9 @@ One command for a GPU machine, within --budget-s (default 8 minutes) of wall tim
 2. measures the device's memory bandwidth (bench/gpu_runner_bench.measured_bandwidth: a large copy), so the
    roofline, a step that reads every weight once (weight bytes / bandwidth; KV-cache reads and compute ignored),
    comes from the same run;
-3. serves `plain` (model.draft: none) and then `speculative` (the synthetic draft), each by `serve run` of a
+3. serves each of --variants (default `plain`, model.draft: none, then `speculative`, the synthetic draft; also
+   `self`, the target's first layers drafting inside it, and `medusa` / `eagle3`, random heads written beside the
+   pair, see VARIANTS), each by `serve run` of a
    config derived from serve_config.yaml (validated by deployments.config.SpecServeConfig; one router replica, so
    its /stats sees every round), with Ray Serve's settings of `make run` (deployments/ray_env.py) unless
    --ray-serve-proxy; start-up is launch to /health 200 (and to the first completion);
@@ -22,7 +24,8 @@ One command for a GPU machine, within --budget-s (default 8 minutes) of wall tim
 Reported per variant and C: tok/s (all streams' tokens over the level's wall time), TTFT p50, TPOT p50, mean
 accepted length (vLLM's: 1 + accepted / drafting rounds, from the router's /stats) and acceptance rate, host ms
 per round (the router's orchestration: round wall time less the workers' compute) against the workers' compute ms
-per round (draft + verify: device time plus the workers' own host work), and each figure's ratio to its roofline
+per round (draft + verify: device time plus the workers' own host work) and drafting's share of it (a Draft
+worker's compute, or a drafter's inside the target's call), and each figure's ratio to its roofline
 (a fraction: roofline time / measured time, measured tok/s / roofline tok/s; speculative decoding may exceed 1
 against the plain roofline; the JSON also has its own: rounds at their roofline, each emitting the mean accepted
 length). Also the speculative / plain speed-up and whether plain and speculative greedy texts are equal for the
@@ -39,42 +42,54 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import yaml
 
 from bench.gpu_runner_bench import measured_bandwidth
-from bench.peer_serve import round_timings
+from bench.gpu_serve_report import Record, compare_with_plain, level_summary, roofline, roofline_ratios, table
 from bench.peer_servers import (ROOT, ManagedServer, derive_ours_config, machine_params, parse_overrides, port_free,
                                 serve_run_argv)
 from bench.prefill_stall import stream
-from bench.synthetic_pair import SHAPES, Shape, default_root, param_counts, write_pair
+from bench.synthetic_pair import SHAPES, Shape, default_root, param_counts, write_heads, write_pair
 
 COMPILE = "auto"  # runner.compile: CUDA graphs on CUDA, eager on CPU (deployments/config.py)
 # speculative_overlap: the draft drafts round r+1 during round r's verify (speculation.overlap), the disaggregated
 # design's reason to exist where the draft has a device of its own (--draft-gpu own)
-VARIANTS = ("plain", "speculative", "speculative_overlap")
+# self: the target's first draft_layers layers draft inside it (engine/proposers/early_exit.py), the draft model's
+# layers by construction, so its acceptance is the draft model's; medusa, eagle3: random heads of the target's shape
+# (bench/synthetic_pair.write_heads), whose drafts are random: their cost, and the plan keeping them off
+VARIANTS = ("plain", "speculative", "speculative_overlap", "self", "medusa", "eagle3")
+HEAD_VARIANTS = ("medusa", "eagle3")
 DEFAULT_VARIANTS = ("plain", "speculative")
 WARMUP_BASE = 1_000_000  # warm-up prompts' indices: never a measured prompt
 LEVEL_PROMPTS = 1000  # level C's prompts are C x LEVEL_PROMPTS onwards
 FIRST_PROMPT_ID = 100  # random prompt tokens from here on: above the tokenizer's special tokens
 STOP_ESTIMATE_S = 20.0
-BYTES_PER_PARAM = 2  # bf16
 
 
 # ---- pure parts (tests/bench/test_gpu_serve.py) ---------------------------------------------------------------
+
+def draft_of(variant: str, target: Path, draft: Path, shape: Shape) -> str:
+    """The variant's `model.draft`."""
+    if variant.startswith("speculative"):
+        return str(draft)
+    if variant == "self":
+        return f"self:{shape.draft_layers}"
+    if variant in HEAD_VARIANTS:
+        return f"{variant}:{target.parent / variant}"  # bench/synthetic_pair.write_heads
+    return "none"
+
 
 def variant_overrides(variant: str, target: Path, draft: Path, shape: Shape, args) -> dict:
     """The dotted overrides (relative to the application's args) of one variant's serve config."""
     cuda = args.device == "cuda"
     dtype = "bfloat16" if cuda else "float32"
     max_len = -(-(args.prompt_tokens + args.max_tokens + 64) // 256) * 256
-    drafting = variant.startswith("speculative")
-    out = {"model.target": str(target), "model.draft": str(draft) if drafting else "none",
+    drafting = variant != "plain"
+    out = {"model.target": str(target), "model.draft": draft_of(variant, target, draft, shape),
            "model.target_dtype": dtype, "model.draft_dtype": dtype, "model.device": args.device,
            "model.served_model_name": f"synthetic-{shape.name}", "model.max_model_len": max_len,
            "limits.max_prompt_tokens": max_len - args.max_tokens, "limits.max_tokens": args.max_tokens,
@@ -112,152 +127,12 @@ def prompt_ids(index: int, n_tokens: int, vocab: int, seed: int = 0) -> list[int
     return [rng.randrange(FIRST_PROMPT_ID, vocab) for _ in range(n_tokens)]
 
 
-@dataclass
-class Record:
-    """One streamed completion: its prompt, when it was sent, when each chunk with text came, its text."""
-
-    prompt_index: int
-    sent: float
-    arrivals: list[float]
-    text: str
-    completion_tokens: int
-
-
-def level_summary(records: list[Record], wall_s: float, before: dict, after: dict) -> dict:
-    """A level's figures from its measured requests and the router's /stats before and after them."""
-    tokens = sum(r.completion_tokens for r in records)
-    ttft = [r.arrivals[0] - r.sent for r in records if r.arrivals]
-    tpot = [(r.arrivals[-1] - r.arrivals[0]) / (r.completion_tokens - 1)
-            for r in records if r.arrivals and r.completion_tokens > 1]
-    spec0, spec1 = before.get("speculative") or {}, after.get("speculative") or {}
-    d = {k: spec1.get(k, 0) - spec0.get(k, 0) for k in ("rounds", "num_drafts", "num_draft_tokens",
-                                                         "num_accepted_tokens")}
-    rounds = round_timings(before, after)
-    out = {"requests": len(records), "output_tokens": tokens, "wall_s": round(wall_s, 3),
-           "tok_s": tokens / wall_s if wall_s > 0 else None,
-           "ttft_p50_ms": 1e3 * statistics.median(ttft) if ttft else None,
-           "tpot_p50_ms": 1e3 * statistics.median(tpot) if tpot else None, "spec": d, "rounds": rounds,
-           "mean_accepted_length": 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None,
-           "acceptance_rate": d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None,
-           "draft_tokens_per_round": d["num_draft_tokens"] / d["rounds"] if d["rounds"] else 0.0}
-    if rounds["rounds"]:
-        out["host_ms_per_round"] = rounds["orchestration_ms_per_round"]
-        out["device_ms_per_round"] = rounds["draft_compute_ms_per_round"] + rounds["verify_compute_ms_per_round"]
-    return out
-
-
-def roofline(shape: Shape, bandwidth: float) -> dict:
-    """Weight bytes a decode step reads (bf16) and the time that takes at the measured bandwidth."""
-    p = param_counts(shape)
-    target, draft = p["target_read"] * BYTES_PER_PARAM, p["draft_read"] * BYTES_PER_PARAM
-    return {"bandwidth_gb_s": bandwidth / 1e9, "target_read_gb": target / 1e9, "draft_read_gb": draft / 1e9,
-            "target_step_ms": 1e3 * target / bandwidth, "draft_step_ms": 1e3 * draft / bandwidth}
-
-
-def roofline_ratios(level: dict, streams: int, roof: dict) -> dict:
-    """The level's figures as fractions of their rooflines: one target step per token of each stream (tok/s),
-    one step to the first token (TTFT), and per round one target step plus a draft step per draft token; a
-    speculative level also against its own bound, such rounds each emitting the mean accepted length."""
-    step = roof["target_step_ms"]
-    round_ms = step + level.get("draft_tokens_per_round", 0.0) * roof["draft_step_ms"]
-    out = {"roofline_tok_s": streams * 1e3 / step, "roofline_round_ms": round_ms}
-    out["tok_s_vs_roofline"] = level["tok_s"] / out["roofline_tok_s"] if level.get("tok_s") else None
-    out["ttft_vs_roofline"] = step / level["ttft_p50_ms"] if level.get("ttft_p50_ms") else None
-    if level.get("device_ms_per_round"):
-        out["device_round_vs_roofline"] = round_ms / level["device_ms_per_round"]
-    if level.get("mean_accepted_length") and level.get("tok_s"):
-        out["speculative_roofline_tok_s"] = streams * level["mean_accepted_length"] * 1e3 / round_ms
-        out["tok_s_vs_speculative_roofline"] = level["tok_s"] / out["speculative_roofline_tok_s"]
-    return out
-
-
-def greedy_equality(plain: dict[int, str], spec: dict[int, str]) -> dict:
-    """Over the prompts both variants ran: how many gave the same greedy text, and where each pair that differs
-    first differs, in words (the synthetic pair's tokenizer makes a word of each token): a rounding flip of a
-    near-tie shows as a late divergence, a broken step as one at the start."""
-    common = sorted(set(plain) & set(spec))
-    same = sum(plain[i] == spec[i] for i in common)
-    diverged = sorted(_first_difference(plain[i].split(), spec[i].split()) for i in common if plain[i] != spec[i])
-    return {"prompts": len(common), "same": same, "fraction": same / len(common) if common else None,
-            "diverged_at_words": diverged}
-
-
-def _first_difference(a: list[str], b: list[str]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def compare_with_plain(variants: dict, texts: dict, concurrency: list[int]) -> tuple[dict, dict]:
-    """Per drafting variant and level: greedy equality of its texts with plain's, and its tok/s over plain's."""
-    equal: dict = {}
-    speedup: dict = {}
-    plain = variants.get("plain", {}).get("levels", {})
-    for name in variants:
-        if name == "plain":
-            continue
-        for c in concurrency:
-            if c in texts.get("plain", {}) and c in texts.get(name, {}):
-                equal.setdefault(name, {})[c] = greedy_equality(texts["plain"][c], texts[name][c])
-            a, b = plain.get(c), variants[name].get("levels", {}).get(c)
-            if a and b and a.get("tok_s") and b.get("tok_s"):
-                speedup.setdefault(name, {})[c] = b["tok_s"] / a["tok_s"]
-    return equal, speedup
-
-
 def level_allowance(time_left_s: float, levels_left: int, later_levels: int, later_startups: int,
                     startup_s: float) -> float:
     """Seconds one level may take: what is left after the later variants' start-ups, shared by every level
     still to run."""
     spare = time_left_s - later_startups * (startup_s + STOP_ESTIMATE_S)
     return max(0.0, spare / max(1, levels_left + later_levels))
-
-
-COLUMNS = ("variant", "streams", "tok/s", "of roofline", "TTFT p50 ms", "of roofline", "TPOT p50 ms",
-           "accepted length", "acceptance", "host ms/round", "device ms/round", "of roofline", "same text")
-
-
-def _fmt(value, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _header(report: dict) -> list[str]:
-    pair, roof, params = report["pair"], report["roofline"], report["pair"]["params"]
-    lines = [f"synthetic {pair['shape']} pair, noise {pair['noise']:g}: target {params['target'] / 1e9:.2f}B params, "
-             f"draft {params['draft'] / 1e9:.2f}B; vocabulary {pair['vocab']}",
-             f"{report['device_name']}: copy bandwidth {roof['bandwidth_gb_s']:.0f} GB/s; roofline step "
-             f"{roof['target_step_ms']:.3f} ms target ({roof['target_read_gb']:.2f} GB), "
-             f"{roof['draft_step_ms']:.3f} ms draft ({roof['draft_read_gb']:.2f} GB)"]
-    for name, v in report["variants"].items():
-        st, error = v.get("startup") or {}, v.get("error")
-        lines.append(f"start-up {name}: {st.get('health_s', '-')} s to /health 200, {st.get('ready_s', '-')} s to "
-                     "the first completion" + (f"; error: {error.splitlines()[0][:200]}" if error else ""))
-    return lines
-
-
-def _row(name: str, c: int, r: dict, same: dict) -> str:
-    cells = [name, str(c), _fmt(r["tok_s"]), _fmt(r["tok_s_vs_roofline"], ".2f"), _fmt(r["ttft_p50_ms"]),
-             _fmt(r["ttft_vs_roofline"], ".2f"), _fmt(r["tpot_p50_ms"], ".2f"), _fmt(r["mean_accepted_length"], ".2f"),
-             _fmt(r["acceptance_rate"], ".2f"), _fmt(r.get("host_ms_per_round"), ".2f"),
-             _fmt(r.get("device_ms_per_round"), ".2f"), _fmt(r.get("device_round_vs_roofline"), ".2f"),
-             f"{same['same']}/{same['prompts']}" if same.get("prompts") else "-"]
-    return "| " + " | ".join(cells) + " |"
-
-
-def table(report: dict) -> str:
-    """Markdown: the pair and roofline, one row per variant and concurrency, then the speed-ups."""
-    lines = _header(report) + ["", "| " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
-    for name, v in report["variants"].items():
-        for c, r in v.get("levels", {}).items():
-            lines.append(_row(name, c, r, report["greedy_equal"].get(name, {}).get(c, {})))
-    lines.append("")
-    for name, by_level in report["speedup"].items():
-        speedups = ", ".join(f"{c} streams {x:.2f}x" for c, x in by_level.items()) or "-"
-        lines.append(f"{name} / plain tok/s: {speedups}")
-    for name, by_level in report["greedy_equal"].items():
-        firsts = "; ".join(f"{c} streams {e['diverged_at_words']}" for c, e in by_level.items()
-                           if e.get("diverged_at_words"))
-        if firsts:
-            lines.append(f"{name}: first word where a text differs from plain: {firsts}")
-    return "\n".join(lines)
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
@@ -368,6 +243,9 @@ def prepare(args) -> tuple[Shape, Path, Path, dict, dict]:
     pair = {"shape": shape.name, "noise": args.noise, "seed": args.seed, "vocab": shape.vocab,
             "params": param_counts(shape), "target": str(target), "draft": str(draft),
             "write_s": round(time.perf_counter() - start, 1)}
+    if set(args.variants) & set(HEAD_VARIANTS):
+        pair["heads"] = {k: str(v) for k, v in write_heads(shape, target, args.seed).items()}
+        pair["write_s"] = round(time.perf_counter() - start, 1)
     print(f"== pair ready in {pair['write_s']} s: {target.parent}", flush=True)
     roof = roofline(shape, measured_bandwidth(torch.device(args.device),
                                               args.bandwidth_gib or (4.0 if args.device == "cuda" else 0.5)))

@@ -292,7 +292,7 @@ def _measure_one(server: ManagedServer, args, c: int, dataset: Path, tokenizer_d
 
 
 ROUND_TIMINGS = ("draft_ms_per_round", "verify_ms_per_round", "draft_compute_ms_per_round",
-                 "verify_compute_ms_per_round", "orchestration_ms_per_round")
+                 "verify_compute_ms_per_round", "target_draft_compute_ms_per_round", "orchestration_ms_per_round")
 
 
 def round_timings(before: dict, after: dict) -> dict:

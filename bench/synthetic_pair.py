@@ -245,6 +245,42 @@ def write_pair(shape: Shape, root: Path, noise: float = 0.0, seed: int = 0, devi
     return target_dir, draft_dir
 
 
+# ---- heads beside the pair -------------------------------------------------------------------------------------
+
+MEDUSA_HEADS = 4  # FasterDecoding's Medusa-1 checkpoints have 4-5 heads of one ResBlock
+EAGLE3_DRAFT_VOCAB = 32000  # yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's draft vocabulary
+
+
+def write_heads(shape: Shape, target_dir: Path, seed: int = 0) -> dict[str, Path]:
+    """Random-weight heads of the target's shape beside the pair, written once: {"medusa": DIR, "eagle3": DIR}.
+
+    They cost what trained heads of their shape cost, which is what they are for (drafting's share of a round,
+    the plan keeping them off); their drafts are random, so their acceptance means nothing. EAGLE-3: one layer of
+    the target's width with a draft vocabulary of min(32000, vocab / 2) tokens and the default aux layers
+    (bench/eagle3_cost.random_head), in speculators' format. Medusa: MEDUSA_HEADS heads of one ResBlock that share
+    the target's LM head (at Llama-3's 128k vocabulary a head's own LM head would be 0.5B parameters)."""
+    from bench.eagle3_cost import random_head
+    from engine.proposers.eagle3_checkpoint import save_speculators
+    from engine.proposers.medusa import MedusaConfig, MedusaHeads
+
+    base = target_dir.parent
+    dirs = {"medusa": base / "medusa", "eagle3": base / "eagle3"}
+    if (base / (DONE_MARK + "-heads")).is_file():
+        return dirs
+    torch.manual_seed(seed)
+    medusa = MedusaHeads(MedusaConfig(MEDUSA_HEADS, 1, shape.hidden, shape.vocab, shared_lm_head=True))
+    with torch.no_grad():
+        for name, param in medusa.named_parameters():
+            param.normal_(0.0, 1.0 / math.sqrt(shape.hidden) if name.endswith("weight") else 0.0)
+    medusa.to(torch.bfloat16).save(dirs["medusa"], str(target_dir))
+    n = shape.layers  # the default low / middle / high layers coincide on a shallow (test) shape
+    aux = None if n >= 8 else (1, n // 2, n - 1)
+    head = random_head(llama_config(shape, n), min(EAGLE3_DRAFT_VOCAB, shape.vocab // 2), seed, aux)
+    save_speculators(head.to(torch.bfloat16), dirs["eagle3"], verifier=str(target_dir))
+    (base / (DONE_MARK + "-heads")).write_text("")
+    return dirs
+
+
 def default_root() -> Path:
     from engine.models.loading import cache_root
 

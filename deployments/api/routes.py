@@ -90,7 +90,8 @@ def create_app(router) -> FastAPI:
                 "draft_ms_per_round": ms_per_round(st.timings.draft_seconds),
                 "verify_ms_per_round": ms_per_round(st.timings.verify_seconds),
                 "draft_compute_ms_per_round": ms_per_round(st.draft_compute_seconds),
-                "verify_compute_ms_per_round": ms_per_round(st.verify_compute_seconds)}
+                "verify_compute_ms_per_round": ms_per_round(st.verify_compute_seconds),
+                "target_draft_compute_ms_per_round": ms_per_round(st.target_draft_compute_seconds)}
 
     @app.get("/v1/models")
     async def models():

@@ -97,6 +97,7 @@ class RoundResult:
     verify_compute: float  # the target worker's own compute
     delivery_seconds: float = 0.0  # from the answer to the outputs delivered (and drafts made ahead settled)
     ahead: bool = False  # every row was answered from a step decoded ahead (deployments/workers/decode_ahead.py)
+    target_draft_compute: float = 0.0  # of verify_compute, a drafter inside the target's (the next round's drafts)
 
 
 def ended(out: RequestOutput | RequestFailed) -> bool:
@@ -223,7 +224,8 @@ class GroupRound:
         await self._deliver(rows, outputs)
         await self.ahead.settle(aheads, rows, drafts.tokens, accepted, [ended(out) for out in outputs])
         result = RoundResult(drafts.tokens, outputs, accepted, chained, t1 - t0, t2 - t1, drafts.compute_seconds,
-                             verified.seconds, time.perf_counter() - t2, verified.ahead_rows == len(rows))
+                             verified.seconds, time.perf_counter() - t2, verified.ahead_rows == len(rows),
+                             verified.target_draft_seconds)
         self._record(rows, result)
         return result
 
@@ -353,3 +355,4 @@ class GroupRound:
                 result.verify_seconds, orchestration)
         self.stats.draft_compute_seconds += result.draft_compute
         self.stats.verify_compute_seconds += result.verify_compute
+        self.stats.target_draft_compute_seconds += result.target_draft_compute

@@ -88,6 +88,7 @@ class SchedulerStats:
     draft_lease_seconds: float = 0.0  # rounds' waits for requests' first Draft leases (not in orchestration)
     draft_compute_seconds: float = 0.0  # the draft workers' own compute, summed
     verify_compute_seconds: float = 0.0  # the target workers' own compute (rank 0), summed
+    target_draft_compute_seconds: float = 0.0  # of that, a drafter's inside the target (self, Medusa, EAGLE-3)
     prefill_chunks: int = 0  # prompt chunks sent ahead of a long prompt's first round
     draft_prefill_chunks: int = 0  # of those, the ones its Draft worker read too
     replica_failures: int = 0

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench import gpu_serve
+from bench import gpu_serve, gpu_serve_report
 from bench.gpu_runner_bench import measured_bandwidth
 from bench.peer_servers import ROOT, SERVE_CLI_CODE
 from bench.synthetic_pair import SHAPES, param_counts
@@ -41,6 +41,11 @@ def test_both_variants_configs_validate_and_differ_only_in_the_draft(device):
     assert spec.limits.max_prompt_tokens + args.max_tokens <= spec.model.max_model_len
     assert cfgs["plain"]["http_options"]["port"] == 8123
     assert plain.model_dump(exclude={"model"}) == spec.model_dump(exclude={"model"})
+    # the drafters inside the target: the pair's draft layers as an early exit, and the heads beside the pair
+    assert [parsed[v].model.draft for v in ("self", "medusa", "eagle3")] == ["self:1", "medusa:/medusa",
+                                                                           "eagle3:/eagle3"]
+    for v in ("self", "medusa", "eagle3"):
+        assert parsed[v].model_dump(exclude={"model": {"draft"}}) == spec.model_dump(exclude={"model": {"draft"}})
     own = gpu_serve.variant_overrides("speculative", Path("/t"), Path("/d"), SHAPES["tiny"],
                                       _args("--device", device, "--draft-gpu", "own"))
     assert own["draft.num_gpus"] == own["target.num_gpus"] == (1.0 if device == "cuda" else 0.0)
@@ -52,7 +57,7 @@ def test_each_drafting_variant_is_compared_with_plain():
                 "speculative_overlap": {"levels": {1: {"tok_s": 30.0}}}}
     texts = {"plain": {1: {0: "a", 1: "b"}}, "speculative": {1: {0: "a", 1: "b"}},
              "speculative_overlap": {1: {0: "a", 1: "c"}}}
-    equal, speedup = gpu_serve.compare_with_plain(variants, texts, [1, 8])
+    equal, speedup = gpu_serve_report.compare_with_plain(variants, texts, [1, 8])
     assert speedup == {"speculative": {1: 2.5}, "speculative_overlap": {1: 3.0}}
     assert equal["speculative"][1]["same"] == 2 and equal["speculative_overlap"][1]["same"] == 1
 
@@ -76,7 +81,7 @@ def _fake_streams(monkeypatch, seconds_of: dict[int, float]):
         state["order"].append(index)
         await asyncio.sleep(seconds_of[index])
         state["in_flight"] -= 1
-        return gpu_serve.Record(index, 0.0, [], f"t{index}", max_tokens)
+        return gpu_serve_report.Record(index, 0.0, [], f"t{index}", max_tokens)
 
     monkeypatch.setattr(gpu_serve, "one_stream", one_stream)
     return state
@@ -99,7 +104,7 @@ def test_streams_keep_c_requests_in_flight_and_do_not_wait_for_the_slowest(monke
             await asyncio.sleep(0.001)
         state["in_flight"] -= 1
         state["ended"].append(index)
-        return gpu_serve.Record(index, 0.0, [], f"t{index}", max_tokens)
+        return gpu_serve_report.Record(index, 0.0, [], f"t{index}", max_tokens)
 
     monkeypatch.setattr(gpu_serve, "one_stream", one_stream)
     args = _args("--max-tokens", "4")
@@ -132,16 +137,16 @@ def _stats(rounds: int, spec_rounds: int, drafts: int, drafted: int, accepted: i
                             "num_accepted_tokens": accepted}}
 
 
-def _fake_level() -> dict:
+def _fake_level(**target_drafting) -> dict:
     # two streams, 10 tokens each over 0.5 s; first tokens after 0.1 and 0.3 s
-    records = [gpu_serve.Record(0, 0.0, [0.1, 0.2, 0.5], "a", 10), gpu_serve.Record(1, 0.0, [0.3, 0.4, 0.39 + 0.09],
-                                                                                  "b", 10)]
+    records = [gpu_serve_report.Record(0, 0.0, [0.1, 0.2, 0.5], "a", 10),
+               gpu_serve_report.Record(1, 0.0, [0.3, 0.4, 0.39 + 0.09], "b", 10)]
     before = _stats(10, 10, 5, 15, 10, {"orchestration_ms_per_round": 1.0, "draft_compute_ms_per_round": 1.0,
                                         "verify_compute_ms_per_round": 5.0})
     # 10 more group rounds, 20 more request rounds that drafted 60 tokens (K = 3) and accepted 45
     after = _stats(20, 30, 25, 75, 55, {"orchestration_ms_per_round": 1.5, "draft_compute_ms_per_round": 1.5,
-                                        "verify_compute_ms_per_round": 6.0})
-    return gpu_serve.level_summary(records, 0.5, before, after)
+                                        "verify_compute_ms_per_round": 6.0, **target_drafting})
+    return gpu_serve_report.level_summary(records, 0.5, before, after)
 
 
 def test_a_levels_figures_from_its_records_and_the_stats_between():
@@ -152,15 +157,22 @@ def test_a_levels_figures_from_its_records_and_the_stats_between():
     assert level["draft_tokens_per_round"] == 3.0
     # the new rounds' means: (20 x 1.5 - 10 x 1.0) / 10 = 2.0 host; (30 - 10) / 10 + (120 - 50) / 10 = 9.0 device
     assert level["host_ms_per_round"] == 2.0 and level["device_ms_per_round"] == 9.0
+    assert level["drafting_share"] == pytest.approx(2.0 / 9.0)  # the Draft workers' 2 ms of the 9
+
+
+def test_drafting_inside_the_target_counts_in_the_drafting_share():
+    # 10 new rounds whose target calls spent 2 x 3 ms = 6 ms a round drafting (none before): (60 - 0) / 10 ms a round
+    level = _fake_level(target_draft_compute_ms_per_round=3.0)
+    assert level["drafting_share"] == pytest.approx((2.0 + 6.0) / 9.0)
 
 
 def test_roofline_arithmetic():
     shape = SHAPES["1.5b"]
-    roof = gpu_serve.roofline(shape, bandwidth=2e12)
+    roof = gpu_serve_report.roofline(shape, bandwidth=2e12)
     assert roof["target_step_ms"] == pytest.approx(1e3 * 2 * param_counts(shape)["target"] / 2e12)
     level = {"tok_s": 500.0, "ttft_p50_ms": 4 * roof["target_step_ms"], "device_ms_per_round": 10.0,
              "draft_tokens_per_round": 3.0, "mean_accepted_length": 3.5}
-    got = gpu_serve.roofline_ratios(level, 8, roof)
+    got = gpu_serve_report.roofline_ratios(level, 8, roof)
     assert got["roofline_tok_s"] == pytest.approx(8e3 / roof["target_step_ms"])
     assert got["tok_s_vs_roofline"] == pytest.approx(500.0 / got["roofline_tok_s"])
     assert got["ttft_vs_roofline"] == pytest.approx(0.25)
@@ -168,7 +180,7 @@ def test_roofline_arithmetic():
     assert got["device_round_vs_roofline"] == pytest.approx(got["roofline_round_ms"] / 10.0)
     # speculative: 8 streams x 3.5 tokens per round of roofline_round_ms
     assert got["speculative_roofline_tok_s"] == pytest.approx(8 * 3.5e3 / got["roofline_round_ms"])
-    plain = gpu_serve.roofline_ratios({"tok_s": 500.0, "ttft_p50_ms": None, "mean_accepted_length": None}, 8, roof)
+    plain = gpu_serve_report.roofline_ratios({"tok_s": 500.0, "ttft_p50_ms": None, "mean_accepted_length": None}, 8, roof)
     assert plain["ttft_vs_roofline"] is None and "speculative_roofline_tok_s" not in plain
     assert plain["roofline_round_ms"] == roof["target_step_ms"]
 
@@ -181,21 +193,21 @@ def test_level_allowance_keeps_the_later_start_ups_and_shares_the_rest():
 
 
 def test_greedy_equality_over_the_prompts_both_ran():
-    got = gpu_serve.greedy_equality({0: "x", 1: "y", 2: "z"}, {0: "x", 1: "q"})
+    got = gpu_serve_report.greedy_equality({0: "x", 1: "y", 2: "z"}, {0: "x", 1: "q"})
     assert got == {"prompts": 2, "same": 1, "fraction": 0.5, "diverged_at_words": [0]}
-    assert gpu_serve.greedy_equality({}, {0: "x"})["fraction"] is None
+    assert gpu_serve_report.greedy_equality({}, {0: "x"})["fraction"] is None
 
 
 def test_pairs_that_differ_report_the_word_where_they_first_differ():
     plain = {0: "w1 w2 w3 w4", 1: "w1 w2", 2: "w5 w6", 3: "w7"}
     spec = {0: "w1 w2 w9 w4", 1: "w1 w2 w3", 2: "w5 w6", 3: "w8"}
-    assert gpu_serve.greedy_equality(plain, spec)["diverged_at_words"] == [0, 2, 2]  # sorted; a prefix: its end
+    assert gpu_serve_report.greedy_equality(plain, spec)["diverged_at_words"] == [0, 2, 2]  # sorted; a prefix: its end
 
 
 def test_table_and_json_from_fake_measurements():
-    roof = gpu_serve.roofline(SHAPES["tiny"], 1e10)
+    roof = gpu_serve_report.roofline(SHAPES["tiny"], 1e10)
     level = _fake_level()
-    level.update(gpu_serve.roofline_ratios(level, 2, roof))
+    level.update(gpu_serve_report.roofline_ratios(level, 2, roof))
     plain = {**level, "mean_accepted_length": None, "acceptance_rate": None}
     report = {"device_name": "fake GPU", "roofline": roof, "speedup": {"speculative": {2: 1.5}},
               "greedy_equal": {"speculative": {2: {"prompts": 3, "same": 2, "diverged_at_words": [17]}}},
@@ -203,7 +215,7 @@ def test_table_and_json_from_fake_measurements():
               "variants": {"plain": {"startup": {"health_s": 30.0, "ready_s": 34.0}, "levels": {2: plain}},
                            "speculative": {"startup": {"health_s": 31.0}, "levels": {2: level},
                                            "error": "RuntimeError: late\nmore"}}}
-    text = gpu_serve.table(report)
+    text = gpu_serve_report.table(report)
     assert "fake GPU: copy bandwidth 10 GB/s" in text and "start-up plain: 30.0 s to /health 200" in text
     assert "error: RuntimeError: late" in text and "speculative / plain tok/s: 2 streams 1.50x" in text
     rows = [line for line in text.splitlines() if line.startswith("| plain") or line.startswith("| speculative")]

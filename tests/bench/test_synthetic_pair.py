@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from bench.synthetic_pair import SHAPES, layer_params, llama_config, param_counts, write_pair
+from bench.synthetic_pair import SHAPES, layer_params, llama_config, param_counts, write_heads, write_pair
 from tests.conftest import make_tiny_tokenizer
 
 
@@ -69,6 +69,22 @@ def test_a_complete_pair_is_reused_not_rewritten(exact_pair):
     stamps = [p.stat().st_mtime_ns for p in weights]
     again = write_pair(SHAPES["tiny"], exact_pair[0].parent.parent, noise=0.0, seed=0)
     assert again == exact_pair and [p.stat().st_mtime_ns for p in weights] == stamps
+
+
+def test_heads_beside_the_pair_load_as_the_target_side_sources_would_and_are_written_once(exact_pair):
+    """The random Medusa and EAGLE-3 heads bench/gpu_serve.py serves as `medusa:DIR` and `eagle3:DIR`."""
+    from engine.proposers.eagle3_checkpoint import load_eagle3
+    from engine.proposers.medusa import load_medusa
+
+    shape, target = SHAPES["tiny"], exact_pair[0]
+    dirs = write_heads(shape, target)
+    assert dirs == {"medusa": target.parent / "medusa", "eagle3": target.parent / "eagle3"}
+    medusa = load_medusa(dirs["medusa"], shape.hidden, shape.vocab)
+    assert medusa.config.num_heads == 4 and medusa.config.shared_lm_head
+    eagle3 = load_eagle3(dirs["eagle3"], shape.hidden, shape.vocab, shape.layers)
+    assert len(set(eagle3.config.aux_layers)) == 3 and eagle3.config.draft_vocab_size == shape.vocab // 2
+    written = (dirs["eagle3"] / "model.safetensors").stat().st_mtime_ns
+    assert write_heads(shape, target) == dirs and (dirs["eagle3"] / "model.safetensors").stat().st_mtime_ns == written
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))

@@ -121,6 +121,8 @@ def test_rounds_that_draft_inside_the_target_correct_the_drafters_cost_apart_fro
     [shown] = router.scheduler.cost_profiles().values()
     observed = shown["observed_over_profile"]
     assert observed["draft"] != 1.0 and observed["verify_wide"] != 1.0, observed
+    stats = router.scheduler.stats  # the drafting is a part of the target's compute, counted apart (/stats)
+    assert 0 < stats.target_draft_compute_seconds < stats.verify_compute_seconds
 
 
 @pytest.mark.parametrize("draft", ["self:1", "medusa", "eagle3", "ngram", "model"])
