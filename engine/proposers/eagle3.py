@@ -14,7 +14,8 @@ proposals: our accept rule keeps the target's distribution at any temperature, a
 vocabulary are simply never proposed.
 
 The head's products run on the static runner's kernels in its dtypes (engine/models/static/forward.Projection);
-norms, rotary and attention in ATen. On CUDA the head's steps run eagerly (not captured as graphs).
+norms, rotary and attention in ATen. A chain's steps feed each other on the device and its drafts reach the host
+once (`_chains`); on CUDA the head's steps run eagerly (not captured as graphs).
 """
 
 from __future__ import annotations
@@ -101,20 +102,52 @@ class Eagle3Drafter:
             if row.tree:
                 drafts[b] = self._tree(slots[b], row.committed, state[b], row.k, row.tree)
         chains = [b for b, row in enumerate(rows) if not row.tree]
-        for step in range(max((rows[b].k for b in chains), default=0)):
-            token, _ = self._pick(state)
-            for b, t in enumerate(token):
-                if step < rows[b].k and b in chains:
-                    drafts[b].append(t)
-            active = [b for b in chains if rows[b].k > step + 1]
-            if not active:
-                break
-            carried = self.head.carried(state[active]).to(self.dtype)
-            out = self._step([slots[b] for b in active], [[rows[b].committed - 1 + step] for b in active],
-                             [[drafts[b][-1]] for b in active], [carried[i:i + 1] for i in range(len(active))],
-                             fused=False)
-            state[active] = out[:, 0]
+        if chains:
+            chained = self._chains([slots[b] for b in chains], [rows[b].committed for b in chains],
+                                   [rows[b].k for b in chains], state[chains])
+            for b, tokens in zip(chains, chained):
+                drafts[b] = tokens
         return drafts
+
+    def _chains(self, slots: list[int], committed: list[int], ks: list[int],
+                state: torch.Tensor,  # [C, H]: each row's catch-up output at its last position
+                ) -> list[list[int]]:
+        """Each row's k-token chain: draft j is the head's pick from step j's output, and step j + 1 reads it at
+        position committed - 1 + j. The steps feed each other on the device (the picks stay there, as positions
+        and slots do) and the drafts come to the host once, at the end, so a GPU runs the steps back to back
+        instead of waiting for each pick. Every row steps to the longest chain; a row's steps past its own k
+        compute drafts it drops and write keys and values past its committed tokens, which nothing reads before
+        the catch-up of a later round writes them again (positions at the cache's end are clamped to it)."""
+        device, longest = self.device, max(ks)
+        slot = torch.tensor(slots, device=device)
+        start = torch.tensor([c - 1 for c in committed], device=device)
+        picks = []
+        for step in range(longest):
+            picks.append(self._pick_ids(state))
+            if step + 1 == longest:
+                break
+            pos = (start + step).clamp(max=self.cos.shape[0] - 1)
+            kv_len = min(max(committed) + step, self.cos.shape[0])  # positions 0 .. the longest row's this step
+            state = self._fed_step(slot, pos, picks[-1], self.head.carried(state).to(self.dtype), kv_len)
+        drafted = torch.stack(picks, dim=1).tolist()  # [C, longest]: the one transfer to the host
+        return [tokens[:k] for tokens, k in zip(drafted, ks)]
+
+    def _pick_ids(self, state: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N] target ids, on the device
+        return self.head.draft_to_target(self.lm_head(self.head.norm(state).to(self.dtype), True).argmax(dim=-1))
+
+    def _fed_step(self, slot: torch.Tensor,  # [C] the rows' cache slots
+                  pos: torch.Tensor,  # [C] the position each row's step writes and queries at
+                  ids: torch.Tensor,  # [C] the token at it (the last pick)
+                  carried: torch.Tensor,  # [C, H] the state the step reads (the last step's, carried)
+                  kv_len: int) -> torch.Tensor:  # -> [C, H], the layer's output
+        """One head step of every chain row, one position each, from device tensors (`_step` for host lists)."""
+        self.steps += 1
+        q, k, v, residual = self._project(ids[:, None], carried[:, None], pos[:, None], fused=False)
+        self.k_cache[slot, :, pos] = k[:, :, 0]
+        self.v_cache[slot, :, pos] = v[:, :, 0]
+        keys, values = self.k_cache[slot, :, :kv_len], self.v_cache[slot, :, :kv_len]  # [C, KVH, L, D]
+        mask = torch.arange(kv_len, device=self.device)[None, None, None, :] <= pos[:, None, None, None]
+        return self._finish(attend(q, keys, values, mask), residual)[:, 0]
 
     def _catch_up_inputs(self, runner, row: DraftFrom) -> tuple[list[int], list[int], torch.Tensor] | None:
         """The positions p the target computed since the row's last draft (at most its committed tokens but the
@@ -128,18 +161,13 @@ class Eagle3Drafter:
         tokens = [known[p + 1] if p + 1 < end else row.last for p in positions]
         return positions, tokens, torch.cat([states for _, states in runs]).to(self.dtype)
 
-    def _pick(self, state: torch.Tensor,  # [N, H]
-              trees: Sequence[int] = ()) -> tuple[list[int], dict[int, list[tuple[int, float]]]]:
-        """N target token ids, and for the rows `trees` the head's best candidates (target ids, probabilities)."""
+    def _candidates(self, state: torch.Tensor,  # [N, H]
+                    ) -> list[list[tuple[int, float]]]:
+        """Per row, the head's TOP_CANDIDATES best tokens (target ids) and their probabilities: a tree's children."""
         logits = self.lm_head(self.head.norm(state).to(self.dtype), True)
-        tokens = self.head.draft_to_target(logits.argmax(dim=-1)).tolist()
-        candidates = {}
-        if trees:
-            probs = logits[list(trees)].float().softmax(dim=-1)
-            values, ids = probs.topk(min(TOP_CANDIDATES, probs.shape[-1]), dim=-1)
-            mapped = self.head.draft_to_target(ids).tolist()
-            candidates = {b: list(zip(m, v)) for b, m, v in zip(trees, mapped, values.tolist())}
-        return tokens, candidates
+        probs = logits.float().softmax(dim=-1)
+        values, ids = probs.topk(min(TOP_CANDIDATES, probs.shape[-1]), dim=-1)
+        return [list(zip(m, v)) for m, v in zip(self.head.draft_to_target(ids).tolist(), values.tolist())]
 
     def _step(self, slots: list[int], positions: list[list[int]], tokens: list[list[int]],
               hidden: list[torch.Tensor], fused: bool) -> torch.Tensor:  # -> [R, W, H], the layer's output
@@ -211,7 +239,7 @@ class Eagle3Drafter:
         keys, values = self.k_cache[slot, :, :prefix], self.v_cache[slot, :, :prefix]  # [kvh, P, D]
         pool: list[Candidate] = []
         level: list[int] = []  # the pool indices of the newest level's nodes
-        for token, prob in self._pick(state[None], [0])[1][0]:
+        for token, prob in self._candidates(state[None])[0]:
             level.append(len(pool))
             pool.append(Candidate(token, -1, prob))
         picked_by = {i: state for i in level}  # node -> the state its token was picked from (its parent's output)
@@ -232,7 +260,7 @@ class Eagle3Drafter:
             mask = torch.ones(1, 1, 1, all_k.shape[2], dtype=torch.bool, device=self.device)
             out = self._finish(attend(q, all_k, all_v, mask), residual)[:, 0]  # [F, H]
             self.steps += 1
-            _, candidates = self._pick(out, list(range(len(expand))))
+            candidates = self._candidates(out)
             level = []
             for n, i in enumerate(expand):
                 for token, prob in candidates[n]:

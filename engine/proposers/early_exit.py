@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.models.static.early_exit import LayerSet, early_exit_step
+from engine.models.static.early_exit import LayerSet, early_exit_step, early_exit_step_fed
 from engine.spec.policy import expected_tokens
 from engine.spec.target_drafts import DraftFrom, greedy_tokens
 from engine.spec.tree import DraftTree, chain_with_siblings, top_candidates
@@ -39,6 +39,8 @@ class EarlyExitDrafter:
         self.collective = True  # on a shard its steps are the shard's layers: every rank steps with rank 0
 
     def draft(self, runner, rows: Sequence[DraftFrom], hidden: torch.Tensor | None) -> list[list[int] | DraftTree]:
+        if runner.graphs is not None and not any(row.tree for row in rows):
+            return self._fed_chains(runner, rows)
         drafts: list[list[int]] = [[] for _ in rows]
         steps: dict[int, list] = {b: [] for b, row in enumerate(rows) if row.tree}  # tree rows' candidates per step
         tokens = {b: row.last for b, row in enumerate(rows)}
@@ -54,6 +56,30 @@ class EarlyExitDrafter:
                 for i, candidates in zip(trees, top_candidates(logits[trees].float().softmax(dim=-1))):
                     steps[active[i]].append(candidates)
         return [chain_with_siblings(steps[b], row.tree) if b in steps else drafts[b] for b, row in enumerate(rows)]
+
+    def _fed_chains(self, runner, rows: Sequence[DraftFrom]) -> list[list[int]]:
+        """Chains on the CUDA-graph path, each step fed the last step's picks on the device: the host queues step
+        j + 1 without reading step j's tokens and reads every draft once, at the end (as a draft model's steps,
+        engine/proposers/draft_model.py), instead of a sync per step. A row leaves the steps after its k."""
+        current = torch.tensor([row.last for row in rows], device=runner.device)  # each row's newest token
+        picks: list[tuple[list[int], torch.Tensor]] = []  # per step: its rows, and their picks [len(rows)]
+        for step in range(max((row.k for row in rows), default=0)):
+            active = [b for b, row in enumerate(rows) if row.k > step]
+            index = torch.tensor(active, device=runner.device)
+            logits = early_exit_step_fed(runner, [rows[b].seq_id for b in active], current[index],
+                                         [rows[b].committed - 1 + step for b in active], self.exit_layers)
+            picked = logits.argmax(dim=-1)
+            current[index] = picked
+            picks.append((active, picked))
+        drafts: list[list[int]] = [[] for _ in rows]
+        if picks:
+            values = torch.cat([p for _, p in picks]).tolist()  # the round's one read of the device
+            at = 0
+            for active, _ in picks:
+                for b in active:
+                    drafts[b].append(values[at])
+                    at += 1
+        return drafts
 
 
 def exit_agreement(runner, token_ids: Sequence[int], candidates: Sequence[LayerSet],

@@ -207,13 +207,14 @@ class GraphSteps:
 
     def step_fed(self, slots: Sequence[int], starts: Sequence[int],
                  tokens: torch.Tensor,  # [n] int64 on the device: each real row's one new token
-                 rows: int) -> torch.Tensor:  # [rows, 1, V] float32 (a graph's output buffer)
-        """A width-1 step whose tokens are on the device: copied into the staging buffer behind its host copy, in
-        the stream's order, so nothing waits for them on the host."""
+                 rows: int, layers: int | tuple[int, ...] | None = None,
+                 ) -> torch.Tensor:  # [rows, 1, V] float32 (a graph's output buffer)
+        """A width-1 step (of the first `layers` layers: an early exit) whose tokens are on the device: copied into
+        the staging buffer behind its host copy, in the stream's order, so nothing waits for them on the host."""
         began = time.perf_counter()
         self.staging.fill(rows, 1, slots, starts, [], self.scratch_start)
         self.staging.device_buffer[FIRST_TOKEN, : len(slots)].copy_(tokens)
-        return self._run(rows, 1, began)
+        return self._run(rows, 1, began, layers)
 
     def _run(self, rows: int, width: int, began: float, layers: int | None = None) -> torch.Tensor:
         captured = self.graphs.get((rows, width, layers))

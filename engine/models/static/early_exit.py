@@ -42,3 +42,19 @@ def early_exit_step(runner: StaticRunner, seq_ids: Sequence[str], tokens: Sequen
                                 num_layers=num_layers)
     picked = torch.tensor([s.slot - lo for s in states], device=logits.device)
     return logits[picked, 0]
+
+
+@torch.inference_mode()
+def early_exit_step_fed(runner: StaticRunner, seq_ids: Sequence[str],
+                        tokens: torch.Tensor,  # [B] int64 on the device: each row's token (the last step's pick)
+                        starts: Sequence[int], num_layers: LayerSet) -> torch.Tensor:  # [B, V] float32 on the device
+    """`early_exit_step` on the CUDA-graph path with the tokens on the device: copied into the step's staging buffer
+    in the stream's order (GraphSteps.step_fed), so the host queues the step without reading the last step's pick.
+    Its output is the graph's buffer, valid until the next step."""
+    states = [runner._seqs[s] for s in seq_ids]
+    for state, start in zip(states, starts):
+        if not len(state.tokens) <= start < runner.max_model_len:
+            raise ValueError(f"early exit at position {start} of a sequence of {len(state.tokens)} cached tokens")
+    rows = bucket(len(states), runner.batch_buckets)
+    out = runner.graphs.step_fed([s.slot for s in states], list(starts), tokens, rows, layers=num_layers)
+    return out[: len(states), 0]

@@ -133,6 +133,24 @@ def test_the_served_drafter_drafts_the_heads_own_chain(model, draft_vocab, compi
         assert all(t in draft_vocab for d in got for t in d)
 
 
+def test_a_chains_steps_feed_each_other_on_the_device_and_reach_the_host_once(model, monkeypatch):
+    """K steps, one transfer of the drafts: a GPU runs the head's steps back to back, not waiting for each pick."""
+    runner = runner_of(model)
+    drafter = Eagle3Drafter(random_head(model, seed=3), runner)
+    rows = []
+    for b, prompt in enumerate(PROMPTS[:2]):
+        runner.add(f"s{b}")
+        last = int(runner.forward([f"s{b}"], [prompt], [1])[0, -1].argmax())
+        rows.append(DraftFrom(f"s{b}", b, 0, len(prompt) + 1, last, 4))
+    transfers, chaining = [], []  # the tensors read to the host while the chains step (after the catch-up)
+    tolist, chains = torch.Tensor.tolist, drafter._chains
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (chaining and transfers.append(tuple(t.shape))) or tolist(t))
+    monkeypatch.setattr(drafter, "_chains", lambda *a: chaining.append(drafter.steps) or chains(*a))
+    drafts = drafter.draft(runner, rows, None)
+    assert [len(d) for d in drafts] == [4, 4] and transfers == [(2, 4)]
+    assert drafter.steps - chaining[0] == 3  # after the catch-up, a step per draft but the last
+
+
 @pytest.mark.parametrize("flags", [{}, {"norm_output": True}])
 def test_greedy_and_seeded_output_equal_plain_decoding(model, tiny_tokenizer, flags):
     runner = runner_of(model)

@@ -15,9 +15,9 @@ from engine.proposers.early_exit import (
     skip_block,
     target_text,
 )
+from engine.spec.target_drafts import DraftFrom
 from tests.conftest import make_tiny_model, third_token_marginals, total_variation_bound
 from tests.engine.proposers.target_prompts import GREEDY, PROMPTS
-
 
 
 def passthrough_model(vocab: int | None = None, seed: int = 0):
@@ -54,6 +54,27 @@ def test_greedy_output_equals_plain_decoding_and_an_exact_exit_is_always_accepte
     else:
         assert stats.acceptance_rate < 1.0, "a real early exit: some drafts rejected, and the output still exact"
     assert spec_engine.target.num_live == 0 and len(spec_engine.verifier.held) == 0
+
+
+def test_chains_fed_on_the_device_draft_what_host_fed_steps_draft_and_reach_the_host_once(model, monkeypatch):
+    """The CUDA-graph path's chains (each step fed the last picks on the device) against the eager path's, rows of
+    different k in one batch; while they step, one tensor is read to the host."""
+    drafts, transfers = {}, []
+    for compile in ("off", "graphs"):
+        runner = StaticRunner(model, budget=KVBudget(max_num_seqs=4), compile=compile, prefill_chunk=16)
+        rows = []
+        for b, prompt in enumerate(PROMPTS[:3]):
+            runner.add(f"s{b}")
+            last = int(runner.forward([f"s{b}"], [prompt], [1])[0, -1].argmax())
+            rows.append(DraftFrom(f"s{b}", b, 0, len(prompt) + 1, last, 3 - b))
+        drafter = EarlyExitDrafter(1)
+        if compile == "graphs":
+            tolist = torch.Tensor.tolist
+            monkeypatch.setattr(torch.Tensor, "tolist", lambda t: transfers.append(tuple(t.shape)) or tolist(t))
+        drafts[compile] = drafter.draft(runner, rows, None)
+        monkeypatch.undo()
+    assert [len(d) for d in drafts["off"]] == [3, 2, 1] and drafts["graphs"] == drafts["off"]
+    assert transfers == [(6,)]
 
 
 def test_the_draft_shares_the_targets_cache_nothing_is_prefilled_twice(model, tiny_tokenizer):
