@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from bench.peer_serve import round_timings
+from bench.server_counters import round_timings
 from bench.synthetic_pair import Shape, param_counts
 
 BYTES_PER_PARAM = 2  # bf16

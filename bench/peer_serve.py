@@ -58,6 +58,13 @@ import yaml
 
 from bench import cpu_profile
 from bench.load_bench import load_prompts
+from bench.peer_report import (
+    evaluate_targets,
+    plot,
+    same_text_fraction,
+    summarize,
+    table,
+)
 from bench.peer_servers import (
     NGRAM_CONFIG,
     ROOT,
@@ -74,6 +81,12 @@ from bench.peer_servers import (
     vllm_serve_argv,
     vllm_version,
 )
+from bench.server_counters import (
+    ours_stats,
+    prefix_cache_counts,
+    prefix_cache_delta,
+    round_timings,
+)
 from deployments.ray_env import SERVE_ENV, reap_orphaned_haproxy
 
 SERVERS = ("ours-plain", "ours-default", "vllm-plain", "vllm-ngram")
@@ -85,16 +98,6 @@ OURS_VARIANTS = {"ours-plain": {"model.draft": "none"}, "ours-default": {}, "our
 VLLM_SPECULATIVE = {"vllm-plain": None, "vllm-ngram": NGRAM_CONFIG, "vllm-eagle3": None}
 DTYPE_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                  "fp16": "float16", "float16": "float16"}
-# (label, numerator server, denominator servers (best of), concurrency, metric, op, threshold)
-TARGETS = (
-    ("ours plain / vLLM plain, tok/s", "ours-plain", ("vllm-plain",), 1, "tok_s", ">=", 1.0),
-    ("ours plain / vLLM plain, tok/s", "ours-plain", ("vllm-plain",), 8, "tok_s", ">=", 1.0),
-    ("ours default / vLLM plain, tok/s", "ours-default", ("vllm-plain",), 1, "tok_s", ">=", 1.5),
-    ("ours default / vLLM best speculative, tok/s", "ours-default", ("vllm-ngram",), 1, "tok_s", ">=", 1.2),
-    ("ours default / vLLM plain, tok/s", "ours-default", ("vllm-plain",), 8, "tok_s", ">=", 1.0),
-    ("ours default / vLLM plain, tok/s", "ours-default", ("vllm-plain",), 16, "tok_s", ">=", 1.0),
-    ("ours default / vLLM plain, TTFT p50", "ours-default", ("vllm-plain",), 1, "ttft_p50_ms", "<=", 1.5),
-)
 
 
 # ---- pure parts (tests/bench/test_peer_serve.py) -------------------------------------------------------------
@@ -128,59 +131,6 @@ def client_argv(base_url: str, model_name: str, tokenizer_dir: str, dataset: Pat
             "--disable-tqdm", "--ready-check-timeout-sec", "60"]
 
 
-def summarize(raw: dict, max_tokens: int | None = None) -> dict:
-    """The figures we compare, from the JSON that `vllm bench serve --save-result --save-detailed` writes;
-    `short_outputs` counts completed requests with fewer than max_tokens tokens (ignore_eos not honoured)."""
-    pick = lambda key: raw.get(key)  # noqa: E731
-    errors = sorted({e for e in raw.get("errors", []) if e})
-    return {
-        "completed": raw["completed"], "failed": raw.get("failed", 0), "duration_s": raw["duration"],
-        "output_tokens": raw["total_output_tokens"], "tok_s": raw["output_throughput"],
-        "ttft_p50_ms": pick("p50_ttft_ms") if pick("p50_ttft_ms") is not None else pick("median_ttft_ms"),
-        "ttft_p99_ms": pick("p99_ttft_ms"),
-        "tpot_p50_ms": pick("p50_tpot_ms") if pick("p50_tpot_ms") is not None else pick("median_tpot_ms"),
-        "itl_p50_ms": pick("p50_itl_ms") if pick("p50_itl_ms") is not None else pick("median_itl_ms"),
-        "itl_p99_ms": pick("p99_itl_ms"), "e2el_p50_ms": pick("p50_e2el_ms"),
-        "spec_acceptance_rate": pick("spec_decode_acceptance_rate"),
-        "spec_acceptance_length": pick("spec_decode_acceptance_length"),
-        "errors": errors[:5],
-        "short_outputs": None if max_tokens is None or "output_lens" not in raw else
-        sum(1 for n in raw["output_lens"] if n and n < max_tokens),
-    }
-
-
-def same_text_fraction(texts: list[str], reference: list[str]) -> float | None:
-    if not texts or len(texts) != len(reference):
-        return None
-    return sum(a == b for a, b in zip(texts, reference)) / len(texts)
-
-
-def evaluate_targets(runs: dict[str, dict[int, dict]]) -> list[dict]:
-    """The issue's targets over runs[server][concurrency] summaries; n/a where a side is missing."""
-    out = []
-    for label, num, dens, c, metric, op, threshold in TARGETS:
-        row = {"target": label, "concurrency": c, "numerator": num, "op": op, "threshold": threshold,
-               "ratio": None, "status": "n/a"}
-        top = runs.get(num, {}).get(c)
-        candidates = [(d, runs[d][c]) for d in dens if c in runs.get(d, {})]
-        if top is None or not candidates:
-            row["denominator"] = "/".join(dens)
-            out.append(row)
-            continue
-        best = (min if op == "<=" else max)(candidates, key=lambda kv: kv[1][metric] or 0.0)
-        row["denominator"] = best[0]
-        a, b = top[metric], best[1][metric]
-        broken = top["failed"] or best[1]["failed"] or not top["completed"] or not best[1]["completed"]
-        if a is not None and b:
-            row["ratio"] = a / b
-            ok = row["ratio"] >= threshold if op == ">=" else row["ratio"] <= threshold
-            row["status"] = "FAIL" if broken or not ok else "PASS"
-        if broken:
-            row["note"] = "failed requests"
-        out.append(row)
-    return out
-
-
 def peer_dtype(ours: str) -> str:
     """vLLM's --dtype for our resolved target dtype (after engine.models.runner.resolve_dtype turned `auto` into a
     name). int8 is our weight-only format: vLLM gets the float32 that it is made from."""
@@ -189,53 +139,6 @@ def peer_dtype(ours: str) -> str:
     if ours not in DTYPE_ALIASES:
         raise ValueError(f"no vLLM dtype for {ours!r}")
     return DTYPE_ALIASES[ours]
-
-
-def table(runs: dict[str, dict[int, dict]], targets: list[dict]) -> str:
-    f = lambda v, spec=".0f": "-" if v is None else format(v, spec)  # noqa: E731
-    head = (f"{'server':13s} {'conc':>4s} {'done':>5s} {'fail':>4s} {'tok/s':>7s} {'TTFT p50':>9s} {'TPOT p50':>9s}"
-            f" {'ITL p50':>8s} {'accept':>6s} {'cached':>6s}")
-    lines = [head + "   (ms; cached: share of prompt tokens read from the prefix cache)", "-" * len(head)]
-    for server, by_c in runs.items():
-        for c, r in sorted(by_c.items()):
-            lines.append(f"{server:13s} {c:4d} {r['completed']:5d} {r['failed']:4d} {f(r['tok_s'], '.1f'):>7s} "
-                         f"{f(r['ttft_p50_ms']):>9s} {f(r.get('tpot_p50_ms'), '.1f'):>9s} {f(r.get('itl_p50_ms'), '.1f'):>8s} "
-                         f"{f(r.get('spec_acceptance_rate'), '.2f'):>6s} "
-                         f"{f((r.get('prefix_cache') or {}).get('hit_rate'), '.0%'):>6s}")
-    lines += ["", "targets (issue 16):"]
-    for t in targets:
-        ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}x"
-        lines.append(f"  {t['target'] + ' @' + str(t['concurrency']):50s} {ratio:>7s}  "
-                     f"(want {t['op']} {t['threshold']:g}, vs {t['denominator']})  {t['status']}"
-                     + (f"  [{t['note']}]" if t.get("note") else ""))
-    return "\n".join(lines)
-
-
-def plot(runs: dict[str, dict[int, dict]], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    levels = sorted({c for by_c in runs.values() for c in by_c})
-    servers = list(runs)
-    width = 0.8 / max(1, len(servers))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric, title in ((axes[0], "tok_s", "output tokens/s"), (axes[1], "ttft_p50_ms", "TTFT p50 (ms)")):
-        for i, server in enumerate(servers):
-            xs = [j + i * width for j, c in enumerate(levels) if c in runs[server]]
-            ys = [runs[server][c][metric] or 0.0 for c in levels if c in runs[server]]
-            ax.bar(xs, ys, width, label=server)
-        ax.set_xticks([j + width * (len(servers) - 1) / 2 for j in range(len(levels))],
-                      [f"{c} stream{'s' * (c > 1)}" for c in levels])
-        ax.set(title=title)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("specserve vs vLLM, vllm bench serve (greedy, ignore_eos)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 # ---- the run -----------------------------------------------------------------------------------------------
@@ -259,7 +162,7 @@ def _measure_one(server: ManagedServer, args, c: int, dataset: Path, tokenizer_d
                  texts: dict) -> dict:
     n = args.num_prompts or default_num_prompts(c)
     name = f"{server.name}_c{c}.json"
-    stats0 = _ours_stats(server) if server.name.startswith("ours") else None
+    stats0 = ours_stats(server) if server.name.startswith("ours") else None
     cache0 = prefix_cache_counts(server)
     argv = client_argv(server.base_url, server.model_name, tokenizer_dir, dataset, c, n, args.max_tokens,
                        c if args.warmups is None else args.warmups, runs_dir, name, args.seed, args.backend,
@@ -280,7 +183,7 @@ def _measure_one(server: ManagedServer, args, c: int, dataset: Path, tokenizer_d
         print(f"   {server.name} @{c}: CPU samples by role {cpu.get('roles')}; by kind {cpu.get('kinds')} "
               f"{cpu.get('error', '')}", flush=True)
     if stats0 is not None:  # our acceptance, from the router's /stats (one router replica's view)
-        stats1 = _ours_stats(server)
+        stats1 = ours_stats(server)
         spec0, spec1 = stats0.get("speculative") or {}, stats1.get("speculative") or {}
         d = {k: spec1.get(k, 0) - spec0.get(k, 0)
              for k in ("rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "tree_rounds")}
@@ -289,66 +192,6 @@ def _measure_one(server: ManagedServer, args, c: int, dataset: Path, tokenizer_d
             row["spec_acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"]
         row["ours_rounds"] = round_timings(stats0, stats1)
     return row
-
-
-ROUND_TIMINGS = ("draft_ms_per_round", "verify_ms_per_round", "draft_compute_ms_per_round",
-                 "verify_compute_ms_per_round", "target_draft_compute_ms_per_round", "orchestration_ms_per_round")
-
-
-def round_timings(before: dict, after: dict) -> dict:
-    """The router's group rounds between two /stats answers (warm-ups included): how many, their mean batch, and
-    each of ROUND_TIMINGS over those rounds only (/stats gives means since start)."""
-    n0, n1 = before.get("rounds", 0), after.get("rounds", 0)
-    out = {"rounds": n1 - n0}
-    if n1 > n0:
-        total = lambda st, key: st.get(key, 0.0) * st.get("rounds", 0)  # noqa: E731
-        out["mean_batch"] = round((total(after, "mean_batch") - total(before, "mean_batch")) / (n1 - n0), 2)
-        for key in ROUND_TIMINGS:
-            out[key] = round((total(after, key) - total(before, key)) / (n1 - n0), 2)
-    return out
-
-
-def prefix_cache_counts(server: ManagedServer) -> tuple[float, float] | None:
-    """(prompt tokens looked up, tokens read from the prefix cache) since the server started: ours from /stats
-    (the router's count of its requests' prompt tokens and of the hits the Target workers reported), vLLM's from its
-    /metrics counters `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits`; None if unavailable. Warm-up requests
-    are counted too (they are part of each run's client call)."""
-    import httpx
-
-    try:
-        if server.name.startswith("ours"):
-            cache = httpx.get(f"{server.base_url}/stats", timeout=10).json().get("prefix_cache") or {}
-            return float(cache["prompt_tokens"]), float(cache["cached_prompt_tokens"])
-        text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-    except (httpx.HTTPError, ValueError, KeyError):
-        return None
-    return prometheus_total(text, "vllm:prefix_cache_queries_total"), prometheus_total(text, "vllm:prefix_cache_hits_total")
-
-
-def prometheus_total(text: str, name: str) -> float:
-    """The sum of a metric's samples (every label set) in Prometheus' text format."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def prefix_cache_delta(before: tuple[float, float] | None, after: tuple[float, float] | None) -> dict | None:
-    if before is None or after is None:
-        return None
-    queried, hits = after[0] - before[0], after[1] - before[1]
-    return {"queried_tokens": int(queried), "hit_tokens": int(hits),
-            "hit_rate": round(hits / queried, 4) if queried else None}
-
-
-def _ours_stats(server: ManagedServer) -> dict:
-    import httpx
-
-    try:
-        return httpx.get(f"{server.base_url}/stats", timeout=10).json()
-    except (httpx.HTTPError, ValueError):
-        return {}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -485,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
                 info["client_errors"] = {}
                 runs[name] = measure(server, args, dataset, model_dir, runs_dir, texts, info["client_errors"])
                 if info["kind"] == "ours":  # the costs its K policy decided by (start-up measurement, corrections)
-                    info["cost_profiles"] = _ours_stats(server).get("cost_profiles")
+                    info["cost_profiles"] = ours_stats(server).get("cost_profiles")
             except Exception as exc:  # one server failing must not lose the others' figures
                 info["error"] = f"{type(exc).__name__}: {exc}"[:4000]
                 print(f"!! {name}: {info['error'].splitlines()[0][:300]} (log: {server.log_path})", flush=True)

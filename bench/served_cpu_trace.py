@@ -33,9 +33,9 @@ import yaml
 
 from bench.cpu_profile import processes
 from bench.load_bench import load_prompts
-from bench.peer_serve import round_timings
 from bench.peer_servers import ManagedServer, serve_run_argv
 from bench.prefill_stall import stream
+from bench.server_counters import round_timings
 from deployments.ray_env import SERVE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from bench import peer_serve, peer_servers
+from bench import peer_report, peer_serve, peer_servers, server_counters
 from bench.load_bench import load_prompts
 
 # the shape of `vllm bench serve --save-result` output (vllm 0.32), trimmed
@@ -48,12 +48,12 @@ def test_client_argv_asks_for_the_issue_setup(tmp_path):
 
 
 def test_summarize_reads_p50s_and_falls_back_to_medians():
-    s = peer_serve.summarize(RAW)
+    s = peer_report.summarize(RAW)
     assert (s["tok_s"], s["ttft_p50_ms"], s["tpot_p50_ms"], s["itl_p50_ms"]) == (76.8, 100.0, 12.0, 11.0)
     assert s["completed"] == 12 and s["failed"] == 0 and s["errors"] == [] and s["short_outputs"] is None
-    assert peer_serve.summarize(RAW, max_tokens=64)["short_outputs"] == 1  # a failed request has 0 tokens
+    assert peer_report.summarize(RAW, max_tokens=64)["short_outputs"] == 1  # a failed request has 0 tokens
     no_p50 = {k: v for k, v in RAW.items() if not k.startswith("p50")} | {"errors": ["boom", "boom", ""]}
-    s = peer_serve.summarize(no_p50)
+    s = peer_report.summarize(no_p50)
     assert s["ttft_p50_ms"] == 101.0 and s["tpot_p50_ms"] == 12.5 and s["errors"] == ["boom"]
     assert s["spec_acceptance_rate"] is None
 
@@ -63,8 +63,8 @@ def test_targets_pass_fail_and_missing():
             "ours-default": {1: run(90.0, ttft=160.0), 8: run(200.0), 16: run(150.0, failed=2)},
             "vllm-plain": {1: run(40.0, ttft=100.0), 8: run(180.0), 16: run(140.0)},
             "vllm-ngram": {1: run(80.0)}}
-    got = {(t["target"], t["concurrency"]): t for t in peer_serve.evaluate_targets(runs)}
-    assert len(got) == len(peer_serve.TARGETS) == 7
+    got = {(t["target"], t["concurrency"]): t for t in peer_report.evaluate_targets(runs)}
+    assert len(got) == len(peer_report.TARGETS) == 7
     plain1 = got[("ours plain / vLLM plain, tok/s", 1)]
     assert plain1["ratio"] == pytest.approx(1.25) and plain1["status"] == "PASS"
     assert got[("ours plain / vLLM plain, tok/s", 8)]["status"] == "FAIL"  # 100 / 180
@@ -77,13 +77,13 @@ def test_targets_pass_fail_and_missing():
     ttft = got[("ours default / vLLM plain, TTFT p50", 1)]
     assert ttft["ratio"] == pytest.approx(1.6) and ttft["status"] == "FAIL"  # lower is better: 160 > 1.5 x 100
     del runs["vllm-ngram"]
-    assert peer_serve.evaluate_targets(runs)[3]["status"] == "n/a"
-    assert "n/a" in peer_serve.table(runs, peer_serve.evaluate_targets(runs))
+    assert peer_report.evaluate_targets(runs)[3]["status"] == "n/a"
+    assert "n/a" in peer_report.table(runs, peer_report.evaluate_targets(runs))
 
 
 def test_same_text_fraction():
-    assert peer_serve.same_text_fraction(["a", "b"], ["a", "c"]) == 0.5
-    assert peer_serve.same_text_fraction(["a"], ["a", "b"]) is None
+    assert peer_report.same_text_fraction(["a", "b"], ["a", "c"]) == 0.5
+    assert peer_report.same_text_fraction(["a"], ["a", "b"]) is None
 
 
 def test_peer_dtype_follows_ours():
@@ -142,23 +142,23 @@ def test_log_notes_keep_vllm_core_and_thread_lines():
 
 def test_plot_writes_png(tmp_path):
     runs = {"ours-default": {1: run(20.0), 8: run(50.0)}, "vllm-plain": {1: run(40.0)}}
-    path = peer_serve.plot(runs, tmp_path / "p.png")
+    path = peer_report.plot(runs, tmp_path / "p.png")
     assert path.stat().st_size > 1000
 
 
 def test_round_timings_cover_only_the_rounds_between_two_stats():
     before = {"rounds": 100, "mean_batch": 1.0, "verify_ms_per_round": 10.0, "verify_compute_ms_per_round": 8.0}
     after = {"rounds": 300, "mean_batch": 5.0, "verify_ms_per_round": 20.0, "verify_compute_ms_per_round": 14.0}
-    got = peer_serve.round_timings(before, after)
+    got = server_counters.round_timings(before, after)
     # 200 new rounds: batch (1500 - 100) / 200, verify (6000 - 1000) / 200, compute (4200 - 800) / 200
     assert got["rounds"] == 200 and got["mean_batch"] == 7.0
     assert got["verify_ms_per_round"] == 25.0 and got["verify_compute_ms_per_round"] == 17.0
     assert got["draft_ms_per_round"] == 0.0
-    assert peer_serve.round_timings(after, after) == {"rounds": 0}
+    assert server_counters.round_timings(after, after) == {"rounds": 0}
 
 
 def test_prefix_cache_counts_from_vllms_metrics_and_the_delta_between_two_reads():
-    from bench.peer_serve import prefix_cache_delta, prometheus_total
+    from bench.server_counters import prefix_cache_delta, prometheus_total
 
     text = ('# HELP vllm:prefix_cache_queries_total Prefix cache queries\n'
             'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 120.0\n'
