@@ -48,8 +48,10 @@ from engine.models.static.tp import (
 FAMILIES = ("llama", "mistral", "qwen2", "gemma")
 # ATen's int8 weight-only kernel is built for decode (a few rows); a prompt chunk dequantizes for one dense product
 INT8_KERNEL_MAX_ROWS = 32
-# forwards of at most this many tokens per row are steps (decode, verify): their fp32 products take the CPU kernel
-STEP_MAX_WIDTH = 8
+# forwards of at most this many tokens per row are steps (decode, verify, a token tree's nodes): their fp32 products
+# take the CPU kernel, so a verify scores each position with the bits a decode step gives it (greedy speculation is
+# plain decoding token for token). The runner's widest step (runner.MAX_WIDTH); wider forwards are prompt chunks.
+STEP_MAX_WIDTH = 16
 
 
 class UnsupportedModel(ValueError):

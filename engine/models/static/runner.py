@@ -42,7 +42,7 @@ from engine.models.runner import (
     config_context_window,
 )
 from engine.models.static.cuda_graphs import GraphSteps, estimate_graph_bytes
-from engine.models.static.forward import StaticLlama
+from engine.models.static.forward import STEP_MAX_WIDTH, StaticLlama
 from engine.models.static.pass_states import PassStates
 from engine.models.static.prefill_plan import prefill_heads, split_heads
 from engine.models.static.prefix_cache import runner_prefix_cache
@@ -57,7 +57,7 @@ from engine.models.static.tp import agree_num_slots, shard_of
 from engine.models.static.tree_steps import graph_masks, keep_path, row_shapes, step_masks
 from engine.models.static.warm_up import warm_up
 
-MAX_WIDTH = 16  # rows with more new tokens than this are prefilled in chunks first
+MAX_WIDTH = STEP_MAX_WIDTH  # rows with more new tokens than this are prefilled in chunks first
 PENDING = -1  # a token fed from the device whose value the host has not read yet (`forward_fed`)
 
 

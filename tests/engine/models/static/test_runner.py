@@ -169,6 +169,28 @@ def test_bf16_weights_with_fp32_activations_make_bf16_products_and_keep_the_rest
 
 
 @pytest.mark.skipif(not X86, reason="specserve's CPU operators are x86 code")
+def test_an_fp32_verify_of_every_width_scores_each_position_with_a_decode_steps_bits():
+    """A verify pass (a chain of K drafts, or a token tree's nodes: up to the runner's widest step) runs its fp32
+    products on the kernel a decode step runs, so greedy speculation emits plain decoding's tokens bit for bit, near
+    ties included (past 8 positions they had taken MKL's product, whose sums differ in the last bits)."""
+    from engine.models.static import runner as runner_module
+    from engine.models.static.forward import STEP_MAX_WIDTH
+
+    assert STEP_MAX_WIDTH == runner_module.MAX_WIDTH
+    model = make_tiny_model("llama", seed=2)
+    prompt, tokens = [5, 9, 14, 3, 22, 8, 17, 30], [(7 * t + 11) % 60 + 2 for t in range(STEP_MAX_WIDTH)]
+    runner = StaticRunner(model, budget=SLOTS, compile=False, prefill_chunk=32)
+    runner.add("decoded")
+    runner.forward(["decoded"], [prompt], [1])
+    decoded = [runner.forward(["decoded"], [[t]], [1])[0, -1].clone() for t in tokens]
+    for width in (4, 9, STEP_MAX_WIDTH):
+        runner.add(f"verified{width}")
+        runner.forward([f"verified{width}"], [prompt], [1])
+        verified = runner.forward([f"verified{width}"], [tokens[:width]], [width])[0]
+        assert all(torch.equal(verified[i], decoded[i]) for i in range(width)), width
+
+
+@pytest.mark.skipif(not X86, reason="specserve's CPU operators are x86 code")
 @pytest.mark.parametrize("product", ["vdpbf16ps", "amx"])
 def test_a_bf16_rows_step_is_the_same_bits_in_any_batch(product, monkeypatch):
     """Steps of every width and batch, and prompt chunks, run their products on a batch-invariant kernel (either one
