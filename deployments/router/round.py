@@ -105,6 +105,21 @@ def ended(out: RequestOutput | RequestFailed) -> bool:
     return isinstance(out, RequestFailed) or out.finished
 
 
+def verify_observations(draft: DraftLease | None, target, calls: list[VerifyCall], drafts: list[list[int]],
+                        ks: list[int], verified: VerifyResult, in_target: bool) -> list[CostObservation]:
+    """What a verify call tells the costs: its pass, unless a step decoded ahead answered it (that ran in another
+    round's batch); and, from a target that drafts for itself, the part of the call it spent drafting the next
+    round, a draft observation apart from the verify's."""
+    seen = [] if verified.ahead_rows else [
+        CostObservation(draft, target, "verify", calls, max(len(d) for d in drafts),
+                        verified.seconds - verified.target_draft_seconds)]
+    drafting = [b for b, k in enumerate(ks) if k > 0]
+    if in_target and drafting and verified.target_draft_seconds > 0:
+        seen.append(CostObservation(None, target, "draft", [calls[b] for b in drafting], max(ks),
+                                    verified.target_draft_seconds))
+    return seen
+
+
 class GroupRound:
     """Runs rounds for groups of live requests that share a Target replica (the scheduler's round loop runs one per
     group at once)."""
@@ -209,16 +224,8 @@ class GroupRound:
         for b, held in verified.target_drafts.items():  # the target's own drafts this round verified
             drafts.tokens[b] = held
         t2 = time.perf_counter()
-        # a step decoded ahead ran in another round's batch; a target that drafts for itself spent part of the call
-        # drafting the next round: that part is a draft observation, the rest the verify's
-        verify_seen = [] if verified.ahead_rows else [
-            CostObservation(self.group_draft(rows), target, "verify", calls, max(len(d) for d in drafts.tokens),
-                            verified.seconds - verified.target_draft_seconds)]
-        drafting = [b for b, k in enumerate(ks) if k > 0]
-        if self.in_target and drafting and verified.target_draft_seconds > 0:
-            verify_seen.append(CostObservation(None, target, "draft", [calls[b] for b in drafting],
-                                               max(ks), verified.target_draft_seconds))
-        for seen in drafts.costs + verify_seen:
+        for seen in drafts.costs + verify_observations(self.group_draft(rows), target, calls, drafts.tokens, ks,
+                                                       verified, self.in_target):
             self.costs.observe(seen)
         outputs, accepted = self._accept(rows, drafts, verified)
         await self._deliver(rows, outputs)

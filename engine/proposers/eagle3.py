@@ -94,8 +94,8 @@ class Eagle3Drafter:
         groups = [short] if short else []
         groups += [[b] for b in range(len(rows)) if b not in short]
         for group in groups:  # the head over every position the target computed since each row's last draft
-            out = self._step([slots[b] for b in group], [catch_up[b][0] for b in group],
-                             [catch_up[b][1] for b in group], [catch_up[b][2] for b in group], fused=True)
+            out = self._catch_up([slots[b] for b in group], [catch_up[b][0] for b in group],
+                                 [catch_up[b][1] for b in group], [catch_up[b][2] for b in group])
             state[group] = torch.stack([out[i, len(catch_up[b][0]) - 1] for i, b in enumerate(group)])
         drafts: list[list[int] | DraftTree] = [[] for _ in rows]
         for b, row in enumerate(rows):  # tree rows: EAGLE-2's expansion, each on its own
@@ -140,14 +140,12 @@ class Eagle3Drafter:
                   ids: torch.Tensor,  # [C] the token at it (the last pick)
                   carried: torch.Tensor,  # [C, H] the state the step reads (the last step's, carried)
                   kv_len: int) -> torch.Tensor:  # -> [C, H], the layer's output
-        """One head step of every chain row, one position each, from device tensors (`_step` for host lists)."""
+        """One head step of every chain row, one position each, from device tensors."""
         self.steps += 1
         q, k, v, residual = self._project(ids[:, None], carried[:, None], pos[:, None], fused=False)
         self.k_cache[slot, :, pos] = k[:, :, 0]
         self.v_cache[slot, :, pos] = v[:, :, 0]
-        keys, values = self.k_cache[slot, :, :kv_len], self.v_cache[slot, :, :kv_len]  # [C, KVH, L, D]
-        mask = torch.arange(kv_len, device=self.device)[None, None, None, :] <= pos[:, None, None, None]
-        return self._finish(attend(q, keys, values, mask), residual)[:, 0]
+        return self._attend_cached(q, residual, slot, pos[:, None], kv_len)[:, 0]
 
     def _catch_up_inputs(self, runner, row: DraftFrom) -> tuple[list[int], list[int], torch.Tensor] | None:
         """The positions p the target computed since the row's last draft (at most its committed tokens but the
@@ -169,9 +167,9 @@ class Eagle3Drafter:
         values, ids = probs.topk(min(TOP_CANDIDATES, probs.shape[-1]), dim=-1)
         return [list(zip(m, v)) for m, v in zip(self.head.draft_to_target(ids).tolist(), values.tolist())]
 
-    def _step(self, slots: list[int], positions: list[list[int]], tokens: list[list[int]],
-              hidden: list[torch.Tensor], fused: bool) -> torch.Tensor:  # -> [R, W, H], the layer's output
-        """The head's layer over rows (slot, positions, tokens at them, their states [n, A] if `fused` else [n, H]),
+    def _catch_up(self, slots: list[int], positions: list[list[int]], tokens: list[list[int]],
+                  hidden: list[torch.Tensor]) -> torch.Tensor:  # -> [R, W, H], the layer's output
+        """The head's layer over rows (slot, positions, tokens at them, the target's aux states there [n, A]),
         padded to the longest: writes each real position's keys and values into the row's slot, then attends over
         the row's keys up to each query's position."""
         self.steps += 1
@@ -186,14 +184,21 @@ class Eagle3Drafter:
         states = torch.zeros(rows, width, hidden[0].shape[-1], dtype=self.dtype, device=device)
         for r, h in enumerate(hidden):
             states[r, :len(h)] = h
-        q, k, v, residual = self._project(ids, states, pos, fused)
+        q, k, v, residual = self._project(ids, states, pos, fused=True)
         slot = torch.tensor(slots, device=device)
         r_idx, w_idx = real.nonzero(as_tuple=True)
         self.k_cache[slot[r_idx], :, pos[r_idx, w_idx]] = k[r_idx, :, w_idx]
         self.v_cache[slot[r_idx], :, pos[r_idx, w_idx]] = v[r_idx, :, w_idx]
-        kv_len = int(max(max(p) for p in positions)) + 1
+        return self._attend_cached(q, residual, slot, pos, int(max(max(p) for p in positions)) + 1)
+
+    def _attend_cached(self, q: torch.Tensor,  # [R, h, W, D]
+                       residual: torch.Tensor,  # [R, W, H]
+                       slot: torch.Tensor,  # [R] the rows' cache slots
+                       pos: torch.Tensor,  # [R, W] each query's position
+                       kv_len: int) -> torch.Tensor:  # -> [R, W, H], the layer's output
+        """Attention over each row's cached keys up to each query's position, then the layer's output side."""
         keys, values = self.k_cache[slot, :, :kv_len], self.v_cache[slot, :, :kv_len]  # [R, KVH, L, D]
-        mask = torch.arange(kv_len, device=device)[None, None, None, :] <= pos[:, None, :, None]  # [R, 1, W, L]
+        mask = torch.arange(kv_len, device=self.device)[None, None, None, :] <= pos[:, None, :, None]  # [R,1,W,L]
         return self._finish(attend(q, keys, values, mask), residual)
 
     def _project(self, ids: torch.Tensor,  # [R, W] token ids

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -165,11 +165,12 @@ def loss_of(pairs, decay: float) -> torch.Tensor:
 
 @torch.no_grad()
 def held_out_report(head, embed, data, settings: Eagle3Settings, vocab, vocab_size: int, k: int = 4) -> dict:
-    """Each step's top-1 accuracy and the mean accepted length of a k-draft greedy chain over held-out answers."""
+    """Each step's top-1 accuracy and the mean accepted length of a k-draft greedy chain over held-out answers
+    (sequences without final states: the labels are the answer tokens)."""
     steps = max(settings.ttt_steps, k)
     right, counted, runs, rounds = torch.zeros(steps), torch.zeros(steps), 0.0, 0
     for item in data:
-        pairs = step_losses(head, embed, batch_of([replace(item, finals=None)], steps, vocab, vocab_size), steps)
+        pairs = step_losses(head, embed, batch_of([item], steps, vocab, vocab_size), steps)
         correct = torch.stack([(lg.argmax(-1) == lb) for lg, lb, _ in pairs])[:, 0]  # [steps, T]
         valid = torch.stack([lb != -100 for _, lb, _ in pairs])[:, 0]
         right += (correct & valid).sum(1).float()

@@ -23,10 +23,7 @@ def early_exit_step(runner: StaticRunner, seq_ids: Sequence[str], tokens: Sequen
     position, and nothing is recorded, so the sequence's cached tokens stay as they were; the verify pass that
     follows rewrites those positions through every layer (engine/proposers/early_exit.py). Every row's start must
     be at or past its cached tokens."""
-    states = [runner._seqs[s] for s in seq_ids]
-    for state, start in zip(states, starts):
-        if not len(state.tokens) <= start < runner.max_model_len:
-            raise ValueError(f"early exit at position {start} of a sequence of {len(state.tokens)} cached tokens")
+    states = _exit_states(runner, seq_ids, starts)
     if runner.graphs is not None:
         rows = bucket(len(states), runner.batch_buckets)
         out = runner.graphs.step([s.slot for s in states], list(starts), [[t] for t in tokens], rows, 1,
@@ -51,10 +48,16 @@ def early_exit_step_fed(runner: StaticRunner, seq_ids: Sequence[str],
     """`early_exit_step` on the CUDA-graph path with the tokens on the device: copied into the step's staging buffer
     in the stream's order (GraphSteps.step_fed), so the host queues the step without reading the last step's pick.
     Its output is the graph's buffer, valid until the next step."""
+    states = _exit_states(runner, seq_ids, starts)
+    rows = bucket(len(states), runner.batch_buckets)
+    out = runner.graphs.step_fed([s.slot for s in states], list(starts), tokens, rows, layers=num_layers)
+    return out[: len(states), 0]
+
+
+def _exit_states(runner: StaticRunner, seq_ids: Sequence[str], starts: Sequence[int]) -> list:
+    """The rows' sequence states, each start checked to be at or past its cached tokens and inside the window."""
     states = [runner._seqs[s] for s in seq_ids]
     for state, start in zip(states, starts):
         if not len(state.tokens) <= start < runner.max_model_len:
             raise ValueError(f"early exit at position {start} of a sequence of {len(state.tokens)} cached tokens")
-    rows = bucket(len(states), runner.batch_buckets)
-    out = runner.graphs.step_fed([s.slot for s in states], list(starts), tokens, rows, layers=num_layers)
-    return out[: len(states), 0]
+    return states
